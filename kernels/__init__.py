@@ -1,0 +1,1 @@
+"""Triton kernels (GPU fast path). Installed as specbatch.kernels; never a top-level `kernels`."""

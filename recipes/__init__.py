@@ -1,0 +1,1 @@
+"""Built-in recipe presets (YAML), installed as package data of specbatch.recipes."""

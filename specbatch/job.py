@@ -1,0 +1,124 @@
+"""A whole batch job: input file -> engine -> resumable output file, with run statistics."""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .data import OutputWriter, open_rows
+from .engine import Engine, EngineOptions
+from .recipe import Recipe
+from .stats import RunStats
+
+DEMO_DIR = Path(__file__).parent / "assets" / "demo"
+
+
+class JobError(Exception):
+    """A job that must stop with a non-zero exit; the message is one actionable line."""
+
+
+@dataclass
+class JobOptions:
+    output: str | None = None            # default: next to the input, <stem>.completions.parquet
+    limit: int | None = None             # only the first N input rows
+    prompt_column: str = "prompt"
+    id_column: str | None = None
+    keep_columns: Sequence[str] = ()
+    save_token_ids: bool = False
+    fail_fast: bool = False
+    overwrite: bool = False
+    device: str | None = None
+    bucket_window: int = 0
+
+
+def resolve_model(name: str) -> Path:
+    """A model directory, or `default`: the demo model shipped inside the package."""
+    if name == "default":
+        path = DEMO_DIR / "target"
+        if not (path / "config.json").is_file():
+            raise JobError(f"the embedded demo model is missing from {path} (reinstall specbatch)")
+        return path
+    return Path(name).expanduser()
+
+
+def default_output(input_path: str) -> str:
+    if input_path == "-":
+        return "completions.parquet"
+    p = Path(input_path)
+    return str(p.with_name(p.name.rsplit(".", 1)[0] + ".completions.parquet"))
+
+
+def fingerprint(input_path: str, recipe: Recipe, model: Path, opts: JobOptions) -> dict[str, Any]:
+    """What must match for a rerun to resume an earlier one's output (batch size, device and
+    --limit may change between runs; anything that changes the rows' content may not)."""
+    r = recipe.to_dict()
+    return {
+        "input": input_path if input_path == "-" else os.path.abspath(input_path),
+        "recipe": r["name"], "algorithm": r["algorithm"], "num_steps": r["num_steps"],
+        "topk": r["topk"], "num_draft_tokens": r["num_draft_tokens"],
+        "model": str(model.resolve()), "draft": r["draft"], "dtype": r["dtype"],
+        "max_model_len": r["max_model_len"], "sampling": r["sampling"],
+        "prompt_column": opts.prompt_column, "id_column": opts.id_column,
+        "keep_columns": list(opts.keep_columns), "save_token_ids": opts.save_token_ids,
+    }
+
+
+Progress = Callable[[str, dict[str, Any]], None]
+
+
+def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
+            progress: Progress | None = None) -> dict[str, Any]:
+    """Run `recipe` over every row of `input_path`; returns the run summary.
+
+    `progress(event, info)` is called with "start" (total, resumed, engine facts) and then
+    "record" (the record, the engine's emitted-token count) for every finished row.
+    """
+    opts = opts or JobOptions()
+    notify = progress or (lambda event, info: None)
+    if recipe.algorithm != "vanilla":
+        raise JobError(f"{recipe.source}: algorithm {recipe.algorithm!r} is not available in this "
+                       "version yet (available: vanilla)")
+    model_dir = resolve_model(recipe.model)
+    source = open_rows(input_path, prompt_column=opts.prompt_column, id_column=opts.id_column,
+                       keep_columns=opts.keep_columns)
+    output = opts.output or default_output(input_path)
+    writer = OutputWriter(output, fingerprint=fingerprint(input_path, recipe, model_dir, opts),
+                          save_token_ids=opts.save_token_ids, keep_columns=opts.keep_columns,
+                          overwrite=opts.overwrite)
+    stats = RunStats()
+    if writer.complete:
+        return stats.summary(output=output, complete_before=True, resumed=len(writer.done_rows))
+
+    engine = Engine(model_dir, EngineOptions(
+        batch_size=recipe.batch_size, max_model_len=recipe.max_model_len, dtype=recipe.dtype,
+        device=opts.device, bucket_window=opts.bucket_window))
+    rows = iter(source)
+    if opts.limit is not None:
+        rows = itertools.takewhile(lambda r: r.row < opts.limit, rows)
+    done = writer.done_rows
+    todo = (r for r in rows if r.row not in done)
+    total = source.total
+    if total is not None and opts.limit is not None:
+        total = min(total, opts.limit)
+    resumed = len(done) if opts.limit is None else sum(1 for r in done if r < opts.limit)
+    notify("start", {"total": None if total is None else total - resumed, "resumed": resumed,
+                     "device": str(engine.device), "max_model_len": engine.max_len,
+                     "model": str(model_dir)})
+    try:
+        for rec in engine.generate(todo, recipe.sampling):
+            if opts.fail_fast and rec["error"]:
+                raise JobError(rec["error"])
+            if not opts.save_token_ids:
+                rec.pop("output_token_ids", None)
+            writer.add(rec)
+            stats.add(rec)
+            notify("record", {"record": rec, "tokens": engine.tokens_emitted})
+    except BaseException:
+        writer.commit()      # what finished is kept; a rerun resumes after it
+        raise
+    rows_written = writer.finalize()
+    return stats.summary(engine.device, output=output, rows_in_output=rows_written, resumed=resumed,
+                         device=str(engine.device), max_model_len=engine.max_len,
+                         recipe=recipe.name, model=str(model_dir))

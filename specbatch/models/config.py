@@ -1,0 +1,146 @@
+"""Decoder configuration parsed from a Hugging Face `config.json` (Llama / Qwen2 / Qwen3 / Mistral)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelError(Exception):
+    """A model directory that cannot be used (missing files, unsupported architecture, bad weights)."""
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None          # {"rope_type": ..., factor, ...}; None = plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool                      # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None
+    torch_dtype: str | None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "config.json") -> "DecoderConfig":
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelError(
+                f"{where}: unsupported architecture {arch!r} "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelError(f"{where}: hidden_act {act!r} is not supported (expected 'silu')")
+        hidden = _req(d, "hidden_size", where)
+        heads = _req(d, "num_attention_heads", where)
+        head_dim = d.get("head_dim") or hidden // heads
+        rope_theta, scaling = _rope(d, where)
+        qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(d.get("attention_bias", False))
+        window = d.get("sliding_window") if arch == "MistralForCausalLM" else None
+        if arch.startswith("Qwen") and d.get("use_sliding_window", False):
+            raise ModelError(f"{where}: use_sliding_window is not supported for {arch}")
+        return cls(
+            architecture=arch,
+            vocab_size=_req(d, "vocab_size", where),
+            hidden_size=hidden,
+            intermediate_size=_req(d, "intermediate_size", where),
+            num_layers=_req(d, "num_hidden_layers", where),
+            num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=qwen2 or attention_bias,
+            o_bias=attention_bias and not qwen2,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=int(window) if window else None,
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            eos_token_ids=_ids(d.get("eos_token_id")),
+        )
+
+
+def load_config(model_dir: str | Path) -> tuple[DecoderConfig, dict]:
+    """Parse `config.json`; also return the raw dict (drafters read extra keys from it)."""
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ModelError(f"{model_dir}: model directory not found")
+    if not path.is_file():
+        raise ModelError(
+            f"{model_dir}: no config.json (expected a Hugging Face model directory with "
+            "config.json and *.safetensors)"
+        )
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path}: not valid JSON ({e})") from None
+    return DecoderConfig.from_dict(raw, str(path)), raw
+
+
+def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """All EOS ids from generation_config.json (int or list), empty when absent."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        return _ids(json.loads(path.read_text()).get("eos_token_id"))
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path}: not valid JSON ({e})") from None
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _req(d: dict, key: str, where: str) -> Any:
+    if key not in d or d[key] is None:
+        raise ModelError(f"{where}: missing required key {key!r}")
+    return d[key]
+
+
+def _rope(d: dict, where: str) -> tuple[float, dict | None]:
+    # transformers < 5 writes rope_theta + rope_scaling; >= 5 writes rope_parameters (theta inside).
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelError(
+            f"{where}: rope type {rope_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if rope_type == "default":
+        return theta, None
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    scaling["rope_type"] = rope_type
+    return theta, scaling

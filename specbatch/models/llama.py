@@ -1,0 +1,154 @@
+"""The dense Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) with Hugging Face parameter names.
+
+Module names mirror transformers' so a checkpoint loads by a plain name loop. Activations are
+[B, T, ...]: B sequences, T new tokens each. The model knows nothing of speculation or graphs:
+it reads token ids, an AttnMetadata and the per-layer KV caches.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .attention import AttnMetadata, attend, write_kv
+from .config import DecoderConfig
+
+KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    if s["rope_type"] == "linear":
+        return inv / float(s["factor"])
+    # llama3: long wavelengths slowed by `factor`, short kept, a smooth blend between.
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """positions [B, T] -> cos, sin [B, T, 1, D] (float32 math, cast like transformers)."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.scale = d ** -0.5
+
+    def forward(self, x, cos, sin, meta: AttnMetadata, k_cache, v_cache):
+        B, T, _ = x.shape
+        d = self.cfg.head_dim
+        q = self.q_proj(x).view(B, T, -1, d)
+        k = self.k_proj(x).view(B, T, -1, d)
+        v = self.v_proj(x).view(B, T, -1, d)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        write_kv(k_cache, v_cache, k, v, meta)
+        out = attend(q, k_cache, v_cache, meta, self.scale, self.cfg.sliding_window)
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, meta, k_cache, v_cache):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """`model.*` + `lm_head` exactly as in the HF checkpoint."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, kv: KVLayers,
+                capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids [B, T] -> (final-normed hidden [B, T, H], outputs of the `capture` layers).
+
+        A captured state is the residual stream after layer i (before the final norm), in the
+        order `capture` lists them: what EAGLE3 heads (three layers) and MTP layers consume.
+        """
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, meta.positions, h.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, meta, *kv[i])
+            if i in capture:
+                captured[i] = h
+        return self.model.norm(h), [captured[i] for i in capture]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> float32 [..., V]."""
+        return self.lm_head(hidden).float()

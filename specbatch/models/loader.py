@@ -1,0 +1,108 @@
+"""Load HF checkpoints (config.json + *.safetensors, single file or sharded) straight into our modules."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .config import DecoderConfig, ModelError, load_config
+from .llama import CausalLM, rope_inv_freq
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CONFIG_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                  "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def resolve_dtype(name: str, cfg: DecoderConfig, device: torch.device) -> torch.dtype:
+    """`auto`: the checkpoint's dtype on a GPU, float32 on the CPU (bf16 matmuls there are slow)."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ModelError(f"dtype {name!r} is not supported (expected auto, {', '.join(DTYPES)})")
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return DTYPES[_CONFIG_DTYPES.get(str(cfg.torch_dtype), "bfloat16")]
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelError(f"{index}: not a valid safetensors index ({e})") from None
+        missing = [f for f in files if not (d / f).is_file()]
+        if missing:
+            raise ModelError(f"{index}: shard {missing[0]} is missing from {d}")
+        return [d / f for f in files]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{d}: no *.safetensors weights (expected model.safetensors or a sharded index)")
+    return files
+
+
+def iter_tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ModelError(f"{path}: cannot read safetensors ({e})") from None
+
+
+def load_weights(module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], where: str,
+                 optional: tuple[str, ...] = ()) -> list[str]:
+    """Copy tensors into `module` by name. Returns names the module has no parameter for.
+
+    Every parameter must be filled except those in `optional`; shape mismatches are errors.
+    """
+    params = dict(module.named_parameters())
+    filled, extra = set(), []
+    for name, t in tensors:
+        p = params.get(name)
+        if p is None:
+            extra.append(name)
+            continue
+        if tuple(p.shape) != tuple(t.shape):
+            raise ModelError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(t)
+        filled.add(name)
+    missing = [n for n in params if n not in filled and n not in optional]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelError(f"{where}: missing weights {', '.join(missing[:3])}{more}")
+    return extra
+
+
+def load_target(model_dir: str | Path, dtype: str = "auto",
+                device: str | torch.device = "cpu") -> tuple[CausalLM, dict]:
+    """Build the decoder from `model_dir` on `device`; returns (model in eval mode, raw config dict)."""
+    device = torch.device(device)
+    cfg, raw = load_config(model_dir)
+    files = safetensors_files(model_dir)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device).to(torch_dtype)
+    model.inv_freq = rope_inv_freq(cfg).to(device)       # float32 even when weights are not
+    tie = not any("lm_head.weight" in _keys(f) for f in files)
+    if tie:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, iter_tensors(files, device), str(model_dir),
+                 optional=("lm_head.weight",) if tie else ())
+    return model.eval().requires_grad_(False), raw
+
+
+def _keys(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelError(f"{path}: cannot read safetensors ({e})") from None

@@ -1,0 +1,374 @@
+"""Recipes: YAML presets for a draft algorithm plus run defaults (schema: recipes/schema.md)."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+ALGORITHMS = ("vanilla", "eagle3", "nextn_mtp", "naive_2token")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPEC_PARAMS = ("num_steps", "topk", "num_draft_tokens")
+BUILTIN_PREFIX = "<builtin>"
+
+
+class RecipeError(Exception):
+    """A recipe cannot be found, parsed or validated; the message is one line naming file and key."""
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    algorithm: str
+    num_steps: int | None
+    topk: int | None
+    num_draft_tokens: int | None
+    model: str
+    draft: str | None
+    dtype: str
+    batch_size: int
+    max_model_len: int | None
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    source: str = "<memory>"
+
+    def with_overrides(self, **kw: Any) -> Recipe:
+        """Return a copy with top-level or sampling fields replaced; None values are ignored.
+
+        Overriding `algorithm` with a different value drops the old algorithm's
+        num_steps/topk/num_draft_tokens unless they are overridden too.
+        """
+        data = self.to_dict()
+        sampling = dict(data["sampling"])
+        label = f"{self.source} (overrides)"
+        kw = {k: v for k, v in kw.items() if v is not None}
+        if "algorithm" in kw and kw["algorithm"] != self.algorithm:
+            for key in SPEC_PARAMS:
+                data[key] = None
+        for key, value in kw.items():
+            if key == "sampling":
+                if not isinstance(value, (dict, SamplingDefaults)):
+                    _fail(label, key, f"expected a mapping, got {_describe(value)}")
+                items = _sampling_to_dict(value) if isinstance(value, SamplingDefaults) else value
+                sampling.update(items)
+            elif key in _TOP_KEYS:
+                data[key] = value
+            elif key in _SAMPLING_KEYS:
+                sampling[key] = value
+            else:
+                _unknown_key(label, key, _TOP_KEYS + _SAMPLING_KEYS)
+        data["sampling"] = sampling
+        return replace(parse_recipe(data, label), source=self.source)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict in the schema's shape (lists, not tuples), without `source`."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "algorithm": self.algorithm,
+            "num_steps": self.num_steps,
+            "topk": self.topk,
+            "num_draft_tokens": self.num_draft_tokens,
+            "model": self.model,
+            "draft": self.draft,
+            "dtype": self.dtype,
+            "batch_size": self.batch_size,
+            "max_model_len": self.max_model_len,
+            "sampling": _sampling_to_dict(self.sampling),
+        }
+
+
+_TOP_KEYS = tuple(f.name for f in fields(Recipe) if f.name != "source")
+_SAMPLING_KEYS = tuple(f.name for f in fields(SamplingDefaults))
+
+
+def _sampling_to_dict(s: SamplingDefaults) -> dict[str, Any]:
+    return {
+        "max_tokens": s.max_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "seed": s.seed,
+        "stop": list(s.stop),
+        "stop_token_ids": list(s.stop_token_ids),
+        "ignore_eos": s.ignore_eos,
+    }
+
+
+# ---------------------------------------------------------------------------
+# errors and type checks
+
+
+def _fail(source: str, key: str, message: str) -> None:
+    raise RecipeError(f"{source}: {key}: {message}")
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _unknown_key(source: str, key: Any, known: tuple[str, ...], prefix: str = "") -> None:
+    hint = ""
+    if isinstance(key, str):
+        close = difflib.get_close_matches(key, known, n=1)
+        if not close:
+            lowered = {k.lower(): k for k in known}
+            close = [lowered[key.lower()]] if key.lower() in lowered else []
+        if close:
+            hint = f"; did you mean '{prefix}{close[0]}'?"
+    raise RecipeError(f"{source}: unknown key '{prefix}{key}' (known: {', '.join(known)}){hint}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(source: str, key: str, v: Any, *, minimum: int | None = None, nullable: bool = False) -> int | None:
+    if v is None and nullable:
+        return None
+    if not _is_int(v):
+        _fail(source, key, f"expected an integer{' or null' if nullable else ''}, got {_describe(v)}")
+    if minimum is not None and v < minimum:
+        _fail(source, key, f"expected an integer >= {minimum}{' or null' if nullable else ''}, got {v}")
+    return v
+
+
+def _float(source: str, key: str, v: Any) -> float:
+    if not (_is_int(v) or isinstance(v, float)):
+        _fail(source, key, f"expected a number, got {_describe(v)}")
+    return float(v)
+
+
+def _str(source: str, key: str, v: Any, *, nullable: bool = False) -> str | None:
+    if v is None and nullable:
+        return None
+    if not isinstance(v, str):
+        _fail(source, key, f"expected a string{' or null' if nullable else ''}, got {_describe(v)}")
+    return v
+
+
+def _choice(source: str, key: str, v: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(v, str) or v not in choices:
+        _fail(source, key, f"expected one of {', '.join(choices)}, got {_describe(v)}")
+    return v
+
+
+def _str_list(source: str, key: str, v: Any) -> tuple[str, ...]:
+    if isinstance(v, str):
+        v = [v]
+    if v is None:
+        return ()
+    if not isinstance(v, (list, tuple)):
+        _fail(source, key, f"expected a string or a list of strings, got {_describe(v)}")
+    for i, item in enumerate(v):
+        if not isinstance(item, str) or not item:
+            _fail(source, f"{key}[{i}]", f"expected a non-empty string, got {_describe(item)}")
+    return tuple(v)
+
+
+def _int_list(source: str, key: str, v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, (list, tuple)):
+        _fail(source, key, f"expected a list of integers, got {_describe(v)}")
+    for i, item in enumerate(v):
+        _int(source, f"{key}[{i}]", item, minimum=0)
+    return tuple(v)
+
+
+# ---------------------------------------------------------------------------
+# parsing
+
+
+def _parse_sampling(data: Any, source: str) -> SamplingDefaults:
+    if data is None:
+        return SamplingDefaults()
+    if not isinstance(data, dict):
+        _fail(source, "sampling", f"expected a mapping, got {_describe(data)}")
+    for key in data:
+        if key not in _SAMPLING_KEYS:
+            _unknown_key(source, key, _SAMPLING_KEYS, prefix="sampling.")
+    d = SamplingDefaults()
+    get: Callable[[str], Any] = lambda k: data.get(k, getattr(d, k))  # noqa: E731
+    top_p = _float(source, "sampling.top_p", get("top_p"))
+    if not 0.0 < top_p <= 1.0:
+        _fail(source, "sampling.top_p", f"expected 0 < top_p <= 1, got {top_p}")
+    temperature = _float(source, "sampling.temperature", get("temperature"))
+    if temperature < 0.0:
+        _fail(source, "sampling.temperature", f"expected a number >= 0 (0 = greedy), got {temperature}")
+    ignore_eos = get("ignore_eos")
+    if not isinstance(ignore_eos, bool):
+        _fail(source, "sampling.ignore_eos", f"expected true or false, got {_describe(ignore_eos)}")
+    return SamplingDefaults(
+        max_tokens=_int(source, "sampling.max_tokens", get("max_tokens"), minimum=1),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=_int(source, "sampling.top_k", get("top_k"), minimum=0),
+        seed=_int(source, "sampling.seed", get("seed"), minimum=0, nullable=True),
+        stop=_str_list(source, "sampling.stop", get("stop")),
+        stop_token_ids=_int_list(source, "sampling.stop_token_ids", get("stop_token_ids")),
+        ignore_eos=ignore_eos,
+    )
+
+
+def _check_algorithm_params(
+    source: str, algorithm: str, s: int | None, k: int | None, n: int | None
+) -> tuple[int | None, int | None, int | None]:
+    given = {key: v for key, v in zip(SPEC_PARAMS, (s, k, n)) if v is not None}
+    if algorithm == "vanilla":
+        if given:
+            key = next(iter(given))
+            _fail(source, key, "algorithm vanilla takes none of num_steps, topk, num_draft_tokens; set them to null or drop them")
+        return None, None, None
+    if algorithm == "naive_2token":
+        fixed = {"num_steps": 1, "topk": 1, "num_draft_tokens": 2}
+        for key, v in given.items():
+            if not _is_int(v) or v != fixed[key]:
+                _fail(source, key, f"naive_2token is fixed at num_steps 1, topk 1, num_draft_tokens 2; got {_describe(v)}")
+        return 1, 1, 2
+    for key, v in zip(SPEC_PARAMS, (s, k, n)):
+        if v is None:
+            _fail(source, key, f"algorithm {algorithm} needs num_steps, topk and num_draft_tokens; {key} is missing")
+    s = _int(source, "num_steps", s, minimum=1)
+    k = _int(source, "topk", k, minimum=1)
+    n = _int(source, "num_draft_tokens", n, minimum=2)
+    if k == 1 and n != s + 1:
+        _fail(source, "num_draft_tokens", f"topk 1 (a chain) needs num_draft_tokens = num_steps + 1 = {s + 1}, got {n}")
+    if k > 1:
+        most = 1 + k + (s - 1) * k * k
+        if n > most:
+            _fail(
+                source,
+                "num_draft_tokens",
+                f"topk {k} over num_steps {s} yields at most {most - 1} draft tokens, "
+                f"so num_draft_tokens (incl. the root) must be <= {most}, got {n}",
+            )
+    return s, k, n
+
+
+def parse_recipe(data: dict, source: str) -> Recipe:
+    """Validate a mapping in the schema's shape; `source` names the file in errors."""
+    if not isinstance(data, dict):
+        got = "an empty document" if data is None else _describe(data)
+        raise RecipeError(f"{source}: the top level must be a mapping of keys to values, got {got}")
+    for key in data:
+        if key not in _TOP_KEYS:
+            _unknown_key(source, key, _TOP_KEYS)
+    if data.get("algorithm") is None:
+        _fail(source, "algorithm", f"missing (expected one of {', '.join(ALGORITHMS)})")
+    algorithm = _choice(source, "algorithm", data["algorithm"], ALGORITHMS)
+    s, k, n = _check_algorithm_params(
+        source, algorithm, data.get("num_steps"), data.get("topk"), data.get("num_draft_tokens")
+    )
+    name = data.get("name")
+    if name is None:
+        name = Path(source).stem
+    name = _str(source, "name", name)
+    if not name:
+        _fail(source, "name", "expected a non-empty string")
+    description = data.get("description")
+    description = "" if description is None else _str(source, "description", description)
+    model = _str(source, "model", data.get("model", "default"))
+    if not model:
+        _fail(source, "model", 'expected a model directory or "default", got an empty string')
+    return Recipe(
+        name=name,
+        description=description,
+        algorithm=algorithm,
+        num_steps=s,
+        topk=k,
+        num_draft_tokens=n,
+        model=model,
+        draft=_str(source, "draft", data.get("draft"), nullable=True),
+        dtype=_choice(source, "dtype", data.get("dtype", "auto"), DTYPES),
+        batch_size=_int(source, "batch_size", data.get("batch_size", 64), minimum=1),
+        max_model_len=_int(source, "max_model_len", data.get("max_model_len"), minimum=1, nullable=True),
+        sampling=_parse_sampling(data.get("sampling"), source),
+        source=source,
+    )
+
+
+# ---------------------------------------------------------------------------
+# loading
+
+
+def _builtin_files() -> dict[str, Any]:
+    """name -> Traversable (or Path) of every builtin recipe yaml."""
+    try:
+        from importlib.resources import files
+
+        root: Any = files("specbatch.recipes")
+    except (ImportError, TypeError):
+        root = Path(__file__).resolve().parent.parent / "recipes"
+    if not root.is_dir():
+        return {}
+    out = {}
+    for entry in root.iterdir():
+        if entry.is_file() and entry.name.endswith((".yaml", ".yml")):
+            out[entry.name.rsplit(".", 1)[0]] = entry
+    return out
+
+
+def builtin_recipes() -> list[str]:
+    """Sorted names of the recipes shipped in recipes/*.yaml."""
+    return sorted(_builtin_files())
+
+
+def _load_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        problem = re.sub(r"\s+", " ", str(problem)).strip()
+        raise RecipeError(f"{source}: invalid YAML{where}: {problem}") from None
+
+
+def load_recipe(name_or_path: str) -> Recipe:
+    """Load a builtin recipe by name, or a recipe from a .yaml/.yml path."""
+    text_arg = str(name_or_path)
+    path = Path(text_arg).expanduser()
+    looks_like_path = text_arg.endswith((".yaml", ".yml")) or "/" in text_arg or "\\" in text_arg
+    if looks_like_path or path.is_file():
+        if not path.is_file():
+            raise RecipeError(f"{text_arg}: recipe file not found")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RecipeError(f"{text_arg}: cannot read recipe file ({exc})") from None
+        source = text_arg
+    else:
+        builtins = _builtin_files()
+        if text_arg not in builtins:
+            close = difflib.get_close_matches(text_arg, list(builtins), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise RecipeError(
+                f"unknown recipe '{text_arg}' (builtin: {', '.join(sorted(builtins)) or 'none'}; "
+                f"or give a path to a .yaml file){hint}"
+            )
+        entry = builtins[text_arg]
+        text = entry.read_text(encoding="utf-8")
+        source = f"{BUILTIN_PREFIX}/{entry.name}"
+    return parse_recipe(_load_yaml(text, source), source)

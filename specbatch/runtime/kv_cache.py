@@ -1,0 +1,62 @@
+"""The static slot KV cache: one row of `max_len` positions per slot, plus a dummy slot for pad rows."""
+from __future__ import annotations
+
+import torch
+
+from ..models.config import DecoderConfig, ModelError
+
+GiB = 1 << 30
+
+
+class KVCache:
+    def __init__(self, cfg: DecoderConfig, num_slots: int, rows: int, dtype: torch.dtype,
+                 device: torch.device):
+        shape = (num_slots + 1, rows, cfg.num_kv_heads, cfg.head_dim)
+        # Zeroed, never empty: a NaN bit pattern in a masked row would still poison softmax @ V.
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+        self.num_slots = num_slots
+        self.dummy_slot = num_slots
+        self.rows = rows
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+
+
+def bytes_per_row(cfg: DecoderConfig, dtype: torch.dtype) -> int:
+    """K and V bytes of one cache position in one slot, all layers."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def memory_budget(device: torch.device, reserve: int) -> int:
+    """Bytes the cache may take: 90% of free GPU memory, or a quarter of available RAM (<= 8 GiB)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(int(free * 0.9) - reserve, 0)
+    avail = 16 * GiB
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return min(avail // 4, 8 * GiB)
+
+
+def plan_max_len(cfg: DecoderConfig, num_slots: int, dtype: torch.dtype, device: torch.device,
+                 requested: int | None, headroom: int, reserve: int = 0) -> int:
+    """Context per slot (prompt + completion): --max-model-len, else what the model and memory allow."""
+    limit = cfg.max_position_embeddings
+    if requested is not None:
+        if requested > limit:
+            raise ModelError(f"--max-model-len {requested} exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+        return requested
+    per_pos = bytes_per_row(cfg, dtype) * (num_slots + 1)
+    fit = memory_budget(device, reserve) // per_pos - headroom
+    if fit < 16:
+        raise ModelError(f"not enough {device.type} memory for a KV cache of {num_slots} slots "
+                         "(lower --batch-size or set --max-model-len)")
+    return int(min(limit, fit))

@@ -1,0 +1,135 @@
+"""Sampling parameters and batch-invariant seeded sampling.
+
+Randomness is counter-based: the uniform used for vocabulary entry v of the token at sequence
+position p of a request with seed s is a hash of (s, p, salt, v). A request therefore samples
+the same tokens whatever else shares its batch, on CPU or GPU, after a resume, and the whole
+computation is fixed-shape tensor arithmetic (no per-row torch.Generator), so it can be
+captured in a CUDA graph. Ints stay below 2**63 at every step, so no signed overflow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 = disabled
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
+    """(x * m) mod 2**32 for 0 <= x < 2**32, with every intermediate < 2**49."""
+    lo, hi = m & 0xFFFF, m >> 16
+    return (x * lo + ((x * hi) & 0xFFFF) * 65536) & _MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash (lowbias32) on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """Any Python int -> two 32-bit halves (low, high) of its value mod 2**64."""
+    s = seed % (1 << 64)
+    return s & _MASK32, s >> 32
+
+
+def row_keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor,
+             salt: int = 0) -> torch.Tensor:
+    """[R] per-row hash keys of (seed, position, salt); positions < 2**32."""
+    k = mix32(seed_lo ^ mix32(seed_hi ^ mix32((positions & _MASK32) ^ mix32(torch.full_like(positions, salt)))))
+    return k
+
+
+def uniforms(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """keys [R] -> uniforms [R, width] in (0, 1), float32, one per vocabulary entry."""
+    v = mix32(torch.arange(width, device=keys.device, dtype=torch.int64) ^ 0x9E3779B9)
+    x = mix32(keys[:, None] ^ v[None, :])
+    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] with per-row top_k [R] (0 = off) then top_p [R] (1 = off) -> masked logits."""
+    V = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=logits.device)
+    drop = (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+@dataclass
+class BatchSampling:
+    """Per-row sampling parameters of a batch, as tensors on the model's device."""
+    temperature: torch.Tensor   # [R] float32
+    top_k: torch.Tensor         # [R] int64
+    top_p: torch.Tensor         # [R] float32
+    seed_lo: torch.Tensor       # [R] int64
+    seed_hi: torch.Tensor       # [R] int64
+    all_greedy: bool
+    any_filter: bool            # some row uses top-k or top-p
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], device: torch.device) -> "BatchSampling":
+        lo, hi = zip(*(split_seed(p.seed) for p in params)) if params else ((), ())
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            seed_lo=torch.tensor(lo, dtype=torch.int64, device=device),
+            seed_hi=torch.tensor(hi, dtype=torch.int64, device=device),
+            all_greedy=all(p.greedy for p in params),
+            any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+        )
+
+    def repeat_rows(self, n: int) -> "BatchSampling":
+        """Each row repeated n times (row-major), for n tokens per sequence."""
+        r = lambda t: t.repeat_interleave(n)
+        return BatchSampling(r(self.temperature), r(self.top_k), r(self.top_p), r(self.seed_lo),
+                             r(self.seed_hi), self.all_greedy, self.any_filter)
+
+    def target_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [R, V] float32 -> the distribution sampling draws from (temperature, top-k, top-p)."""
+        t = torch.where(self.temperature > 0, self.temperature, torch.ones_like(self.temperature))
+        scaled = logits / t[:, None]
+        if self.any_filter:
+            scaled = apply_top_k_top_p(scaled, self.top_k, self.top_p)
+        return scaled.softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] float32 -> tokens [R]: argmax for greedy rows, seeded draws for the others.
+
+    `positions` [R] is the sequence position the sampled token will occupy (its RNG counter).
+    """
+    greedy = logits.argmax(dim=-1)
+    if sp.all_greedy:
+        return greedy
+    probs = sp.target_probs(logits)
+    u = uniforms(row_keys(sp.seed_lo, sp.seed_hi, positions), logits.shape[-1])
+    # Exponential race: argmax p_v / E_v with E_v ~ Exp(1) picks v with probability p_v.
+    drawn = (probs / -torch.log(u)).argmax(dim=-1)
+    return torch.where(sp.temperature > 0, drawn, greedy)

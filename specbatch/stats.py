@@ -1,0 +1,92 @@
+"""Per-request records and run totals, as plain data."""
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .request import Request
+
+
+def spec_stats(req: Request) -> dict[str, Any]:
+    steps = req.verify_steps
+    return {
+        "verify_steps": steps,
+        "draft_tokens": req.draft_tokens,
+        "accepted_tokens": req.accepted_tokens,
+        "accept_length": len(req.output_ids) / steps if steps else 0.0,
+        "accept_histogram": list(req.histogram),
+    }
+
+
+def error_record(row: int, id: str, error: str, keep: dict, prompt_tokens: int = 0) -> dict[str, Any]:
+    return {"row": row, "id": id, "completion": None, "prompt_tokens": prompt_tokens,
+            "completion_tokens": 0, "finish_reason": None, "error": error, "spec": None,
+            "output_token_ids": None, **keep}
+
+
+@dataclass
+class RunStats:
+    """Totals over the records a run produced (resumed rows are not counted again)."""
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    histogram: list[int] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self.requests += 1
+        if rec.get("error"):
+            self.errors += 1
+            return
+        self.prompt_tokens += rec["prompt_tokens"]
+        self.completion_tokens += rec["completion_tokens"]
+        spec = rec["spec"]
+        self.verify_steps += spec["verify_steps"]
+        self.draft_tokens += spec["draft_tokens"]
+        self.accepted_tokens += spec["accepted_tokens"]
+        hist = spec["accept_histogram"]
+        if len(self.histogram) < len(hist):
+            self.histogram += [0] * (len(hist) - len(self.histogram))
+        for i, n in enumerate(hist):
+            self.histogram[i] += n
+
+    @property
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    @property
+    def accept_length(self) -> float:
+        return self.completion_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def summary(self, mem_device: torch.device | None = None, **extra: Any) -> dict[str, Any]:
+        wall = self.wall_s
+        return {
+            "requests": self.requests,
+            "errors": self.errors,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "output_tokens_per_s": self.completion_tokens / wall if wall > 0 else 0.0,
+            "verify_steps": self.verify_steps,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "mean_accept_length": self.accept_length,
+            "accept_histogram": self.histogram,
+            "wall_s": wall,
+            "peak_memory_bytes": peak_memory(mem_device),
+            **extra,
+        }
+
+
+def peak_memory(device: torch.device | None) -> int:
+    """Peak GPU memory allocated on a CUDA device, else the process's peak RSS."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

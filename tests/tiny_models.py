@@ -1,0 +1,93 @@
+"""Tiny random HF checkpoints and a tiny tokenizer, built offline with `save_pretrained`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "import os\nimport sys\nprint(os.getcwd(), sys.argv)\n",
+    "The quick brown fox jumps over the lazy dog. Hello world! Ünïcödé ✓\n",
+    "while True:\n    line = input()\n    if not line:\n        break\n",
+]
+EOS = "<|endoftext|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+              initializer_range=0.2)
+
+
+def make_tokenizer(out_dir: str | Path, vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS, "<|user|>", "<|assistant|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def make_checkpoint(arch: str, out_dir: str | Path, *, seed: int = 0, vocab_size: int = 320,
+                    eos_token_id: int | list[int] = 0, tie: bool = False, dtype=torch.float32,
+                    max_shard_size: str | None = None, **overrides) -> Path:
+    """A random `arch` checkpoint (llama | llama3 | qwen2 | qwen3 | mistral) with a tokenizer."""
+    import transformers as tf
+
+    out = Path(out_dir)
+    kw = dict(COMMON, vocab_size=vocab_size, tie_word_embeddings=tie, eos_token_id=eos_token_id)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**kw)
+    elif arch == "llama3":
+        cfg = tf.LlamaConfig(**kw, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32}, rope_theta=500000.0)
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**kw)
+    elif arch == "qwen3":
+        cfg = tf.Qwen3Config(**kw, head_dim=24)
+    elif arch == "mistral":
+        cfg = tf.MistralConfig(**kw, sliding_window=None)
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    cls = {"qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
+           "mistral": tf.MistralForCausalLM}.get(arch, tf.LlamaForCausalLM)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out), **kwargs)
+    make_tokenizer(out, vocab_size)
+    gen = {"eos_token_id": eos_token_id}
+    (out / "generation_config.json").write_text(json.dumps(gen))
+    return out
+
+
+def hf_greedy(model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int,
+              eos_token_id=None) -> list[int]:
+    """What transformers generates greedily for one prompt (batch 1, static cache, float32)."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                             pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
