@@ -80,6 +80,8 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     if recipe.algorithm != "vanilla":
         raise JobError(f"{recipe.source}: algorithm {recipe.algorithm!r} is not available in this "
                        "version yet (available: vanilla)")
+    if recipe.draft is not None:
+        raise JobError(f"--draft {recipe.draft}: recipe {recipe.name!r} ({recipe.algorithm}) uses no draft model")
     model_dir = resolve_model(recipe.model)
     source = open_rows(input_path, prompt_column=opts.prompt_column, id_column=opts.id_column,
                        keep_columns=opts.keep_columns)
