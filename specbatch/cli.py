@@ -186,10 +186,13 @@ def _print_summary(s: dict[str, Any]) -> None:
         err.print(table)
         return
     rows = [
-        ("output", s["output"]), ("recipe", s["recipe"]), ("model", s["model"]), ("device", s["device"]),
+        ("output", s["output"]), ("recipe", s["recipe"]), ("model", s["model"]),
+        ("draft", s["draft"] or "-"), ("device", s["device"]),
         ("requests", f"{s['requests']} ({s['resumed']} resumed from an earlier run)" if s["resumed"] else s["requests"]),
         ("errors", s["errors"]), ("prompt tokens", s["prompt_tokens"]), ("completion tokens", s["completion_tokens"]),
         ("output tokens/s", f"{s['output_tokens_per_s']:.1f}"), ("mean accept length", f"{s['mean_accept_length']:.3f}"),
+        ("acceptance per draft position", " ".join(f"{r:.2f}" for r in s["acceptance_per_position"]) or "-"),
+        ("tokens per target forward", f"{s['tokens_per_target_forward']:.2f} ({s['target_forwards']} batched forwards)"),
         ("wall time", f"{s['wall_s']:.1f} s"), ("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB"),
     ]
     for k, v in rows:

@@ -18,11 +18,12 @@ from .models.loader import load_target
 from .prompts import PromptError, encode_row, load_tokenizer
 from .recipe import SamplingDefaults
 from .request import Request, StopChecker
-from .runtime.kv_cache import KVCache, plan_max_len
+from .runtime.kv_cache import KVCache, compact_path, plan_max_len
 from .sampling import BatchSampling, SamplingParams, sample
 from .scheduler import SlotScheduler
-from .spec.accept import greedy_chain, target_tokens
-from .spec.drafter import Drafter, NoDrafter
+from .spec.accept import accept
+from .spec.drafter import Drafter
+from .spec.factory import SpecConfig, make_drafter
 from .stats import error_record, spec_stats
 
 Slotted = list[tuple[int, Request]]
@@ -36,6 +37,7 @@ class EngineOptions:
     device: str | None = None            # None: cuda when available, else cpu
     bucket_window: int = 0               # > 0: admit similar prompt lengths together
     prefill_tokens: int = 8192           # padded tokens per prefill forward
+    spec: SpecConfig = SpecConfig()      # the drafter (vanilla: none)
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -50,6 +52,7 @@ def resolve_device(name: str | None) -> torch.device:
 class Engine:
     def __init__(self, model_dir: str | Path, opts: EngineOptions | None = None,
                  drafter: Drafter | None = None):
+        """`drafter` replaces the one `opts.spec` describes (tests plug in their own)."""
         self.opts = opts = opts or EngineOptions()
         self.device = resolve_device(opts.device)
         self.model, _ = load_target(model_dir, opts.dtype, self.device)
@@ -60,17 +63,18 @@ class Engine:
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_ids = set(eos)
-        self.drafter = drafter or NoDrafter()
         self.num_slots = opts.batch_size
-        width = self.drafter.num_draft_tokens
+        width = drafter.num_draft_tokens if drafter else opts.spec.width
         self.max_len = plan_max_len(self.cfg, self.num_slots, self.dtype, self.device,
                                     opts.max_model_len, headroom=width)
         # Verify writes up to N-1 rows past the committed length: that headroom is allocated too.
         self.cache = KVCache(self.cfg, self.num_slots, self.max_len + width, self.dtype, self.device)
+        self.drafter = drafter or make_drafter(opts.spec, self.model, self.num_slots, self.max_len)
         self.stops = StopChecker(self.tokenizer, self.eos_ids)
         self.seq_lens = [0] * (self.num_slots + 1)     # committed cache rows per slot
         self.last_token = [0] * (self.num_slots + 1)   # emitted, not yet in the cache
         self.tokens_emitted = 0
+        self.target_forwards = 0                        # batched target forward calls
 
     # ---- rows -> requests -------------------------------------------------------------------
 
@@ -152,14 +156,16 @@ class Engine:
             meta = AttnMetadata(slots=slots, positions=torch.arange(T, device=self.device).expand(B, T),
                                 prefix_lens=torch.zeros_like(slots), kv_len=T)
             hidden, captured = self.model(ids, meta, self.cache.layers, self.drafter.capture_layers)
+            self.target_forwards += 1
             last = hidden[torch.arange(B, device=self.device), lengths - 1]          # [B, H]
             sp = BatchSampling.build([r.params for _, r in group], self.device)
-            first = sample(self.model.logits(last), sp, lengths).tolist()
-            self.drafter.prefill(slots, ids, lengths, captured)
-            for (slot, req), tok, n in zip(group, first, lens):
+            first = sample(self.model.logits(last), sp, lengths)
+            self.drafter.prefill(slots, ids, lengths, captured, first)
+            for (slot, req), tok, n in zip(group, first.tolist(), lens):
                 self.seq_lens[slot], self.last_token[slot] = n, tok
-                req.histogram = [0] * self.drafter.num_draft_tokens
-                self._count(req, [tok], drafted=0)
+                req.histogram = [0] * (self.drafter.max_depth + 1)
+                req.verify_steps = 1                 # the prefill: a forward that verified no drafts
+                self.tokens_emitted += self.stops.append(req, [tok])
                 if req.finished:
                     finished.append((slot, req))
         return finished
@@ -173,42 +179,41 @@ class Engine:
         last = self._tensor([self.last_token[s] for s, _ in active])
         sp = BatchSampling.build([r.params for _, r in active], self.device)
 
-        # propose: N-1 draft tokens per slot (none for vanilla)
-        prop = self.drafter.propose(slots, last)
+        # propose: a tree of N nodes per slot, the root being the last emitted token
+        prop = self.drafter.propose(slots, last, lens)
         N = prop.width
 
-        # verify: one target forward over [last, drafts] per slot
-        tokens = torch.cat([last[:, None], prop.tokens], dim=1)                   # [B, N]
-        meta = AttnMetadata(slots=slots, positions=lens[:, None] + prop.depths[None, :],
-                            prefix_lens=lens, kv_len=int(max(self.seq_lens[s] for s, _ in active)) + N,
+        # verify: one target forward over every node (tree mask, positions = length + depth)
+        meta = AttnMetadata(slots=slots, positions=lens[:, None] + prop.depths, prefix_lens=lens,
+                            kv_len=int(max(self.seq_lens[s] for s, _ in active)) + N,
                             tree_mask=prop.tree_mask)
-        hidden, captured = self.model(tokens, meta, self.cache.layers, self.drafter.capture_layers)
+        hidden, captured = self.model(prop.tokens, meta, self.cache.layers, self.drafter.capture_layers)
+        self.target_forwards += 1
         logits = self.model.logits(hidden)                                       # [B, N, V]
 
-        # accept: the target's choice at each node; drafts kept while they agree
-        acc = greedy_chain(prop.tokens, target_tokens(logits, sp, lens))
+        # accept: walk the tree with the target's distribution at each node
+        acc = accept(prop.tokens, prop.parents, logits, sp, lens, self.drafter.max_depth)
         emitted, counts = acc.tokens.tolist(), acc.num.tolist()                  # the one host sync
 
-        # commit: the root and accepted drafts are now cache rows; the bonus is the next root
+        # commit: root + accepted drafts become cache rows (a tree's path is made contiguous);
+        # the last emitted token is the next root
+        if prop.tree_mask is not None:
+            compact_path(self.cache.layers, slots, lens, acc.path, acc.num)
         finished: Slotted = []
         for (slot, req), toks, n in zip(active, emitted, counts):
             self.seq_lens[slot] += n
             self.last_token[slot] = toks[n - 1]
-            self._count(req, toks[:n], drafted=N - 1)
+            self.tokens_emitted += self.stops.append(req, toks[:n])
+            req.verify_steps += 1
+            req.draft_tokens += N - 1
+            req.accepted_tokens += n - 1
+            req.histogram[n - 1] += 1
             if req.finished:
                 finished.append((slot, req))
 
-        # extend: the drafter catches up on what was accepted
-        self.drafter.extend(slots, prop, acc.num, captured)
+        # extend: the drafter catches up on the accepted tokens with the target's states
+        self.drafter.extend(slots, lens, acc, captured)
         return finished
-
-    def _count(self, req: Request, tokens: list[int], drafted: int) -> None:
-        kept = self.stops.append(req, tokens)
-        self.tokens_emitted += kept
-        req.verify_steps += 1
-        req.draft_tokens += drafted
-        req.accepted_tokens += len(tokens) - 1
-        req.histogram[len(tokens) - 1] += 1
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

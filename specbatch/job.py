@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 from .data import OutputWriter, open_rows
 from .engine import Engine, EngineOptions
 from .recipe import Recipe
+from .spec.factory import SpecConfig
 from .stats import RunStats
 
 DEMO_DIR = Path(__file__).parent / "assets" / "demo"
@@ -43,6 +44,29 @@ def resolve_model(name: str) -> Path:
     return Path(name).expanduser()
 
 
+def resolve_draft(recipe: Recipe) -> str | None:
+    """The draft head directory a recipe uses; `default` = the head shipped with the demo model."""
+    if recipe.algorithm == "vanilla":
+        if recipe.draft is not None:
+            raise JobError(f"--draft {recipe.draft}: recipe {recipe.name!r} (vanilla) uses no draft model")
+        return None
+    if recipe.draft not in (None, "default"):
+        return str(Path(recipe.draft).expanduser())
+    if recipe.model != "default":
+        raise JobError(f"recipe {recipe.name!r} with --model {recipe.model}: pass --draft DIR, a "
+                       f"{recipe.algorithm} draft for that model (the embedded one fits the demo model only)")
+    path = DEMO_DIR / recipe.algorithm
+    if not (path / "config.json").is_file():
+        raise JobError(f"recipe {recipe.name!r}: no embedded {recipe.algorithm} draft is bundled in this "
+                       f"version ({path}); pass --model DIR --draft DIR")
+    return str(path)
+
+
+def spec_config(recipe: Recipe) -> SpecConfig:
+    return SpecConfig(algorithm=recipe.algorithm, num_steps=recipe.num_steps, topk=recipe.topk,
+                      num_draft_tokens=recipe.num_draft_tokens, draft=resolve_draft(recipe))
+
+
 def default_output(input_path: str) -> str:
     if input_path == "-":
         return "completions.parquet"
@@ -50,7 +74,8 @@ def default_output(input_path: str) -> str:
     return str(p.with_name(p.name.rsplit(".", 1)[0] + ".completions.parquet"))
 
 
-def fingerprint(input_path: str, recipe: Recipe, model: Path, opts: JobOptions) -> dict[str, Any]:
+def fingerprint(input_path: str, recipe: Recipe, model: Path, draft: str | None,
+                opts: JobOptions) -> dict[str, Any]:
     """What must match for a rerun to resume an earlier one's output (batch size, device and
     --limit may change between runs; anything that changes the rows' content may not)."""
     r = recipe.to_dict()
@@ -58,7 +83,7 @@ def fingerprint(input_path: str, recipe: Recipe, model: Path, opts: JobOptions) 
         "input": input_path if input_path == "-" else os.path.abspath(input_path),
         "recipe": r["name"], "algorithm": r["algorithm"], "num_steps": r["num_steps"],
         "topk": r["topk"], "num_draft_tokens": r["num_draft_tokens"],
-        "model": str(model.resolve()), "draft": r["draft"], "dtype": r["dtype"],
+        "model": str(model.resolve()), "draft": draft and str(Path(draft).resolve()), "dtype": r["dtype"],
         "max_model_len": r["max_model_len"], "sampling": r["sampling"],
         "prompt_column": opts.prompt_column, "id_column": opts.id_column,
         "keep_columns": list(opts.keep_columns), "save_token_ids": opts.save_token_ids,
@@ -77,16 +102,15 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     """
     opts = opts or JobOptions()
     notify = progress or (lambda event, info: None)
-    if recipe.algorithm != "vanilla":
+    if recipe.algorithm not in ("vanilla", "eagle3"):
         raise JobError(f"{recipe.source}: algorithm {recipe.algorithm!r} is not available in this "
-                       "version yet (available: vanilla)")
-    if recipe.draft is not None:
-        raise JobError(f"--draft {recipe.draft}: recipe {recipe.name!r} ({recipe.algorithm}) uses no draft model")
+                       "version yet (available: vanilla, eagle3)")
+    spec = spec_config(recipe)
     model_dir = resolve_model(recipe.model)
     source = open_rows(input_path, prompt_column=opts.prompt_column, id_column=opts.id_column,
                        keep_columns=opts.keep_columns)
     output = opts.output or default_output(input_path)
-    writer = OutputWriter(output, fingerprint=fingerprint(input_path, recipe, model_dir, opts),
+    writer = OutputWriter(output, fingerprint=fingerprint(input_path, recipe, model_dir, spec.draft, opts),
                           save_token_ids=opts.save_token_ids, keep_columns=opts.keep_columns,
                           overwrite=opts.overwrite)
     stats = RunStats()
@@ -95,7 +119,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
 
     engine = Engine(model_dir, EngineOptions(
         batch_size=recipe.batch_size, max_model_len=recipe.max_model_len, dtype=recipe.dtype,
-        device=opts.device, bucket_window=opts.bucket_window))
+        device=opts.device, bucket_window=opts.bucket_window, spec=spec))
     rows = iter(source)
     if opts.limit is not None:
         rows = itertools.takewhile(lambda r: r.row < opts.limit, rows)
@@ -123,4 +147,6 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     rows_written = writer.finalize()
     return stats.summary(engine.device, output=output, rows_in_output=rows_written, resumed=resumed,
                          device=str(engine.device), max_model_len=engine.max_len,
-                         recipe=recipe.name, model=str(model_dir))
+                         recipe=recipe.name, model=str(model_dir), draft=spec.draft,
+                         target_forwards=engine.target_forwards,
+                         tokens_per_target_forward=engine.tokens_emitted / max(engine.target_forwards, 1))

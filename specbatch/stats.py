@@ -66,6 +66,13 @@ class RunStats:
     def accept_length(self) -> float:
         return self.completion_tokens / self.verify_steps if self.verify_steps else 0.0
 
+    def acceptance_per_position(self) -> list[float]:
+        """Share of decode cycles whose i-th draft was accepted (so the first i+1 were)."""
+        cycles = sum(self.histogram)
+        if not cycles:
+            return []
+        return [sum(self.histogram[i + 1:]) / cycles for i in range(len(self.histogram) - 1)]
+
     def summary(self, mem_device: torch.device | None = None, **extra: Any) -> dict[str, Any]:
         wall = self.wall_s
         return {
@@ -79,6 +86,8 @@ class RunStats:
             "accepted_tokens": self.accepted_tokens,
             "mean_accept_length": self.accept_length,
             "accept_histogram": self.histogram,
+            "draft_acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            "acceptance_per_position": self.acceptance_per_position(),
             "wall_s": wall,
             "peak_memory_bytes": peak_memory(mem_device),
             **extra,

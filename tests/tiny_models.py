@@ -91,3 +91,63 @@ def hf_greedy(model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int,
                              max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                              pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+def make_eagle3_head(out_dir: str | Path, target_dir: str | Path, *, draft_vocab: int | None = 200,
+                     seed: int = 0, aux_ids: list[int] | None = None, own_embedding: bool = False,
+                     fc_bias: bool = False, hidden_size: int | None = None, std: float = 0.2,
+                     prefix: str = "") -> Path:
+    """A random EAGLE3 head for the target at `target_dir`, in the published tensor layout:
+    fc, midlayer.*, norm, lm_head over a reduced draft vocabulary, d2t / t2d, optional embed_tokens.
+    `draft_vocab=None` writes a full-vocabulary head without draft_vocab_size / d2t / t2d."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t = json.loads((Path(target_dir) / "config.json").read_text())
+    Ht, V = t["hidden_size"], t["vocab_size"]
+    H = hidden_size or Ht
+    heads, kv, I = 4, 2, 2 * H
+    d = H // heads
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+           "intermediate_size": I, "num_attention_heads": heads, "num_key_value_heads": kv,
+           "num_hidden_layers": 1, "vocab_size": V, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+           "max_position_embeddings": t["max_position_embeddings"], "tie_word_embeddings": False,
+           "hidden_act": "silu", "torch_dtype": "float32"}
+    if H != Ht:
+        cfg["target_hidden_size"] = Ht
+    if aux_ids is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True}
+    Vd = draft_vocab or V
+    if draft_vocab is not None:
+        cfg["draft_vocab_size"] = Vd
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g) * std
+    w = {
+        "fc.weight": r(H, 3 * Ht),
+        "midlayer.input_layernorm.weight": 1 + r(H),
+        "midlayer.hidden_norm.weight": 1 + r(H),
+        "midlayer.post_attention_layernorm.weight": 1 + r(H),
+        "midlayer.self_attn.q_proj.weight": r(heads * d, 2 * H),
+        "midlayer.self_attn.k_proj.weight": r(kv * d, 2 * H),
+        "midlayer.self_attn.v_proj.weight": r(kv * d, 2 * H),
+        "midlayer.self_attn.o_proj.weight": r(H, heads * d),
+        "midlayer.mlp.gate_proj.weight": r(I, H),
+        "midlayer.mlp.up_proj.weight": r(I, H),
+        "midlayer.mlp.down_proj.weight": r(H, I),
+        "norm.weight": 1 + r(H),
+        "lm_head.weight": r(Vd, H),
+    }
+    if fc_bias:
+        w["fc.bias"] = r(H)
+    if own_embedding or H != Ht:
+        w["embed_tokens.weight"] = r(V, H)
+    if draft_vocab is not None:
+        chosen = torch.randperm(V, generator=g)[:Vd].sort().values
+        w["d2t"] = chosen - torch.arange(Vd)
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[chosen] = True
+        w["t2d"] = t2d
+    save_file({prefix + k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out

@@ -1,9 +1,11 @@
 """Attention over the static slot KV cache: metadata and the eager torch path.
 
-Every forward (prefill, decode, verify, draft extend) is the same operation: each of B sequences
-brings T new tokens whose K/V are written at cache rows `prefix_lens[b] + t` of its slot, and
-each new token attends to the slot's committed prefix plus the new tokens its mask allows
-(causal by default, or a tree mask). The model never learns which of these it is doing.
+Every forward (prefill, decode, verify, draft steps, draft extend) is the same operation: each of
+B sequences brings T new tokens whose K/V are written at cache rows
+`prefix_lens[b] + write_offset + t` of its slot. Each new token sees every committed row
+`< prefix_lens[b]` and, inside the region of M rows that follows, the rows its mask allows:
+causal among the new tokens by default (M = T), or an explicit tree mask (verify of a draft tree;
+draft steps whose earlier tree levels sit in the region). The model never learns which it is doing.
 """
 from __future__ import annotations
 
@@ -18,37 +20,49 @@ class AttnMetadata:
     slots: torch.Tensor          # [B] int64: KV-cache slot of each sequence (pad rows -> dummy slot)
     positions: torch.Tensor      # [B, T] int64: RoPE positions of the new tokens
     prefix_lens: torch.Tensor    # [B] int64: committed cache rows [0, prefix) visible to every new token
-    kv_len: int                  # cache rows read per slot, >= max(prefix_lens) + T
-    tree_mask: torch.Tensor | None = None   # [B, T, T] bool, new token t sees new token j; None = causal
+    kv_len: int                  # cache rows read per slot, >= max(prefix_lens) + region width
+    tree_mask: torch.Tensor | None = None   # [B, T, M] bool: new token t sees region row m; None = causal
+    write_offset: int = 0        # new tokens are written at region rows write_offset + t
 
     @property
     def num_new(self) -> int:
         return self.positions.shape[1]
 
+    @property
+    def region(self) -> int:
+        return self.num_new if self.tree_mask is None else self.tree_mask.shape[2]
+
     def cache_rows(self) -> torch.Tensor:
         """[B, T] cache row of each new token."""
         t = torch.arange(self.num_new, device=self.positions.device)
-        return self.prefix_lens[:, None] + t
+        return self.prefix_lens[:, None] + self.write_offset + t
+
+    def select_rows(self, rows: torch.Tensor) -> "AttnMetadata":
+        """A causal view with one query per sequence, new token `rows[b]`, whose K/V (and those of
+        the new tokens before it) are already written: it sees every row up to its own."""
+        assert self.tree_mask is None, "row selection is for causal forwards"
+        return AttnMetadata(slots=self.slots, positions=self.positions.gather(1, rows[:, None]),
+                            prefix_lens=self.prefix_lens + self.write_offset + rows, kv_len=self.kv_len)
 
     def visibility(self, sliding_window: int | None = None) -> torch.Tensor:
         """[B, T, kv_len] bool: may new token t read cache row l."""
         dev = self.positions.device
-        T, L = self.num_new, self.kv_len
+        T, M, L = self.num_new, self.region, self.kv_len
         rows = torch.arange(L, device=dev)                                    # [L]
-        rel = rows[None, :] - self.prefix_lens[:, None]                       # [B, L] index among new tokens
+        rel = rows[None, :] - self.prefix_lens[:, None]                       # [B, L] index in the region
         in_prefix = (rel < 0)[:, None, :]                                     # [B, 1, L]
-        is_new = ((rel >= 0) & (rel < T))[:, None, :]
-        j = rel.clamp(0, T - 1)[:, None, :].expand(-1, T, -1)                # [B, T, L]
+        in_region = ((rel >= 0) & (rel < M))[:, None, :]
+        m = rel.clamp(0, M - 1)[:, None, :].expand(-1, T, -1)                # [B, T, L]
         if self.tree_mask is None:
-            new_ok = j <= torch.arange(T, device=dev)[None, :, None]
+            region_ok = m <= torch.arange(T, device=dev)[None, :, None]
         else:
-            new_ok = torch.gather(self.tree_mask, 2, j)
-        visible = in_prefix | (is_new & new_ok)
+            region_ok = torch.gather(self.tree_mask, 2, m)
+        visible = in_prefix | (in_region & region_ok)
         if sliding_window is not None:
-            # Key position: the row itself for committed keys, the token's RoPE position for new ones.
-            new_pos = torch.gather(self.positions, 1, rel.clamp(0, T - 1))    # [B, L]
-            key_pos = torch.where(rel < 0, rows[None, :], new_pos)[:, None, :]
-            visible &= (self.positions[:, :, None] - key_pos) < sliding_window
+            # Committed rows sit at their own positions; region rows are the last few positions,
+            # always inside a window wider than the region.
+            assert sliding_window > M, "sliding window narrower than the verify region"
+            visible &= ~in_prefix | ((self.positions[:, :, None] - rows[None, None, :]) < sliding_window)
         return visible
 
 

@@ -87,8 +87,8 @@ class DecoderConfig:
         )
 
 
-def load_config(model_dir: str | Path) -> tuple[DecoderConfig, dict]:
-    """Parse `config.json`; also return the raw dict (drafters read extra keys from it)."""
+def load_config_dict(model_dir: str | Path) -> tuple[dict, str]:
+    """The raw `config.json` of a model directory, and its path for messages."""
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
         raise ModelError(f"{model_dir}: model directory not found")
@@ -101,7 +101,15 @@ def load_config(model_dir: str | Path) -> tuple[DecoderConfig, dict]:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelError(f"{path}: not valid JSON ({e})") from None
-    return DecoderConfig.from_dict(raw, str(path)), raw
+    if not isinstance(raw, dict):
+        raise ModelError(f"{path}: expected a JSON object")
+    return raw, str(path)
+
+
+def load_config(model_dir: str | Path) -> tuple[DecoderConfig, dict]:
+    """Parse `config.json`; also return the raw dict (drafters read extra keys from it)."""
+    raw, where = load_config_dict(model_dir)
+    return DecoderConfig.from_dict(raw, where), raw
 
 
 def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:

@@ -62,20 +62,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, in_features: int | None = None):
         super().__init__()
         self.cfg = cfg
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        i = in_features or cfg.hidden_size
+        self.q_proj = nn.Linear(i, hq * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(i, hkv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(i, hkv * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.scale = d ** -0.5
 
-    def forward(self, x, cos, sin, meta: AttnMetadata, k_cache, v_cache):
+    def forward(self, x, cos, sin, meta: AttnMetadata, k_cache, v_cache, out_rows=None):
+        """x [B, T, in] -> [B, T, H]; with `out_rows` [B] every row's K/V is written but the
+        attention output is computed for that one row per sequence only: [B, 1, H]."""
         B, T, _ = x.shape
         d = self.cfg.head_dim
         q = self.q_proj(x).view(B, T, -1, d)
@@ -86,8 +89,11 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         write_kv(k_cache, v_cache, k, v, meta)
+        if out_rows is not None:
+            q = q.gather(1, out_rows[:, None, None, None].expand(-1, 1, *q.shape[2:]))
+            meta = meta.select_rows(out_rows)
         out = attend(q, k_cache, v_cache, meta, self.scale, self.cfg.sliding_window)
-        return self.o_proj(out.reshape(B, T, -1))
+        return self.o_proj(out.reshape(B, q.shape[1], -1))
 
 
 class MLP(nn.Module):

@@ -92,7 +92,7 @@ def load_target(model_dir: str | Path, dtype: str = "auto",
         model = CausalLM(cfg)
     model = model.to_empty(device=device).to(torch_dtype)
     model.inv_freq = rope_inv_freq(cfg).to(device)       # float32 even when weights are not
-    tie = not any("lm_head.weight" in _keys(f) for f in files)
+    tie = "lm_head.weight" not in tensor_names(files)
     if tie:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, iter_tensors(files, device), str(model_dir),
@@ -100,9 +100,12 @@ def load_target(model_dir: str | Path, dtype: str = "auto",
     return model.eval().requires_grad_(False), raw
 
 
-def _keys(path: Path) -> list[str]:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return list(f.keys())
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ModelError(f"{path}: cannot read safetensors ({e})") from None
+def tensor_names(files: list[Path]) -> set[str]:
+    names: set[str] = set()
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names.update(f.keys())
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ModelError(f"{path}: cannot read safetensors ({e})") from None
+    return names

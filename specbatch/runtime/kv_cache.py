@@ -60,3 +60,20 @@ def plan_max_len(cfg: DecoderConfig, num_slots: int, dtype: torch.dtype, device:
         raise ModelError(f"not enough {device.type} memory for a KV cache of {num_slots} slots "
                          "(lower --batch-size or set --max-model-len)")
     return int(min(limit, fit))
+
+
+def compact_path(layers: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor,
+                 start: torch.Tensor, path: torch.Tensor, num: torch.Tensor) -> None:
+    """After a tree verify: move the accepted path's K/V to contiguous rows.
+
+    The node emitted as row j sat at cache row start + path[:, j]; it belongs at start + j.
+    path[:, j] >= j, so reading every source before writing is safe. Rows past num stay put.
+    """
+    j = torch.arange(path.shape[1], device=path.device)
+    keep = j[None, :] < num[:, None]
+    src = start[:, None] + torch.where(keep, path, j[None, :])
+    dst = start[:, None] + j[None, :]
+    s = slots[:, None].expand_as(dst)
+    for k, v in layers:
+        k[s, dst] = k[s, src]
+        v[s, dst] = v[s, src]

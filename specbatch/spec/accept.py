@@ -1,35 +1,86 @@
-"""Acceptance: pure tensor functions from target logits and a proposal to emitted tokens."""
+"""Acceptance: a pure tensor function from the verified tree and the target's logits to the
+emitted tokens. Greedy and sampling share one walk.
+
+From the root, level by level: the target distribution p at the current node (temperature,
+top-k, top-p applied; one-hot at the argmax for greedy rows) is sampled by inverse CDF with the
+current node's children placed first, in node order: one uniform u accepts the first child whose
+running probability sum exceeds u. If none does, the token is drawn from p with the rejected
+children removed (the residual) and the walk stops. The emitted token's marginal is exactly p
+for any deterministic candidate set: drafts change how many tokens a step emits, never which
+distribution they come from. For a chain of greedy drafts this is the classic min(1, p/q) test
+with the correction drawn from norm(max(p - q, 0)), q being the draft's one-hot choice.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from ..sampling import BatchSampling, sample
+from ..sampling import BatchSampling, row_keys, uniforms
+
+_ACCEPT_SALT = 1      # the acceptance uniform; salt 0 is the per-vocabulary race of sampling
 
 
 @dataclass
 class Acceptance:
-    tokens: torch.Tensor   # [B, N] emitted tokens; the first num[b] are valid (accepted drafts, then the bonus)
-    num: torch.Tensor      # [B] tokens emitted, >= 1
+    tokens: torch.Tensor   # [B, D+1] emitted tokens; the first num[b] are valid
+    num: torch.Tensor      # [B] tokens emitted: accepted drafts + 1
+    path: torch.Tensor     # [B, D+1] tree node of each emitted row's input: path[:, 0] = 0 (root)
 
 
-def target_tokens(logits: torch.Tensor, sp: BatchSampling, start: torch.Tensor) -> torch.Tensor:
-    """logits [B, N, V] -> the target's own choice at every node [B, N].
-
-    Node i predicts the token at sequence position start + 1 + i, which is its RNG counter.
-    """
+def accept(node_tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
+           sp: BatchSampling, start: torch.Tensor, max_depth: int) -> Acceptance:
+    """node_tokens / parents [B, N] (node 0 the root), logits [B, N, V] float32 from the target
+    at every node, start [B] the committed length (node depth d decides position start+1+d)."""
     B, N, V = logits.shape
-    pos = start[:, None] + 1 + torch.arange(N, device=logits.device)
-    return sample(logits.reshape(B * N, V), sp.repeat_rows(N), pos.reshape(-1)).view(B, N)
+    dev = logits.device
+    rows = torch.arange(B, device=dev)
+    # kids[b, n, c]: node c is a child of node n
+    kids_of = parents[:, None, :] == torch.arange(N, device=dev)[None, :, None]
+    argmax = logits.argmax(dim=-1)                                           # [B, N]
+    probs = None
+    if not sp.all_greedy:
+        probs = sp.repeat_rows(N).target_probs(logits.reshape(B * N, V)).view(B, N, V)
+        onehot = torch.nn.functional.one_hot(argmax, V).to(probs.dtype)
+        probs = torch.where((sp.temperature == 0)[:, None, None], onehot, probs)
+
+    cur = torch.zeros(B, dtype=torch.int64, device=dev)
+    alive = torch.ones(B, dtype=torch.bool, device=dev)
+    num = torch.zeros(B, dtype=torch.int64, device=dev)
+    tokens = torch.zeros(B, max_depth + 1, dtype=torch.int64, device=dev)
+    path = torch.zeros(B, max_depth + 1, dtype=torch.int64, device=dev)
+    for d in range(max_depth + 1):
+        kids = kids_of[rows, cur]                                            # [B, N]
+        if probs is None:
+            tok = argmax[rows, cur]
+            hit = kids & (node_tokens == tok[:, None])
+        else:
+            tok, hit = _sample_level(probs[rows, cur], node_tokens, kids, sp, start + 1 + d)
+        accepted = hit.any(dim=1)
+        nxt = hit.to(torch.int8).argmax(dim=1)                               # first hit
+        tokens[:, d] = torch.where(alive, torch.where(accepted, node_tokens[rows, nxt], tok), tokens[:, d])
+        num += alive.to(torch.int64)
+        alive &= accepted
+        cur = torch.where(alive, nxt, cur)
+        if d < max_depth:
+            path[:, d + 1] = cur
+    return Acceptance(tokens=tokens, num=num, path=path)
 
 
-def greedy_chain(draft: torch.Tensor, target: torch.Tensor) -> Acceptance:
-    """draft [B, N-1], target [B, N]: accept drafts while each equals the target's choice before it.
-
-    The emitted tokens are the matched drafts followed by the target's token at the first
-    mismatch (or after the last draft): exactly the target's own tokens target[:, :num].
-    """
-    match = (draft == target[:, :-1]).to(torch.int64)           # [B, N-1]
-    accepted = match.cumprod(dim=1).sum(dim=1)                  # [B]
-    return Acceptance(tokens=target, num=accepted + 1)
+def _sample_level(p: torch.Tensor, node_tokens: torch.Tensor, kids: torch.Tensor,
+                  sp: BatchSampling, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """p [B, V] at the current node -> (residual token [B], accepted-child mask [B, N])."""
+    kid_p = p.gather(1, node_tokens) * kids                                 # [B, N], node order
+    cum = kid_p.cumsum(dim=1)
+    u = uniforms(row_keys(sp.seed_lo, sp.seed_hi, pos, _ACCEPT_SALT), 1)[:, 0]
+    hit = kids & (kid_p > 0) & (u[:, None] < cum)
+    rejected = torch.zeros_like(p).scatter_add_(1, node_tokens, kids.to(p.dtype)) > 0
+    residual = p.masked_fill(rejected, 0.0)
+    # Rounding can leave u above the candidates' total when they hold all the mass: take the
+    # last candidate then, since the residual is empty.
+    empty = ~hit.any(dim=1) & (residual.sum(dim=1) <= 0) & (kid_p > 0).any(dim=1)
+    last = torch.where(kid_p > 0, torch.arange(kids.shape[1], device=p.device), -1).argmax(dim=1)
+    hit = hit | (empty[:, None] & (torch.arange(kids.shape[1], device=p.device)[None, :] == last[:, None]))
+    race = uniforms(row_keys(sp.seed_lo, sp.seed_hi, pos), p.shape[1])
+    tok = (residual / -torch.log(race)).argmax(dim=1)
+    return tok, hit

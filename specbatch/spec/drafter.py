@@ -5,38 +5,42 @@ from dataclasses import dataclass
 
 import torch
 
+from .accept import Acceptance
+from .tree import chain
+
 
 @dataclass
 class Proposal:
-    tokens: torch.Tensor             # [B, N-1] draft token ids (target vocabulary)
-    depths: torch.Tensor             # [N] depth of each verified node, root (the last token) = 0
-    tree_mask: torch.Tensor | None   # [B, N, N] bool, None = a chain (causal)
+    """The tree the target verifies this cycle, N nodes per sequence, node 0 the root."""
+    tokens: torch.Tensor             # [B, N] node tokens: the last emitted token, then drafts
+    parents: torch.Tensor            # [B, N] parent node, -1 for the root
+    depths: torch.Tensor             # [B, N] distance from the root (RoPE position offset)
+    tree_mask: torch.Tensor | None   # [B, N, N] ancestor mask, None for a chain (causal)
 
     @property
     def width(self) -> int:
-        """N: tokens verified per sequence, the root included."""
-        return self.depths.shape[0]
+        return self.tokens.shape[1]
 
 
 class Drafter:
     """The interface every drafter implements; this base proposes nothing (N = 1)."""
 
-    num_draft_tokens: int = 1                 # N
+    num_draft_tokens: int = 1                 # N, the root included
+    max_depth: int = 0                        # longest root-to-leaf path (drafts a cycle can accept)
     capture_layers: tuple[int, ...] = ()      # target layers whose outputs the drafter reads
 
     def prefill(self, slots: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
-                captured: list[torch.Tensor]) -> None:
-        """Catch up on prompts the target just prefilled."""
+                captured: list[torch.Tensor], first_tokens: torch.Tensor) -> None:
+        """Catch up on prompts the target just prefilled ([B, T] right-padded) and their first tokens."""
 
-    def propose(self, slots: torch.Tensor, last_tokens: torch.Tensor) -> Proposal:
-        B = slots.shape[0]
-        dev = slots.device
-        return Proposal(tokens=torch.empty(B, 0, dtype=torch.int64, device=dev),
-                        depths=torch.zeros(1, dtype=torch.int64, device=dev), tree_mask=None)
+    def propose(self, slots: torch.Tensor, last_tokens: torch.Tensor, lens: torch.Tensor) -> Proposal:
+        """Draft from each slot's state; lens [B] are committed lengths (the root sits at lens)."""
+        parents, depths = chain(last_tokens.shape[0], 1, last_tokens.device)
+        return Proposal(tokens=last_tokens[:, None], parents=parents, depths=depths, tree_mask=None)
 
-    def extend(self, slots: torch.Tensor, proposal: Proposal, accepted: torch.Tensor,
+    def extend(self, slots: torch.Tensor, lens: torch.Tensor, acc: Acceptance,
                captured: list[torch.Tensor]) -> None:
-        """Catch up on the tokens the target accepted this cycle."""
+        """Catch up on the tokens accepted this cycle (captured: target states at every node)."""
 
 
 class NoDrafter(Drafter):

@@ -1,0 +1,151 @@
+"""EAGLE3 draft heads in the published layout (`LlamaForCausalLMEagle3`: fc, midlayer.*, norm,
+lm_head, d2t, t2d, optional embed_tokens), loaded directly from config.json + safetensors.
+
+One forward: h = fc(cat(aux_1, aux_2, aux_3)) for target features (3 * H_target wide), or the
+head's own previous pre-norm output (H wide); x = cat(input_layernorm(embed(token)), hidden_norm(h));
+h = h + attn(x); h = h + mlp(post_attention_layernorm(h)). The pre-norm h feeds the next step;
+logits = lm_head(norm(h)) over the draft vocabulary, target id = draft id + d2t[draft id].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .attention import AttnMetadata
+from .config import DecoderConfig, ModelError, load_config_dict
+from .llama import MLP, Attention, RMSNorm, rope_cos_sin, rope_inv_freq
+from .loader import iter_tensors, load_weights, safetensors_files, tensor_names
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    layer: DecoderConfig                 # the midlayer's shape; hidden_size is the head's H
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...] | None    # eagle_config.eagle_aux_hidden_state_layer_ids
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> "Eagle3Config":
+        archs = d.get("architectures") or []
+        if not any("Eagle3" in a for a in archs):
+            raise ModelError(f"{where}: not an EAGLE3 head (architectures {archs}, expected "
+                             "['LlamaForCausalLMEagle3'])")
+        layer = DecoderConfig.from_dict({**d, "architectures": ["LlamaForCausalLM"],
+                                         "num_hidden_layers": 1}, where)
+        eagle = d.get("eagle_config") or {}
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        return cls(layer=layer, draft_vocab_size=int(d.get("draft_vocab_size") or layer.vocab_size),
+                   target_hidden_size=int(d.get("target_hidden_size") or layer.hidden_size),
+                   aux_layer_ids=tuple(int(i) for i in ids) if ids else None)
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """Outputs of target layers 1, L//2 - 1 and L - 4 (the layout EAGLE3 heads are trained on)."""
+    return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, in_features=2 * h)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, cfg: Eagle3Config, target_vocab: int, fc_bias: bool, own_embedding: bool):
+        super().__init__()
+        c = cfg.layer
+        self.cfg = cfg
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, c.hidden_size, bias=fc_bias)
+        self.midlayer = Eagle3Layer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.embed_tokens = nn.Embedding(target_vocab, c.hidden_size) if own_embedding else None
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(target_vocab, dtype=torch.bool))
+        self.register_buffer("inv_freq", rope_inv_freq(c), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttnMetadata,
+                kv: tuple[torch.Tensor, torch.Tensor], features: bool,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T], hidden [B, T, 3*H_target] (features) or [B, T, H] -> pre-norm [B, T, H].
+
+        With `out_rows` [B], every row's K/V is written but only that row per sequence goes
+        through attention output, O-proj and MLP: [B, 1, H].
+        """
+        layer = self.midlayer
+        h = self.fc(hidden) if features else hidden
+        emb = self.embed_tokens(input_ids)
+        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], dim=-1)
+        cos, sin = rope_cos_sin(self.inv_freq, meta.positions, x.dtype)
+        attn = layer.self_attn(x, cos, sin, meta, *kv, out_rows=out_rows)
+        if out_rows is not None:
+            h = h.gather(1, out_rows[:, None, None].expand(-1, 1, h.shape[-1]))
+        h = h + attn
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm [..., H] -> float32 draft-vocabulary logits [..., V_draft]."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+def load_eagle3(head_dir: str | Path, target_cfg: DecoderConfig, target_embedding: nn.Embedding,
+                dtype: torch.dtype, device: torch.device) -> Eagle3Head:
+    """Load an EAGLE3 head for this target; every mismatch is a one-line ModelError."""
+    raw, where = load_config_dict(head_dir)
+    cfg = Eagle3Config.from_dict(raw, where)
+    if cfg.layer.vocab_size != target_cfg.vocab_size:
+        raise ModelError(f"{where}: draft head vocab_size {cfg.layer.vocab_size} does not match the "
+                         f"target's {target_cfg.vocab_size}")
+    if cfg.target_hidden_size != target_cfg.hidden_size:
+        raise ModelError(f"{where}: draft head reads target hidden size {cfg.target_hidden_size} "
+                         f"(fc takes 3 x that), the target has {target_cfg.hidden_size}")
+    files = safetensors_files(head_dir)
+    names = {_strip(n) for n in tensor_names(files)}
+    own = "embed_tokens.weight" in names
+    if not own and cfg.layer.hidden_size != target_cfg.hidden_size:
+        raise ModelError(f"{head_dir}: the head has no embed_tokens and its hidden size "
+                         f"{cfg.layer.hidden_size} differs from the target's {target_cfg.hidden_size}")
+    with torch.device("meta"):
+        head = Eagle3Head(cfg, target_cfg.vocab_size, fc_bias="fc.bias" in names, own_embedding=own)
+    head = head.to_empty(device=device).to(dtype)
+    head.inv_freq = rope_inv_freq(cfg.layer).to(device)
+    head.d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64, device=device)
+    head.t2d = torch.ones(target_cfg.vocab_size, dtype=torch.bool, device=device)
+    if not own:
+        head.embed_tokens = target_embedding
+    tensors = ((_strip(n), t) for n, t in iter_tensors(files, device))
+    extra = load_weights(head, _with_buffers(head, tensors), str(head_dir),
+                         optional=() if own else ("embed_tokens.weight",))
+    unknown = [n for n in extra if n not in ("d2t", "t2d")]
+    if unknown:
+        raise ModelError(f"{head_dir}: unexpected tensor {unknown[0]} for an EAGLE3 head")
+    mapped = torch.arange(cfg.draft_vocab_size, device=device) + head.d2t
+    if int(mapped.min()) < 0 or int(mapped.max()) >= target_cfg.vocab_size:
+        raise ModelError(f"{head_dir}: d2t maps draft ids outside the target vocabulary")
+    return head.eval().requires_grad_(False)
+
+
+def _strip(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def _with_buffers(head: Eagle3Head, tensors):
+    """Copy d2t / t2d into the buffers (checking shape) and pass the parameters on."""
+    for name, t in tensors:
+        if name in ("d2t", "t2d"):
+            buf = getattr(head, name)
+            if tuple(t.shape) != tuple(buf.shape):
+                raise ModelError(f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(buf.shape)}")
+            buf.copy_(t.to(buf.dtype))
+        yield name, t

@@ -1,0 +1,109 @@
+"""The EAGLE3 drafter: a one-layer head reading three target hidden states.
+
+Draft row i of a slot holds (token at position i+1, feature at position i): the target's aux
+states for committed positions, the head's own pre-norm output for drafted ones. After each
+catch-up the slot keeps the output at its last committed row and that row's top-k, the first
+level of the next tree.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..models.attention import AttnMetadata
+from ..models.eagle3 import Eagle3Head
+from ..runtime.kv_cache import KVCache
+from .accept import Acceptance
+from .drafter import Drafter, Proposal
+from .topk import topk_logprobs
+from .tree import chain, child_scores, choose_tree
+
+
+class Eagle3Drafter(Drafter):
+    def __init__(self, head: Eagle3Head, aux_layers: tuple[int, ...], num_steps: int, topk: int,
+                 num_draft_tokens: int, num_slots: int, max_len: int):
+        self.head = head
+        self.S, self.k, self.num_draft_tokens = num_steps, topk, num_draft_tokens
+        self.max_depth = num_steps
+        self.capture_layers = aux_layers
+        dev = head.lm_head.weight.device
+        dtype = head.lm_head.weight.dtype
+        H = head.cfg.layer.hidden_size
+        # Rows past a slot's committed length: (S-1)*k tree scratch rows, S+1 catch-up rows.
+        self.cache = KVCache(head.cfg.layer, num_slots, max_len + (num_steps - 1) * topk + num_steps + 1,
+                             dtype, dev)
+        self.hidden = torch.zeros(num_slots + 1, H, dtype=dtype, device=dev)
+        self.first_tokens = torch.zeros(num_slots + 1, topk, dtype=torch.int64, device=dev)
+        self.first_logp = torch.zeros(num_slots + 1, topk, dtype=torch.float32, device=dev)
+        k = topk
+        self.cand_depths = torch.tensor([1] * k + [d for d in range(2, num_steps + 1) for _ in range(k * k)],
+                                        dtype=torch.int64, device=dev)
+
+    # ---- catch-up: prefill and extend ---------------------------------------------------------
+
+    def prefill(self, slots, input_ids, lengths, captured, first_tokens):
+        B, T = input_ids.shape
+        tokens = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
+        tokens[torch.arange(B, device=tokens.device), lengths - 1] = first_tokens
+        meta = AttnMetadata(slots=slots, positions=torch.arange(T, device=slots.device).expand(B, T),
+                            prefix_lens=torch.zeros_like(slots), kv_len=T)
+        h = self.head(tokens, torch.cat(captured, dim=-1), meta, self.cache.layers[0], features=True,
+                      out_rows=lengths - 1)
+        self._keep(slots, h[:, 0])
+
+    def extend(self, slots, lens, acc: Acceptance, captured):
+        # Row lens+j: (emitted token j, target state at the node that emitted it). Rows past
+        # num write K/V that the next cycle overwrites before anything reads it.
+        W = acc.tokens.shape[1]
+        feats = torch.cat(captured, dim=-1)
+        feats = feats.gather(1, acc.path[:, :, None].expand(-1, -1, feats.shape[-1]))
+        meta = AttnMetadata(slots=slots, positions=lens[:, None] + torch.arange(W, device=lens.device),
+                            prefix_lens=lens, kv_len=int(lens.max()) + W)
+        h = self.head(acc.tokens, feats, meta, self.cache.layers[0], features=True, out_rows=acc.num - 1)
+        self._keep(slots, h[:, 0])
+
+    def _keep(self, slots: torch.Tensor, h: torch.Tensor) -> None:
+        tok, logp = topk_logprobs(self.head.logits(h), self.k)
+        self.hidden[slots] = h
+        self.first_tokens[slots] = self.head.to_target(tok)
+        self.first_logp[slots] = logp
+
+    # ---- the draft loop ------------------------------------------------------------------------
+
+    def propose(self, slots, last_tokens, lens) -> Proposal:
+        B, k, S = slots.shape[0], self.k, self.S
+        dev = slots.device
+        H = self.hidden.shape[1]
+        beam_tok, beam_score = self.first_tokens[slots], self.first_logp[slots]        # [B, k]
+        beam_h = self.hidden[slots][:, None].expand(B, k, H)
+        beam_idx = torch.arange(k, device=dev).expand(B, k)
+        toks, scores, parents = [beam_tok], [beam_score], [torch.full((B, k), -1, device=dev)]
+        # anc[b, j, r]: beam node j sees scratch row r (its ancestors' and its own draft K/V)
+        anc = torch.zeros(B, k, (S - 1) * k, dtype=torch.bool, device=dev)
+        kv_base = int(lens.max())
+        for s in range(1, S):
+            off = (s - 1) * k
+            anc[:, torch.arange(k), off + torch.arange(k)] = True
+            meta = AttnMetadata(slots=slots, positions=(lens + s - 1)[:, None].expand(B, k),
+                                prefix_lens=lens, kv_len=kv_base + s * k,
+                                tree_mask=anc[:, :, : s * k], write_offset=off)
+            h = self.head(beam_tok, beam_h, meta, self.cache.layers[0], features=False)  # [B, k, H]
+            tok, logp = topk_logprobs(self.head.logits(h), k)                          # [B, k, k]
+            tok = self.head.to_target(tok).flatten(1)
+            score = child_scores(beam_score[:, :, None], logp).flatten(1)              # [B, k*k]
+            toks.append(tok)
+            scores.append(score)
+            parents.append(beam_idx[:, :, None].expand(B, k, k).flatten(1))
+            if s < S - 1:
+                beam_score, best = score.topk(k, dim=1)
+                from_slot = best // k
+                beam_tok = tok.gather(1, best)
+                beam_h = h.gather(1, from_slot[:, :, None].expand(B, k, H))
+                beam_idx = k + (s - 1) * k * k + best
+                anc = anc.gather(1, from_slot[:, :, None].expand(-1, -1, anc.shape[2]))
+        if k == 1:
+            p, d = chain(B, S + 1, dev)
+            return Proposal(tokens=torch.cat([last_tokens[:, None], *toks], dim=1), parents=p,
+                            depths=d, tree_mask=None)
+        tokens, p, d, mask = choose_tree(torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1),
+                                         self.cand_depths, last_tokens, self.num_draft_tokens, S)
+        return Proposal(tokens=tokens, parents=p, depths=d, tree_mask=mask)

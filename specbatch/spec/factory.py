@@ -1,0 +1,47 @@
+"""From a recipe's algorithm and parameters to a drafter attached to the loaded target."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..models.config import ModelError
+from ..models.eagle3 import default_aux_layers, load_eagle3
+from ..models.llama import CausalLM
+from .drafter import Drafter, NoDrafter
+from .eagle3 import Eagle3Drafter
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    algorithm: str = "vanilla"
+    num_steps: int | None = None         # S
+    topk: int | None = None              # k
+    num_draft_tokens: int | None = None  # N, the root included
+    draft: str | None = None             # draft head directory
+
+    @property
+    def width(self) -> int:
+        """Tokens verified per sequence per cycle."""
+        return 1 if self.algorithm == "vanilla" else int(self.num_draft_tokens)
+
+
+def make_drafter(spec: SpecConfig, target: CausalLM, num_slots: int, max_len: int) -> Drafter:
+    if spec.algorithm == "vanilla":
+        return NoDrafter()
+    if spec.algorithm != "eagle3":
+        raise ModelError(f"algorithm {spec.algorithm!r} is not available in this version yet "
+                         "(available: vanilla, eagle3)")
+    if not spec.draft:
+        raise ModelError("eagle3 needs a draft head: pass --draft DIR (an EAGLE3 head directory)")
+    dev, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
+    head = load_eagle3(spec.draft, target.cfg, target.model.embed_tokens, dtype, dev)
+    L = target.cfg.num_layers
+    aux = head.cfg.aux_layer_ids or default_aux_layers(L)
+    bad = [i for i in aux if not 0 <= i < L]
+    if len(aux) != 3 or bad:
+        source = "eagle_aux_hidden_state_layer_ids" if head.cfg.aux_layer_ids else "the default (1, L//2-1, L-4)"
+        raise ModelError(f"{spec.draft}: aux layers {list(aux)} from {source} do not fit a target "
+                         f"of {L} layers (expected three ids in 0..{L - 1})")
+    if spec.topk > head.cfg.draft_vocab_size:
+        raise ModelError(f"topk {spec.topk} exceeds the draft vocabulary ({head.cfg.draft_vocab_size})")
+    return Eagle3Drafter(head, tuple(aux), spec.num_steps, spec.topk, spec.num_draft_tokens,
+                         num_slots, max_len)
