@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -21,7 +22,7 @@ EXIT_USAGE = 2      # unknown recipe, unusable model, unreadable input, output c
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -106,7 +107,7 @@ def recipes(name: Optional[str] = typer.Argument(None, help="Print this recipe i
     for n in builtin_recipes():
         r = load_recipe(n)
         table.add_row(n, r.algorithm, *(str(v) if v is not None else "-" for v in (r.num_steps, r.topk, r.num_draft_tokens)),
-                      r.model, r.description)
+                      escape(r.model), escape(r.description))
     out.print(table)
 
 
@@ -136,7 +137,7 @@ def inspect(
                  ("vocab", cfg.vocab_size), ("parameters (approx.)", f"{params / 1e6:.1f} M"),
                  ("checkpoint dtype", cfg.torch_dtype), ("max positions", cfg.max_position_embeddings),
                  ("draft", r.draft or "-")]:
-        table.add_row(k, str(v))
+        table.add_row(k, escape(str(v)))
     out.print(table)
 
 
@@ -160,7 +161,7 @@ class _ProgressView:
     def update(self, event: str, info: dict[str, Any]) -> None:
         if event == "start":
             if info["resumed"]:
-                err.print(f"resuming: {info['resumed']} rows already committed", highlight=False)
+                err.print(f"resuming: {info['resumed']} rows already committed", highlight=False, markup=False)
             if not self.enabled:
                 return
             self.progress = Progress(
@@ -182,7 +183,7 @@ class _ProgressView:
 def _print_summary(s: dict[str, Any]) -> None:
     table = Table(title="specbatch run", show_header=False)
     if s.get("complete_before"):
-        table.add_row("output", f"{s['output']} is already complete ({s['resumed']} rows); pass --overwrite to redo it")
+        table.add_row("output", escape(f"{s['output']} is already complete ({s['resumed']} rows); pass --overwrite to redo it"))
         err.print(table)
         return
     rows = [
@@ -196,7 +197,7 @@ def _print_summary(s: dict[str, Any]) -> None:
         ("wall time", f"{s['wall_s']:.1f} s"), ("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB"),
     ]
     for k, v in rows:
-        table.add_row(k, str(v))
+        table.add_row(k, escape(str(v)))
     err.print(table)
 
 

@@ -114,8 +114,13 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
                           save_token_ids=opts.save_token_ids, keep_columns=opts.keep_columns,
                           overwrite=opts.overwrite)
     stats = RunStats()
+    total = source.total
+    if total is not None and opts.limit is not None:
+        total = min(total, opts.limit)
     if writer.complete:
-        return stats.summary(output=output, complete_before=True, resumed=len(writer.done_rows))
+        if total is None or all(r in writer.done_rows for r in range(total)):
+            return stats.summary(output=output, complete_before=True, resumed=len(writer.done_rows))
+        writer.reopen()      # finished by an earlier run with a smaller --limit: add the rest
 
     engine = Engine(model_dir, EngineOptions(
         batch_size=recipe.batch_size, max_model_len=recipe.max_model_len, dtype=recipe.dtype,
@@ -125,9 +130,6 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
         rows = itertools.takewhile(lambda r: r.row < opts.limit, rows)
     done = writer.done_rows
     todo = (r for r in rows if r.row not in done)
-    total = source.total
-    if total is not None and opts.limit is not None:
-        total = min(total, opts.limit)
     resumed = len(done) if opts.limit is None else sum(1 for r in done if r < opts.limit)
     notify("start", {"total": None if total is None else total - resumed, "resumed": resumed,
                      "device": str(engine.device), "max_model_len": engine.max_len,

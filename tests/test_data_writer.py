@@ -128,7 +128,9 @@ def test_overwrite_removes_parts_and_final(tmp_path):
     assert w2.done_rows == set() and parts(out) == []
     w2.add(rec(5))
     assert w2.finalize() == 1
-    w3 = OutputWriter(str(out), fingerprint=FP)
+    with pytest.raises(OutputError, match="different job"):
+        OutputWriter(str(out), fingerprint=FP)            # finished by the "other" job
+    w3 = OutputWriter(str(out), fingerprint={**FP, "recipe": "other"})
     assert w3.complete and w3.done_rows == {5}
     w4 = OutputWriter(str(out), fingerprint=FP, overwrite=True)
     assert not w4.complete and w4.done_rows == set() and not out.exists()
@@ -363,3 +365,31 @@ def test_crash_and_resume(tmp_path):
     assert t.column("row").to_pylist() == list(range(71, 101))
     assert t.column("id").to_pylist() == [str(100 - r) for r in range(71, 101)]
     assert t.column("k").to_pylist() == [100 - r for r in range(71, 101)]
+
+
+def test_reopen_turns_a_finished_output_back_into_parts(tmp_path):
+    for ext in ("parquet", "jsonl"):
+        out = str(tmp_path / f"re.{ext}")
+        w = OutputWriter(out, fingerprint={"job": 1}, keep_columns=("k",))
+        for i in range(3):
+            w.add({**rec(i), "k": f"v{i}"})
+        assert w.finalize() == 3
+        w = OutputWriter(out, fingerprint={"job": 1}, keep_columns=("k",))
+        assert w.complete and w.done_rows == {0, 1, 2}
+        w.reopen()
+        assert not w.complete and os.path.isdir(out + ".parts")
+        for i in (3, 4):
+            w.add({**rec(i), "k": f"v{i}"})
+        assert w.finalize() == 5
+        rows = read_final(out).to_pylist()
+        assert [r["row"] for r in rows] == [0, 1, 2, 3, 4] and [r["k"] for r in rows] == [f"v{i}" for i in range(5)]
+
+
+def test_finished_parquet_remembers_its_job(tmp_path):
+    out = str(tmp_path / "job.parquet")
+    w = OutputWriter(out, fingerprint={"recipe": "vanilla"})
+    w.add(rec(0))
+    w.finalize()
+    with pytest.raises(OutputError, match=r"different job \(recipe: 'vanilla' vs 'eagle3_topk1'\)"):
+        OutputWriter(out, fingerprint={"recipe": "eagle3_topk1"})
+    assert OutputWriter(out, fingerprint={"recipe": "vanilla"}).complete

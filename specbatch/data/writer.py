@@ -40,6 +40,7 @@ _TOKEN_IDS_FIELD = pa.field("output_token_ids", pa.list_(pa.int64()))
 STANDARD_COLUMNS = tuple(f.name for f in _BASE_FIELDS) + (_TOKEN_IDS_FIELD.name,)
 
 MANIFEST = "manifest.json"
+MANIFEST_KEY = b"specbatch.manifest"   # the manifest inside a finished Parquet output
 _PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 MERGE_CHUNK_BYTES = 512 << 20  # uncompressed bytes gathered per output chunk in finalize()
 JSONL_BATCH_ROWS = 4096
@@ -186,6 +187,7 @@ class OutputWriter:
             self.complete = True
             self.done_rows = self._final_file_rows()
             self._final_rows = len(self.done_rows)
+            self._check_final_manifest()
         else:
             self._create_parts_dir()
 
@@ -289,6 +291,34 @@ class OutputWriter:
             raise OutputError(
                 f"{self.path} exists but cannot be read ({' '.join(str(e).split())}); pass --overwrite to replace it"
             ) from None
+
+    def _check_final_manifest(self) -> None:
+        """A finished Parquet output carries its job's manifest: refuse to treat another job's
+        output as this one's. (JSONL has nowhere to keep it: only its rows are checked.)"""
+        if self.format != "parquet":
+            return
+        meta = pq.read_schema(self.path).metadata or {}
+        raw = meta.get(MANIFEST_KEY)
+        if raw is None:
+            return
+        diff = self._mismatch(json.loads(raw))
+        if diff is not None:
+            raise OutputError(f"{self.path} was written by a different job ({diff}); "
+                              "pass --overwrite to replace it, or choose another --output")
+
+    def reopen(self) -> None:
+        """Turn a finished output back into one committed part, so a run can add the rows it lacks."""
+        if not self.complete:
+            return
+        if self.format == "parquet":
+            table = pq.read_table(self.path).replace_schema_metadata(None)
+        else:
+            with open(self.path, "rb") as f:
+                table = self._part_table([json.loads(line) for line in f if line.strip()])
+        self._create_parts_dir()
+        _write_atomic(os.path.join(self.parts_dir, "part-000000.parquet"), lambda f: pq.write_table(table, f))
+        self._next_part = 1
+        self.complete = False
 
     # ---- writing parts -------------------------------------------------
 
@@ -412,17 +442,18 @@ class OutputWriter:
         parts = [p for _, p in self._part_paths()]
         schema, as_json = self._merged_schema([pq.read_schema(p) for p in parts])
         count = 0
+        final_schema = schema.with_metadata({MANIFEST_KEY: self._dump_manifest()})
 
         def write_parquet(f) -> None:
             nonlocal count
-            with pq.ParquetWriter(f, schema) as w:
+            with pq.ParquetWriter(f, final_schema) as w:
                 wrote = False
                 for chunk in self._merge_chunks(parts, schema, as_json):
-                    w.write_table(chunk)
+                    w.write_table(chunk.replace_schema_metadata(final_schema.metadata))
                     count += chunk.num_rows
                     wrote = True
                 if not wrote:
-                    w.write_table(schema.empty_table())
+                    w.write_table(final_schema.empty_table())
 
         def write_jsonl(f) -> None:
             nonlocal count
