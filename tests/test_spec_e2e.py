@@ -172,3 +172,54 @@ def test_sampling_is_lossless_statistically(mode, target, head):
     stat += (other_c - other_e) ** 2 / max(other_e, 1e-9)
     dof = int(big.sum())
     assert stat < _chi2_threshold(dof), (stat, dof)
+
+
+def test_eagle3_recipe_through_the_job(target, head, tmp_path):
+    import json
+
+    from specbatch.job import JobOptions, run_job
+    from specbatch.recipe import load_recipe
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt_token_ids": r.prompt_token_ids, "max_tokens": 12}) + "\n"
+                           for r in _rows(n=5)))
+    outs = {}
+    for name in ("vanilla", "eagle3_topk1", "eagle3_tree"):
+        recipe = load_recipe(name).with_overrides(model=str(target), batch_size=3,
+                                                  draft=None if name == "vanilla" else str(head))
+        summary = run_job(str(src), recipe, JobOptions(output=str(tmp_path / f"{name}.jsonl"), device="cpu"))
+        outs[name] = [json.loads(line)["completion"] for line in open(tmp_path / f"{name}.jsonl")]
+        assert summary["errors"] == 0 and summary["requests"] == 5
+        if name != "vanilla":
+            S = recipe.num_steps
+            assert len(summary["acceptance_per_position"]) == S
+            assert summary["draft_tokens"] > 0 and summary["draft"] == str(head)
+            assert 1.0 <= summary["mean_accept_length"] <= S + 1
+    assert outs["eagle3_topk1"] == outs["vanilla"] == outs["eagle3_tree"]
+
+
+def test_eagle3_draft_resolution_errors(target, head, tmp_path, tiny_model_factory):
+    from specbatch.job import JobError, resolve_draft
+    from specbatch.recipe import load_recipe
+
+    with pytest.raises(JobError, match="pass --draft DIR"):
+        resolve_draft(load_recipe("eagle3_topk1").with_overrides(model=str(target)))
+    with pytest.raises(JobError, match="uses no draft"):
+        resolve_draft(load_recipe("vanilla").with_overrides(draft=str(head)))
+    assert resolve_draft(load_recipe("eagle3_tree").with_overrides(model=str(target), draft=str(head))) == str(head)
+
+
+def test_incompatible_draft_is_a_one_line_error(target, tmp_path, tiny_model_factory):
+    from typer.testing import CliRunner
+
+    from specbatch.cli import app
+
+    other = tiny_model_factory("qwen2", vocab_size=300)         # a head made for another vocabulary
+    bad_head = make_eagle3_head(tmp_path / "bad", other)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "def f(x):"}\n')
+    res = CliRunner().invoke(app, ["run", str(src), "--recipe", "eagle3_topk1", "--model", str(target),
+                                   "--draft", str(bad_head), "--device", "cpu", "-o", str(tmp_path / "o.jsonl")])
+    assert res.exit_code == 2
+    msg = res.output.strip().splitlines()
+    assert any("vocab_size 300 does not match the target's 320" in line for line in msg)
