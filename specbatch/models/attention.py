@@ -30,7 +30,8 @@ class AttnMetadata:
 
     @property
     def region(self) -> int:
-        return self.num_new if self.tree_mask is None else self.tree_mask.shape[2]
+        """Rows after the prefix under the mask: the offset rows and the new tokens when causal."""
+        return self.write_offset + self.num_new if self.tree_mask is None else self.tree_mask.shape[2]
 
     def cache_rows(self) -> torch.Tensor:
         """[B, T] cache row of each new token."""
@@ -54,7 +55,7 @@ class AttnMetadata:
         in_region = ((rel >= 0) & (rel < M))[:, None, :]
         m = rel.clamp(0, M - 1)[:, None, :].expand(-1, T, -1)                # [B, T, L]
         if self.tree_mask is None:
-            region_ok = m <= torch.arange(T, device=dev)[None, :, None]
+            region_ok = m <= self.write_offset + torch.arange(T, device=dev)[None, :, None]
         else:
             region_ok = torch.gather(self.tree_mask, 2, m)
         visible = in_prefix | (in_region & region_ok)

@@ -124,8 +124,12 @@ def load_eagle3(head_dir: str | Path, target_cfg: DecoderConfig, target_embeddin
     head.t2d = torch.ones(target_cfg.vocab_size, dtype=torch.bool, device=device)
     if not own:
         head.embed_tokens = target_embedding
+    reduced = cfg.draft_vocab_size != target_cfg.vocab_size
+    if reduced and "d2t" not in names:
+        raise ModelError(f"{head_dir}: missing weights d2t (draft_vocab_size {cfg.draft_vocab_size} < "
+                         f"vocab_size {target_cfg.vocab_size} needs the draft-to-target id offsets)")
     tensors = ((_strip(n), t) for n, t in iter_tensors(files, device))
-    extra = load_weights(head, _with_buffers(head, tensors), str(head_dir),
+    extra = load_weights(head, _with_buffers(head, tensors, str(head_dir)), str(head_dir),
                          optional=() if own else ("embed_tokens.weight",))
     unknown = [n for n in extra if n not in ("d2t", "t2d")]
     if unknown:
@@ -133,6 +137,8 @@ def load_eagle3(head_dir: str | Path, target_cfg: DecoderConfig, target_embeddin
     mapped = torch.arange(cfg.draft_vocab_size, device=device) + head.d2t
     if int(mapped.min()) < 0 or int(mapped.max()) >= target_cfg.vocab_size:
         raise ModelError(f"{head_dir}: d2t maps draft ids outside the target vocabulary")
+    if "t2d" in names and (int(head.t2d.sum()) != cfg.draft_vocab_size or not bool(head.t2d[mapped].all())):
+        raise ModelError(f"{head_dir}: t2d does not mark exactly the target ids d2t maps to")
     return head.eval().requires_grad_(False)
 
 
@@ -140,12 +146,12 @@ def _strip(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def _with_buffers(head: Eagle3Head, tensors):
+def _with_buffers(head: Eagle3Head, tensors, where: str):
     """Copy d2t / t2d into the buffers (checking shape) and pass the parameters on."""
     for name, t in tensors:
         if name in ("d2t", "t2d"):
             buf = getattr(head, name)
             if tuple(t.shape) != tuple(buf.shape):
-                raise ModelError(f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(buf.shape)}")
+                raise ModelError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(buf.shape)}")
             buf.copy_(t.to(buf.dtype))
         yield name, t
