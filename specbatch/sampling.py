@@ -63,7 +63,9 @@ def uniforms(keys: torch.Tensor, width: int) -> torch.Tensor:
     """keys [R] -> uniforms [R, width] in (0, 1), float32, one per vocabulary entry."""
     v = mix32(torch.arange(width, device=keys.device, dtype=torch.int64) ^ 0x9E3779B9)
     x = mix32(keys[:, None] ^ v[None, :])
-    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: (k + 0.5) / 2**23 is exact in float32, so u stays strictly inside (0, 1)
+    # (24 bits would round the top value up to 1.0, making -log(u) zero).
+    return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -75,7 +77,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
-    drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -17,12 +17,15 @@ LOG_ZERO = -1e30
 def top1(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [..., V] -> (argmax [...] (lowest index among ties), its log-probability [...]).
 
-    Rows that are all -inf give token 0 with log-probability LOG_ZERO.
+    Rows that are all -inf give token 0 with log-probability LOG_ZERO; rows holding +inf give
+    the mass to the +inf entries.
     """
     x = logits.float()
     m, idx = x.max(dim=-1)
     # max - lse computed as -log(sum(exp(x - max))): exact even when |max| dwarfs log(V).
     logp = -(x - m[..., None]).logsumexp(dim=-1)
+    # +inf entries share all the mass.
+    logp = torch.where(torch.isposinf(m), -torch.log((x == m[..., None]).sum(dim=-1).float()), logp)
     return idx, logp.nan_to_num(nan=LOG_ZERO, neginf=LOG_ZERO)
 
 
