@@ -27,7 +27,7 @@ def _python(code: str, cwd: Path, *flags: str, env: dict | None = None) -> subpr
 
 
 def test_kernels_only_under_the_specbatch_namespace(tmp_path):
-    # -I: no cwd / PYTHONPATH on sys.path, just what is installed (the repo root itself holds a kernels/)
+    # -P -E: no cwd / PYTHONPATH on sys.path, just what is installed (the repo root itself holds a kernels/)
     code = """
 import importlib.util, json, sys
 import specbatch, specbatch.kernels, specbatch.cli
@@ -39,7 +39,7 @@ except ModuleNotFoundError:
 print(json.dumps({"top": top, "sub": specbatch.kernels.__file__, "in_modules": "kernels" in sys.modules}))
 """
     for cwd in (tmp_path, REPO):
-        got = json.loads(_python(code, cwd, "-I").stdout)
+        got = json.loads(_python(code, cwd, "-P", "-E").stdout)
         assert got["top"] is None, f"`import kernels` found {got['top']}"
         assert not got["in_modules"]
         assert Path(got["sub"]).name == "__init__.py"
@@ -165,7 +165,7 @@ print(json.dumps({{"file": specbatch.__file__, "kernels": specbatch.kernels.__fi
                   "recipes": builtin_recipes(), "model": load_recipe("vanilla").model,
                   "default": str(resolve_model("default"))}}))
 """
-    got = json.loads(_python(code, tmp_path, "-I").stdout)
+    got = json.loads(_python(code, tmp_path, "-P", "-E").stdout)
     assert got["file"].startswith(str(target)) and got["kernels"].startswith(str(target))
     assert got["top"] is None
     assert "vanilla" in got["recipes"]
