@@ -141,6 +141,26 @@ def inspect(
     out.print(table)
 
 
+@app.command()
+def train(
+    work_dir: str = typer.Option(".demo_build", help="Where every stage reads and writes its outputs."),
+    stages: str = typer.Option("tokenizer,target,eagle3,bundle", help="Comma-separated stages to run, in order."),
+    smoke: bool = typer.Option(False, "--smoke", help="Toy sizes on the CPU in seconds (CI); bundles into WORK_DIR/bundle."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
+    seed: int = typer.Option(0, help="Seed for every stage."),
+) -> None:
+    """Rebuild the embedded demo model: corpus -> tokenizer -> target -> EAGLE3 head -> bundle."""
+    from .train.pipeline import STAGES, build_demo
+
+    chosen = tuple(s.strip() for s in stages.split(",") if s.strip())
+    bad = [s for s in chosen if s not in STAGES]
+    if bad:
+        _fail(f"--stages: unknown stage {bad[0]!r} (stages: {', '.join(STAGES)})")
+    report = build_demo(work_dir, stages=chosen, smoke=smoke, device=device, seed=seed,
+                        log=lambda m: err.print(m, highlight=False, markup=False))
+    typer.echo(json.dumps({k: report[k] for k in chosen}, indent=2, default=str))
+
+
 class _ProgressView:
     """A rich progress bar on stderr: rows done/total, output tokens/s, mean accept length."""
 
