@@ -251,7 +251,7 @@ def test_draft_vocab_consistent_and_deterministic(trained, tokens_dir):
     d2t, t2d = w["d2t"], w["t2d"]
     mapped = torch.arange(len(d2t)) + d2t
     assert (mapped.diff() > 0).all() and int(t2d.sum()) == len(d2t) and bool(t2d[mapped].all())
-    from specbatch.train.eagle3 import _stream
+    from specbatch.train.corpus import token_tensor as _stream
 
     train = _stream(tokens_dir / "train.bin")
     counts = torch.bincount(train, minlength=V)

@@ -12,7 +12,9 @@ import torch
 import transformers as tf
 
 from specbatch.train.corpus import load_tokens
-from specbatch.train.target import DEMO_SHAPE, _lr_at, _stream, heldout_loss, train_target
+from specbatch.train.corpus import token_tensor as _stream
+from specbatch.train.schedule import warmup_cosine
+from specbatch.train.target import DEMO_SHAPE, heldout_loss, train_target
 from tiny_models import make_tokenizer
 
 VOCAB = 320                       # tiny_models' tokenizer; EOS (and pad) id 0
@@ -173,7 +175,7 @@ def test_heldout_loss_covers_whole_stream(learnable):
 
 
 def test_lr_schedule_and_demo_shape():
-    lrs = [_lr_at(s, 100, 1.0, 10, 0.1) for s in range(100)]
+    lrs = [warmup_cosine(s, 100, 10, 0.1) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and lrs[10] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
     cfg = tf.LlamaConfig(**DEMO_SHAPE, vocab_size=8192, eos_token_id=0, pad_token_id=0, bos_token_id=None)

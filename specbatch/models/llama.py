@@ -56,7 +56,7 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -86,8 +86,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, d)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         write_kv(k_cache, v_cache, k, v, meta)
         if out_rows is not None:
             q = q.gather(1, out_rows[:, None, None, None].expand(-1, 1, *q.shape[2:]))

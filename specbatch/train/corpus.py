@@ -403,3 +403,11 @@ def load_tokens(out_path: str | os.PathLike) -> array:
     if header.get("byteorder", "little") != sys.byteorder:
         toks.byteswap()
     return toks
+
+
+def token_tensor(out_path: str | os.PathLike):
+    """A token stream written by :func:`encode_corpus` as a 1-D int64 torch tensor."""
+    import torch
+
+    # no uint16 arithmetic in older torch: view as int16 and undo the sign
+    return torch.frombuffer(load_tokens(out_path), dtype=torch.int16).to(torch.int64) & 0xFFFF

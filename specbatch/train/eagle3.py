@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import time
 from pathlib import Path
 from typing import Callable
@@ -37,8 +36,9 @@ import torch.nn.functional as F
 
 from ..models.config import DecoderConfig, load_config
 from ..models.eagle3 import Eagle3Config, Eagle3Head
-from ..models.llama import rope_cos_sin
-from .corpus import load_tokens
+from ..models.llama import rope_cos_sin, rotate_half
+from .corpus import token_tensor
+from .schedule import warmup_cosine
 
 __all__ = [
     "FrozenTarget",
@@ -180,11 +180,6 @@ def _shift_rows(x: torch.Tensor, d: int) -> torch.Tensor:
     return torch.cat([pad, x[:, :-d]], dim=1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def _ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], j: int,
                    scale: float) -> torch.Tensor:
     """Step j >= 1. q [B, n, Hq, D]; ks/vs[s] [B, n, Hkv, D], the keys/values step s wrote at every
@@ -238,8 +233,8 @@ def ttt_forward(head: Eagle3Head, embed_weight: torch.Tensor, tokens: torch.Tens
         v = attn.v_proj(x).view(B, n, -1, D)
         if c.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         ks.append(k)
         vs.append(v)
         if j == 0:
@@ -318,18 +313,6 @@ def save_head(head: Eagle3Head, cfg: dict, out_dir: str | Path,
 # --------------------------------------------------------------------------- the training loop
 
 
-def _stream(path: Path) -> torch.Tensor:
-    return torch.frombuffer(load_tokens(path), dtype=torch.uint16).to(torch.int64)
-
-
-def _lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warmup over `warmup` steps, then cosine from 1 to 0 at `total`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
 def _summarise(sums: dict, step_weight: float) -> dict:
     sums = {k: [float(x) for x in v] for k, v in sums.items()}
     steps = len(sums["ce"])
@@ -377,10 +360,10 @@ def train_eagle3(target_dir, tokens_dir, out_dir, *, draft_vocab: int = 2048,
     if ttt_steps < 1:
         raise ValueError("ttt_steps must be >= 1")
 
-    train = _stream(tokens_dir / "train.bin")
+    train = token_tensor(tokens_dir / "train.bin")
     held_path = tokens_dir / "heldout.bin"
     if held_path.is_file():
-        held = _stream(held_path)
+        held = token_tensor(held_path)
     else:                                    # no held-out stream: keep the train tail for eval
         cut = len(train) - max(len(train) // 20, seq_len)
         train, held = train[:cut], train[cut:]
@@ -404,7 +387,7 @@ def train_eagle3(target_dir, tokens_dir, out_dir, *, draft_vocab: int = 2048,
     n_params = sum(p.numel() for p in params)
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
                             **({"fused": True} if cuda else {}))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, warmup, steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, steps, warmup))
     log(f"eagle3: target {target_dir} ({tcfg.num_layers} layers, H {tcfg.hidden_size}), aux "
         f"{list(aux_layers)}, draft vocab {Vd} (covers {coverage:.1%} of train tokens), "
         f"{n_params / 1e6:.2f}M trainable params, {len(train)} train / {len(held)} held-out tokens, "

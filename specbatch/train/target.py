@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .corpus import token_tensor
+from .schedule import warmup_cosine
+
 # Shape of the shipped demo target (bf16 on disk): ~6.8M parameters with a vocabulary of
 # 8192 (tied embedding 2.1M + 6 layers x 0.79M), ~13.6 MB of weights. The shipped bundle
 # (target + draft heads) must stay <= 24 MB, so do not grow it.
@@ -39,17 +42,6 @@ def _save_checkpoint(model: Any, out: Path, tokenizer_dir: str | Path, eos_id: i
 
 
 # --------------------------------------------------------------------------- training
-
-
-def _stream(path: Path):
-    """A token stream of :func:`specbatch.train.corpus.encode_corpus` as a 1-D int64 tensor."""
-    import torch
-
-    from .corpus import load_tokens
-
-    arr = load_tokens(path)
-    # no uint16 arithmetic in torch: view as int16 and undo the sign
-    return torch.frombuffer(arr, dtype=torch.int16).to(torch.int64) & 0xFFFF
 
 
 def _autocast(device: Any):
@@ -91,14 +83,6 @@ def heldout_loss(model: Any, tokens: Any, seq_len: int = 512, batch_size: int = 
     return total.item() / n
 
 
-def _lr_at(step: int, steps: int, lr: float, warmup: int, min_lr_ratio: float) -> float:
-    """Linear warmup over `warmup` steps, then cosine from lr down to lr * min_lr_ratio."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
-    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
-
-
 def train_target(tokens_dir: str | Path, tokenizer_dir: str | Path, out_dir: str | Path, *,
                  shape: dict | None = None, seq_len: int = 512, batch_size: int = 64,
                  steps: int = 2000, lr: float = 2e-3, min_lr_ratio: float = 0.1, warmup: int = 100,
@@ -128,8 +112,8 @@ def train_target(tokens_dir: str | Path, tokenizer_dir: str | Path, out_dir: str
     dev = torch.device(device)
     tokens_dir, out = Path(tokens_dir), Path(out_dir)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    train = _stream(tokens_dir / "train.bin")
-    held = _stream(tokens_dir / "heldout.bin")[:heldout_tokens]
+    train = token_tensor(tokens_dir / "train.bin")
+    held = token_tensor(tokens_dir / "heldout.bin")[:heldout_tokens]
     if len(train) < seq_len + 1 or len(held) < 2:
         raise ValueError(f"{tokens_dir}: streams too short for seq_len {seq_len}")
     if max(int(train.max()), int(held.max())) >= len(tok):
@@ -154,7 +138,7 @@ def train_target(tokens_dir: str | Path, tokenizer_dir: str | Path, out_dir: str
     best_loss, best_step, best_state = math.inf, 0, None
     loss_sum, loss_n, eval_s = torch.zeros((), device=dev), 0, 0.0
     for step in range(1, steps + 1):
-        lr_t = _lr_at(step - 1, steps, lr, warmup, min_lr_ratio)
+        lr_t = lr * warmup_cosine(step - 1, steps, warmup, min_lr_ratio)
         for group in opt.param_groups:
             group["lr"] = lr_t
         starts = torch.randint(0, len(train) - seq_len, (batch_size, 1), generator=gen)
