@@ -13,6 +13,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Not cuDNN: on Hopper it serves bf16 by default and builds a plan for every new key length,
+# about 116 ms each (measured on an H100: benchmarks/sdpa_shapes.py), and the key length here
+# grows every decode step. The other backends take 0.35 ms for the same call.
+_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -82,8 +88,9 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     keys = k_cache[meta.slots, : meta.kv_len].transpose(1, 2)      # [B, Hkv, L, D]
     values = v_cache[meta.slots, : meta.kv_len].transpose(1, 2)
     mask = meta.visibility(sliding_window)[:, None]                  # [B, 1, T, L]
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
-        enable_gqa=q.shape[2] != keys.shape[1],
-    )
+    with sdpa_kernel(_BACKENDS):
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
+            enable_gqa=q.shape[2] != keys.shape[1],
+        )
     return out.transpose(1, 2)
