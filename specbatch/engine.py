@@ -193,7 +193,7 @@ class Engine:
 
         # accept: walk the tree with the target's distribution at each node
         acc = accept(prop.tokens, prop.parents, logits, sp, lens, self.drafter.max_depth)
-        emitted, counts = acc.tokens.tolist(), acc.num.tolist()                  # the one host sync
+        emitted, counts = acc.tokens.tolist(), acc.num.tolist()                  # the host copy of the results
 
         # commit: root + accepted drafts become cache rows (a tree's path is made contiguous);
         # the last emitted token is the next root
