@@ -114,28 +114,32 @@ def recipes(name: Optional[str] = typer.Argument(None, help="Print this recipe i
 def inspect(
     recipe: str = typer.Option("vanilla", "--recipe", "-r", help="Recipe whose model to show."),
     model: Optional[str] = typer.Option(None, help="Model directory (overrides the recipe's)."),
+    draft: Optional[str] = typer.Option(None, help="Draft head directory (overrides the recipe's)."),
 ) -> None:
-    """Show which model a recipe resolves to, and its shape."""
-    from .job import JobError, resolve_model
+    """Show which model and draft a recipe resolves to, and the model's shape."""
+    from .job import JobError, resolve_draft, resolve_model
     from .models.config import ModelError, load_config
     from .recipe import RecipeError, load_recipe
 
     try:
-        r = load_recipe(recipe).with_overrides(model=model)
+        r = load_recipe(recipe).with_overrides(model=model, draft=draft)
         path = resolve_model(r.model)
         cfg, _ = load_config(path)
+        draft = resolve_draft(r)
     except (RecipeError, JobError, ModelError) as e:
         _fail(str(e))
     params = (cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
               + cfg.num_layers * (cfg.hidden_size * cfg.head_dim * (cfg.num_heads * 2 + cfg.num_kv_heads * 2)
                                   + 3 * cfg.hidden_size * cfg.intermediate_size))
     table = Table(show_header=False)
+    table.add_column("key")
+    table.add_column("value", overflow="fold")          # paths shown whole, wrapped
     for k, v in [("recipe", f"{r.name} ({r.source})"), ("algorithm", r.algorithm), ("model", str(path)),
                  ("architecture", cfg.architecture), ("layers", cfg.num_layers),
                  ("hidden / heads / kv heads / head dim", f"{cfg.hidden_size} / {cfg.num_heads} / {cfg.num_kv_heads} / {cfg.head_dim}"),
                  ("vocab", cfg.vocab_size), ("parameters (approx.)", f"{params / 1e6:.1f} M"),
                  ("checkpoint dtype", cfg.torch_dtype), ("max positions", cfg.max_position_embeddings),
-                 ("draft", r.draft or "-")]:
+                 ("draft", draft or "-")]:
         table.add_row(k, escape(str(v)))
     out.print(table)
 

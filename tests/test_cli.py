@@ -546,3 +546,14 @@ def test_rerun_without_limit_completes_the_rest(tiny_model, data_dir, tmp_path):
     assert len(read_out(out)) == 3
     ok(*run_args(tiny_model, data_dir / "rows.jsonl", out))
     assert [r["row"] for r in read_out(out)] == list(range(N))
+
+
+def test_inspect_shows_the_resolved_draft(tiny_model):
+    from specbatch.job import DEMO_DIR
+
+    r = ok("inspect", "--recipe", "eagle3_tree")
+    flat = "".join(line.strip("│ ").split("│")[-1].strip() for line in r.output.splitlines())
+    assert str(DEMO_DIR / "eagle3") in flat, r.output
+    one_line_error(cli("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model)), EXIT_USAGE)
+    r = ok("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model), "--draft", "/some/head")
+    assert "/some/head" in r.output
