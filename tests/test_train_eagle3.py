@@ -23,8 +23,8 @@ from specbatch.recipe import SamplingDefaults
 from specbatch.runtime.kv_cache import KVCache
 from specbatch.spec.eagle3 import Eagle3Drafter
 from specbatch.spec.factory import SpecConfig
-from specbatch.train.eagle3 import (FrozenTarget, build_head, head_config, select_draft_vocab,
-                                    train_eagle3, ttt_forward)
+from specbatch.train.eagle3 import FrozenTarget, build_head, head_config, select_draft_vocab, train_eagle3
+from specbatch.train.ttt import ttt_forward
 from tiny_models import CORPUS
 
 V = 320
