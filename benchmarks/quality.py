@@ -23,6 +23,7 @@ from specbatch.engine import Engine, EngineOptions
 from specbatch.job import DEMO_DIR
 from specbatch.recipe import SamplingDefaults, load_recipe
 from specbatch.spec.factory import SpecConfig
+from specbatch.stats import RunStats
 from specbatch.train.corpus import heldout_prefixes, iter_corpus
 
 RECIPES = ("eagle3_topk1", "eagle3_deep", "eagle3_tree")
@@ -58,17 +59,16 @@ def run(model_dir: Path, prompts: list[list[int]], spec: SpecConfig, dtype: str,
     t0 = time.perf_counter()
     recs = sorted(eng.generate(rows, SamplingDefaults(max_tokens=max_tokens)), key=lambda r: r["row"])
     wall = time.perf_counter() - t0
-    tokens = sum(r["completion_tokens"] for r in recs)
-    steps = sum(r["spec"]["verify_steps"] for r in recs)
-    hist = [sum(c) for c in zip(*(r["spec"]["accept_histogram"] for r in recs))]
-    cycles = sum(hist)
+    stats = RunStats()
+    for r in recs:
+        stats.add(r)
     return {
         "outputs": [r["output_token_ids"] for r in recs],
-        "completion_tokens": tokens,
-        "mean_accept_length": tokens / steps,
-        "accept_histogram": hist,
-        "acceptance_per_position": [sum(hist[i + 1:]) / cycles for i in range(len(hist) - 1)] if cycles else [],
-        "eager_tokens_per_s": tokens / wall,
+        "completion_tokens": stats.completion_tokens,
+        "mean_accept_length": stats.accept_length,
+        "accept_histogram": stats.histogram,
+        "acceptance_per_position": stats.acceptance_per_position(),
+        "eager_tokens_per_s": stats.completion_tokens / wall,
     }
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 from .data import OutputWriter, open_rows
 from .engine import Engine, EngineOptions
 from .recipe import Recipe
-from .spec.factory import SpecConfig
+from .spec.factory import AVAILABLE, SpecConfig
 from .stats import RunStats
 
 DEMO_DIR = Path(__file__).parent / "assets" / "demo"
@@ -102,9 +102,9 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     """
     opts = opts or JobOptions()
     notify = progress or (lambda event, info: None)
-    if recipe.algorithm not in ("vanilla", "eagle3"):
+    if recipe.algorithm not in AVAILABLE:
         raise JobError(f"{recipe.source}: algorithm {recipe.algorithm!r} is not available in this "
-                       "version yet (available: vanilla, eagle3)")
+                       f"version yet (available: {', '.join(AVAILABLE)})")
     spec = spec_config(recipe)
     model_dir = resolve_model(recipe.model)
     source = open_rows(input_path, prompt_column=opts.prompt_column, id_column=opts.id_column,

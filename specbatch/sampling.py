@@ -130,8 +130,15 @@ def sample(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> 
     greedy = logits.argmax(dim=-1)
     if sp.all_greedy:
         return greedy
-    probs = sp.target_probs(logits)
-    u = uniforms(row_keys(sp.seed_lo, sp.seed_hi, positions), logits.shape[-1])
-    # Exponential race: argmax p_v / E_v with E_v ~ Exp(1) picks v with probability p_v.
-    drawn = (probs / -torch.log(u)).argmax(dim=-1)
+    drawn = draw(sp.target_probs(logits), sp, positions)
     return torch.where(sp.temperature > 0, drawn, greedy)
+
+
+def draw(probs: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> torch.Tensor:
+    """probs [R, V] (need not sum to 1) -> one token per row, seeded by (seed, position).
+
+    Exponential race: argmax p_v / E_v with E_v ~ Exp(1) picks v with probability proportional
+    to p_v; entries with p_v = 0 never win.
+    """
+    u = uniforms(row_keys(sp.seed_lo, sp.seed_hi, positions), probs.shape[-1])
+    return (probs / -torch.log(u)).argmax(dim=-1)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import BatchSampling, row_keys, uniforms
+from ..sampling import BatchSampling, draw, row_keys, uniforms
 
-_ACCEPT_SALT = 1      # the acceptance uniform; salt 0 is the per-vocabulary race of sampling
+_ACCEPT_SALT = 1      # the acceptance uniform; salt 0 is the per-vocabulary race of `draw`
 
 
 @dataclass
@@ -81,6 +81,4 @@ def _sample_level(p: torch.Tensor, node_tokens: torch.Tensor, kids: torch.Tensor
     empty = ~hit.any(dim=1) & (residual.sum(dim=1) <= 0) & (kid_p > 0).any(dim=1)
     last = torch.where(kid_p > 0, torch.arange(kids.shape[1], device=p.device), -1).argmax(dim=1)
     hit = hit | (empty[:, None] & (torch.arange(kids.shape[1], device=p.device)[None, :] == last[:, None]))
-    race = uniforms(row_keys(sp.seed_lo, sp.seed_hi, pos), p.shape[1])
-    tok = (residual / -torch.log(race)).argmax(dim=1)
-    return tok, hit
+    return draw(residual, sp, pos), hit

@@ -10,6 +10,9 @@ from .drafter import Drafter, NoDrafter
 from .eagle3 import Eagle3Drafter
 
 
+AVAILABLE = ("vanilla", "eagle3")      # algorithms with a drafter in this version
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     algorithm: str = "vanilla"
@@ -27,9 +30,9 @@ class SpecConfig:
 def make_drafter(spec: SpecConfig, target: CausalLM, num_slots: int, max_len: int) -> Drafter:
     if spec.algorithm == "vanilla":
         return NoDrafter()
-    if spec.algorithm != "eagle3":
+    if spec.algorithm not in AVAILABLE:
         raise ModelError(f"algorithm {spec.algorithm!r} is not available in this version yet "
-                         "(available: vanilla, eagle3)")
+                         f"(available: {', '.join(AVAILABLE)})")
     if not spec.draft:
         raise ModelError("eagle3 needs a draft head: pass --draft DIR (an EAGLE3 head directory)")
     dev, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
