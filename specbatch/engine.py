@@ -198,7 +198,7 @@ class Engine:
         # commit: root + accepted drafts become cache rows (a tree's path is made contiguous);
         # the last emitted token is the next root
         if prop.tree_mask is not None:
-            compact_path(self.cache.layers, slots, lens, acc.path, acc.num)
+            compact_path(self.cache.data, slots, lens, acc.path, acc.num)
         finished: Slotted = []
         for (slot, req), toks, n in zip(active, emitted, counts):
             self.seq_lens[slot] += n

@@ -10,6 +10,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import torch  # noqa: E402
+
+# Without a GPU, Triton kernels run in the interpreter (small-size kernel tests in CI). Set
+# before anything imports triton: the mode is fixed when a kernel is decorated.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tiny_models import make_checkpoint  # noqa: E402
 
 ARCHS = ("llama3", "qwen2", "qwen3", "mistral")

@@ -11,17 +11,19 @@ GiB = 1 << 30
 class KVCache:
     def __init__(self, cfg: DecoderConfig, num_slots: int, rows: int, dtype: torch.dtype,
                  device: torch.device):
-        shape = (num_slots + 1, rows, cfg.num_kv_heads, cfg.head_dim)
+        # One tensor [2 * layers, slots + 1, rows, Hkv, D]: planes 2i / 2i+1 are layer i's K / V,
+        # so a kernel (accepted-path compaction) reaches every layer in one launch.
         # Zeroed, never empty: a NaN bit pattern in a masked row would still poison softmax @ V.
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+        self.data = torch.zeros(2 * cfg.num_layers, num_slots + 1, rows, cfg.num_kv_heads, cfg.head_dim,
+                                dtype=dtype, device=device)
+        self.layers = [(self.data[2 * i], self.data[2 * i + 1]) for i in range(cfg.num_layers)]
         self.num_slots = num_slots
         self.dummy_slot = num_slots
         self.rows = rows
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+        return self.data.nbytes
 
 
 def bytes_per_row(cfg: DecoderConfig, dtype: torch.dtype) -> int:
@@ -62,8 +64,8 @@ def plan_max_len(cfg: DecoderConfig, num_slots: int, dtype: torch.dtype, device:
     return int(min(limit, fit))
 
 
-def compact_path(layers: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor,
-                 start: torch.Tensor, path: torch.Tensor, num: torch.Tensor) -> None:
+def compact_path(kv: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, path: torch.Tensor,
+                 num: torch.Tensor) -> None:
     """After a tree verify: move the accepted path's K/V to contiguous rows.
 
     The node emitted as row j sat at cache row start + path[:, j]; it belongs at start + j.
@@ -74,6 +76,4 @@ def compact_path(layers: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.T
     src = start[:, None] + torch.where(keep, path, j[None, :])
     dst = start[:, None] + j[None, :]
     s = slots[:, None].expand_as(dst)
-    for k, v in layers:
-        k[s, dst] = k[s, src]
-        v[s, dst] = v[s, src]
+    kv[:, s, dst] = kv[:, s, src]          # kv: KVCache.data [planes, slots + 1, rows, Hkv, D]
