@@ -21,3 +21,23 @@ if __name__ == "kernels":
         _module = importlib.util.module_from_spec(_spec)
         sys.modules["kernels"] = _module    # the import system returns what sys.modules holds
         _spec.loader.exec_module(_module)
+else:
+    import contextlib as _contextlib
+    import importlib.util as _importlib_util
+
+    _HAVE_TRITON = _importlib_util.find_spec("triton") is not None
+    _enabled = True
+
+    def active(t) -> bool:
+        """Whether the Triton path serves tensor `t`: CUDA, triton installed, not switched off."""
+        return _enabled and _HAVE_TRITON and t.is_cuda
+
+    @_contextlib.contextmanager
+    def torch_only():
+        """Run the torch reference path everywhere inside the block (GPU tests compare the two)."""
+        global _enabled
+        before, _enabled = _enabled, False
+        try:
+            yield
+        finally:
+            _enabled = before

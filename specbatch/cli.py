@@ -49,6 +49,7 @@ def run(
     keep_columns: Optional[str] = typer.Option(None, help="Comma-separated input columns copied to the output."),
     save_token_ids: bool = typer.Option(False, "--save-token-ids", help="Add output_token_ids to each output row."),
     bucket: int = typer.Option(0, help="Length-bucketing window: admit similar prompt lengths together (0 = FIFO)."),
+    eager: bool = typer.Option(False, "--eager", help="No CUDA graphs: run every cycle eagerly (the reference path)."),
     stats_json: Optional[str] = typer.Option(None, help="Also write the run summary as JSON to this path."),
     fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop at the first bad row (exit 1) after committing finished rows."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Discard an existing output or unfinished parts instead of resuming."),
@@ -72,7 +73,7 @@ def run(
         output=output, limit=limit, prompt_column=prompt_column, id_column=id_column,
         keep_columns=[c.strip() for c in keep_columns.split(",") if c.strip()] if keep_columns else (),
         save_token_ids=save_token_ids, fail_fast=fail_fast, overwrite=overwrite, device=device,
-        bucket_window=bucket)
+        bucket_window=bucket, eager=eager)
     view = _ProgressView(enabled=not quiet)
     try:
         with view:
@@ -142,6 +143,62 @@ def inspect(
                  ("draft", draft or "-")]:
         table.add_row(k, escape(str(v)))
     out.print(table)
+
+
+@app.command()
+def bench(
+    recipe: Optional[list[str]] = typer.Option(None, "--recipe", "-r", help="Recipe to measure (repeatable; default: vanilla, eagle3_topk1, eagle3_tree)."),
+    model: Optional[str] = typer.Option(None, help="HF model directory (default: the embedded demo model)."),
+    draft: Optional[str] = typer.Option(None, help="EAGLE3 head directory (required with --model; default: the demo model's head)."),
+    random_weights: Optional[str] = typer.Option(None, help="Random weights at real shapes: llama-3.1-8b, or a config.json path (no download)."),
+    batch_sizes: Optional[str] = typer.Option(None, help="Comma-separated batch sizes (default 1,2,...,256 on GPU; 1,2,4,8 on CPU)."),
+    prompt_len: int = typer.Option(1024, help="Prompt tokens (random ids, or held-out prefixes of about this length)."),
+    prompts: Optional[str] = typer.Option(None, help="Prompts from a .jsonl / .parquet file instead."),
+    max_tokens: int = typer.Option(128, help="Tokens generated per request (greedy, EOS ignored)."),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
+    eager: bool = typer.Option(False, "--eager", help="No CUDA graphs."),
+    simulate_acceptance: Optional[str] = typer.Option(None, help="Per-position acceptance probabilities P1,P2,... for the drafts (random weights: step times at a chosen acceptance); every output is labelled simulated."),
+    no_hf: bool = typer.Option(False, "--no-hf", help="Skip the transformers generate peer."),
+    hf_max_batch: int = typer.Option(64, help="Largest batch size the transformers peer runs."),
+    out_dir: str = typer.Option("bench", "--out", help="Directory for bench.json, bench.md, bench.png."),
+    max_model_len: Optional[int] = typer.Option(None, help="Context per slot (default: longest prompt + --max-tokens)."),
+) -> None:
+    """Measure recipes over the same prompts at a sweep of batch sizes, against the memory-bandwidth floor."""
+    import shlex
+    import sys
+
+    from .bench.report import environment, table, title, write_all
+    from .bench.sweep import DEFAULT_RECIPES, BenchError, BenchOptions, parse_list, run_bench
+    from .data import InputError
+    from .job import JobError
+    from .models.config import ModelError
+    from .recipe import RecipeError
+
+    log = lambda m: err.print(m, highlight=False, markup=False)      # noqa: E731
+    try:
+        opts = BenchOptions(
+            recipes=tuple(recipe) if recipe else DEFAULT_RECIPES, model=model, draft=draft,
+            random_weights=random_weights,
+            batch_sizes=parse_list(batch_sizes, int, "--batch-sizes") if batch_sizes else None,
+            prompt_len=prompt_len, prompts=prompts, max_tokens=max_tokens, dtype=dtype, device=device,
+            graphs=not eager, hf=not no_hf, hf_max_batch=hf_max_batch, max_model_len=max_model_len,
+            simulate_acceptance=parse_list(simulate_acceptance, float, "--simulate-acceptance")
+            if simulate_acceptance else None)
+        result = run_bench(opts, log)
+    except (BenchError, JobError, ModelError, RecipeError, InputError, ValueError) as e:
+        _fail(str(e))
+    result["meta"].update(environment(shlex.join(["specbatch", *sys.argv[1:]])))
+    paths, note = write_all(result, out_dir)
+    if note:
+        log(f"note: {note}")
+    head, rows = table(result, short=True)
+    view = Table(*head, title=escape(title(result["meta"])))
+    for cells in rows:
+        view.add_row(*map(escape, cells))
+    # Logs are not terminals: give the table its full width there rather than rich's 80 columns.
+    Console(width=None if out.is_terminal else 200).print(view)
+    log("wrote " + ", ".join(str(p) for p in paths.values()))
 
 
 @app.command()
@@ -218,6 +275,7 @@ def _print_summary(s: dict[str, Any]) -> None:
         ("acceptance per draft position", " ".join(f"{r:.2f}" for r in s["acceptance_per_position"]) or "-"),
         ("tokens per target forward", f"{s['tokens_per_target_forward']:.2f} ({s['target_forwards']} batched forwards)"),
         ("wall time", f"{s['wall_s']:.1f} s"), ("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB"),
+        ("CUDA graphs", f"captured in {s['capture_s']:.2f} s" if s.get("graphs") else "off (eager)"),
     ]
     for k, v in rows:
         table.add_row(k, escape(str(v)))

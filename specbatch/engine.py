@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -14,19 +15,24 @@ import torch
 from .data import RowError, RowRequest
 from .models.attention import AttnMetadata
 from .models.config import generation_eos_ids
+from .models.eagle3 import Eagle3Head
+from .models.llama import CausalLM
 from .models.loader import load_target
 from .prompts import PromptError, encode_row, load_tokenizer
 from .recipe import SamplingDefaults
 from .request import Request, StopChecker
+from .runtime.graphs import GraphRunner, capture_sizes
 from .runtime.kv_cache import KVCache, compact_path, plan_max_len
 from .sampling import BatchSampling, SamplingParams, sample
 from .scheduler import SlotScheduler
-from .spec.accept import accept
-from .spec.drafter import Drafter
+from .spec.accept import Acceptance, accept
+from .spec.drafter import Drafter, Proposal
 from .spec.factory import SpecConfig, make_drafter
+from .spec.simulate import simulate_acceptance
 from .stats import error_record, spec_stats
 
 Slotted = list[tuple[int, Request]]
+_GREEDY = (True, False)       # graph variant: (all rows greedy, some row filters top-k / top-p)
 
 
 @dataclass
@@ -38,6 +44,34 @@ class EngineOptions:
     bucket_window: int = 0               # > 0: admit similar prompt lengths together
     prefill_tokens: int = 8192           # padded tokens per prefill forward
     spec: SpecConfig = SpecConfig()      # the drafter (vanilla: none)
+    graphs: bool = True                  # CUDA graphs for the cycle on CUDA (False: --eager)
+    profile: bool = False                # record per-cycle stage timings (cycle_times)
+    simulate_acceptance: tuple[float, ...] | None = None   # bench only: per-position acceptance
+
+
+@dataclass
+class CycleTime:
+    batch: int                 # active rows
+    draft_ms: float
+    verify_ms: float           # verify + accept + commit (+ extend when fused in one graph)
+    extend_ms: float
+    wall_ms: float             # the whole cycle on the host clock, host bookkeeping included
+    tokens: int                # tokens emitted
+
+
+@dataclass
+class Batch:
+    """One cycle's inputs and the tensors its stages hand on to each other. Eager: built per
+    cycle with the active rows. Graphs: static buffers of a captured size, pad rows on the dummy
+    slot, and every attribute below is the same memory at each replay."""
+    slots: torch.Tensor                      # [B]
+    sp: BatchSampling
+    kv_bound: int                            # >= every committed length (cache rows attention may read)
+    lens: torch.Tensor | None = None         # [B] committed lengths at the start of the cycle
+    prop: Proposal | None = None
+    acc: Acceptance | None = None
+    captured: list[torch.Tensor] | None = None   # target states the drafter reads
+    out: torch.Tensor | None = None          # [B, D + 2]: emitted tokens, then their count
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -50,17 +84,24 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, opts: EngineOptions | None = None,
-                 drafter: Drafter | None = None):
-        """`drafter` replaces the one `opts.spec` describes (tests plug in their own)."""
+    def __init__(self, model_dir: str | Path | None, opts: EngineOptions | None = None,
+                 drafter: Drafter | None = None, *, model: CausalLM | None = None,
+                 tokenizer: Any = None, draft_head: Eagle3Head | None = None):
+        """`drafter` replaces the one `opts.spec` describes (tests plug in their own); `model`
+        and `tokenizer` replace loading from `model_dir` (bench: random weights), `draft_head`
+        replaces loading `opts.spec.draft`."""
         self.opts = opts = opts or EngineOptions()
-        self.device = resolve_device(opts.device)
-        self.model, _ = load_target(model_dir, opts.dtype, self.device)
+        if model is None:
+            self.device = resolve_device(opts.device)
+            self.model, _ = load_target(model_dir, opts.dtype, self.device)
+            self.tokenizer = load_tokenizer(model_dir)
+            eos = generation_eos_ids(model_dir) or self.model.cfg.eos_token_ids
+        else:
+            self.model, self.device, self.tokenizer = model, model.lm_head.weight.device, tokenizer
+            eos = model.cfg.eos_token_ids
         self.cfg = self.model.cfg
         self.dtype = self.model.lm_head.weight.dtype
-        self.tokenizer = load_tokenizer(model_dir)
-        eos = generation_eos_ids(model_dir) or self.cfg.eos_token_ids
-        if not eos and self.tokenizer.eos_token_id is not None:
+        if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_ids = set(eos)
         self.num_slots = opts.batch_size
@@ -69,12 +110,32 @@ class Engine:
                                     opts.max_model_len, headroom=width)
         # Verify writes up to N-1 rows past the committed length: that headroom is allocated too.
         self.cache = KVCache(self.cfg, self.num_slots, self.max_len + width, self.dtype, self.device)
-        self.drafter = drafter or make_drafter(opts.spec, self.model, self.num_slots, self.max_len)
+        self.drafter = drafter or make_drafter(opts.spec, self.model, self.num_slots, self.max_len,
+                                               head=draft_head)
         self.stops = StopChecker(self.tokenizer, self.eos_ids)
-        self.seq_lens = [0] * (self.num_slots + 1)     # committed cache rows per slot
-        self.last_token = [0] * (self.num_slots + 1)   # emitted, not yet in the cache
+        # Per slot (the last one is the dummy slot of pad rows): committed cache rows, and the
+        # last emitted token (not yet in the cache), on the device; the host mirrors the lengths.
+        self.lens = torch.zeros(self.num_slots + 1, dtype=torch.int64, device=self.device)
+        self.last = torch.zeros(self.num_slots + 1, dtype=torch.int64, device=self.device)
+        self.seq_lens = [0] * (self.num_slots + 1)
+        self.simulate = None
+        if opts.simulate_acceptance is not None:
+            p = list(opts.simulate_acceptance)[: self.drafter.max_depth]
+            p += [0.0] * (self.drafter.max_depth - len(p))
+            self.simulate = torch.tensor(p, dtype=torch.float32, device=self.device)
         self.tokens_emitted = 0
         self.target_forwards = 0                        # batched target forward calls
+        self.cycle_times: list[CycleTime] = []
+        self.graphs: GraphRunner | None = None
+        if opts.graphs and self.device.type == "cuda" and self.drafter.graphable:
+            self.graphs = GraphRunner(self._static_batch, [[self._propose], [self._verify], [self._extend]],
+                                      capture_sizes(self.num_slots))
+            with torch.inference_mode():
+                self.graphs.capture_all(_GREEDY)
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.graphs.capture_seconds if self.graphs else 0.0
 
     # ---- rows -> requests -------------------------------------------------------------------
 
@@ -161,8 +222,9 @@ class Engine:
             sp = BatchSampling.build([r.params for _, r in group], self.device)
             first = sample(self.model.logits(last), sp, lengths)
             self.drafter.prefill(slots, ids, lengths, captured, first)
+            self.lens[slots], self.last[slots] = lengths, first
             for (slot, req), tok, n in zip(group, first.tolist(), lens):
-                self.seq_lens[slot], self.last_token[slot] = n, tok
+                self.seq_lens[slot] = n
                 req.histogram = [0] * (self.drafter.max_depth + 1)
                 req.verify_steps = 1                 # the prefill: a forward that verified no drafts
                 self.tokens_emitted += self.stops.append(req, [tok])
@@ -173,47 +235,125 @@ class Engine:
     # ---- the speculative cycle ----------------------------------------------------------------
 
     def cycle(self, active: Slotted) -> Slotted:
-        """One propose -> verify -> accept -> commit -> extend step over the active slots."""
-        slots = self._tensor([s for s, _ in active])
-        lens = self._tensor([self.seq_lens[s] for s, _ in active])
-        last = self._tensor([self.last_token[s] for s, _ in active])
-        sp = BatchSampling.build([r.params for _, r in active], self.device)
+        """One propose -> verify -> accept -> commit -> extend step over the active slots.
 
-        # propose: a tree of N nodes per slot, the root being the last emitted token
-        prop = self.drafter.propose(slots, last, lens)
-        N = prop.width
+        The device half is three stages (below), run eagerly or replayed as CUDA graphs; the
+        one host synchronisation is the copy of the emitted tokens and their counts.
+        """
+        t0 = time.perf_counter()
+        b, stages = self._stages(active)
+        marks = []
+        for stage in stages:
+            marks.append(self._mark())
+            stage()
+        marks.append(self._mark())
+        out = b.out[: len(active)].tolist()                          # the host copy of the results
 
-        # verify: one target forward over every node (tree mask, positions = length + depth)
-        meta = AttnMetadata(slots=slots, positions=lens[:, None] + prop.depths, prefix_lens=lens,
-                            kv_len=int(max(self.seq_lens[s] for s, _ in active)) + N,
-                            tree_mask=prop.tree_mask)
-        hidden, captured = self.model(prop.tokens, meta, self.cache.layers, self.drafter.capture_layers)
-        self.target_forwards += 1
-        logits = self.model.logits(hidden)                                       # [B, N, V]
-
-        # accept: walk the tree with the target's distribution at each node
-        acc = accept(prop.tokens, prop.parents, logits, sp, lens, self.drafter.max_depth)
-        emitted, counts = acc.tokens.tolist(), acc.num.tolist()                  # the host copy of the results
-
-        # commit: root + accepted drafts become cache rows (a tree's path is made contiguous);
-        # the last emitted token is the next root
-        if prop.tree_mask is not None:
-            compact_path(self.cache.data, slots, lens, acc.path, acc.num)
+        # commit on the host: stop checks, stats; device lengths and KV were committed in _verify
         finished: Slotted = []
-        for (slot, req), toks, n in zip(active, emitted, counts):
+        emitted = 0
+        N = b.prop.width
+        for (slot, req), row in zip(active, out):
+            n = row[-1]
             self.seq_lens[slot] += n
-            self.last_token[slot] = toks[n - 1]
-            self.tokens_emitted += self.stops.append(req, toks[:n])
+            emitted += self.stops.append(req, row[:n])
             req.verify_steps += 1
             req.draft_tokens += N - 1
             req.accepted_tokens += n - 1
             req.histogram[n - 1] += 1
             if req.finished:
                 finished.append((slot, req))
-
-        # extend: the drafter catches up on the accepted tokens with the target's states
-        self.drafter.extend(slots, lens, acc, captured)
+        self.tokens_emitted += emitted
+        self.target_forwards += 1
+        if self.opts.profile:
+            self._record_time(len(active), marks, t0, emitted)
         return finished
+
+    def _stages(self, active: Slotted) -> tuple[Batch, list]:
+        """The batch of this cycle and its stages as callables: graph replays, or eager calls."""
+        slots = [s for s, _ in active]
+        params = [r.params for _, r in active]
+        greedy = all(p.greedy for p in params)
+        if self.graphs is not None:
+            variant = _GREEDY if greedy else (False, any(p.top_k > 0 or p.top_p < 1.0 for p in params))
+            cap = self.graphs.get(len(active), variant)
+            layout = tuple((s, id(r)) for s, r in active)
+            if cap.layout != layout:
+                self._fill(cap.batch, slots, params)
+                cap.layout = layout
+            return cap.batch, [g.replay for g in cap.graphs]
+        b = Batch(slots=self._tensor(slots), sp=BatchSampling.build(params, self.device),
+                  kv_bound=max(self.seq_lens[s] for s in slots))
+        return b, [lambda: self._propose(b), lambda: self._verify(b), lambda: self._extend(b)]
+
+    # Device stages: tensor work only, no host synchronisation (they are captured in graphs).
+
+    def _propose(self, b: Batch) -> None:
+        """A tree of N nodes per slot, the root being the last emitted token."""
+        b.lens = self.lens[b.slots]
+        b.prop = self.drafter.propose(b.slots, self.last[b.slots], b.lens, b.kv_bound)
+
+    def _verify(self, b: Batch) -> None:
+        """One target forward over every node (tree mask, positions = length + depth), the
+        acceptance walk, and the device half of commit: the accepted path's K/V made contiguous
+        (trees), lengths advanced, the last emitted token kept as the next root."""
+        prop, lens = b.prop, b.lens
+        meta = AttnMetadata(slots=b.slots, positions=lens[:, None] + prop.depths, prefix_lens=lens,
+                            kv_len=b.kv_bound + prop.width, tree_mask=prop.tree_mask)
+        hidden, b.captured = self.model(prop.tokens, meta, self.cache.layers, self.drafter.capture_layers)
+        logits = self.model.lm_head(hidden)                                      # [B, N, V]
+        if self.simulate is None:
+            acc = accept(prop.tokens, prop.parents, logits, b.sp, lens, self.drafter.max_depth)
+        else:
+            acc = simulate_acceptance(prop, logits.argmax(dim=-1), self.simulate, self.drafter.max_depth)
+        if prop.tree_mask is not None:
+            compact_path(self.cache.data, b.slots, lens, acc.path, acc.num)
+        self.lens[b.slots] = lens + acc.num
+        self.last[b.slots] = acc.tokens.gather(1, (acc.num - 1)[:, None])[:, 0]
+        self.lens[self.cache.dummy_slot] = 0            # pad rows all advanced the dummy slot
+        b.acc = acc
+        b.out = torch.cat([acc.tokens, acc.num[:, None]], dim=1)
+
+    def _extend(self, b: Batch) -> None:
+        """The drafter catches up on the accepted tokens with the target's states."""
+        self.drafter.extend(b.slots, b.lens, b.acc, b.captured, b.kv_bound)
+
+    # ---- graph buffers and timing ---------------------------------------------------------------
+
+    def _static_batch(self, size: int, variant: tuple[bool, bool]) -> Batch:
+        greedy, any_filter = variant
+        pad = [SamplingParams()] * size
+        b = Batch(slots=torch.full((size,), self.cache.dummy_slot, dtype=torch.int64, device=self.device),
+                  sp=BatchSampling.build(pad, self.device), kv_bound=self.max_len)
+        b.sp.all_greedy, b.sp.any_filter = greedy, any_filter
+        return b
+
+    def _fill(self, b: Batch, slots: list[int], params: list[SamplingParams]) -> None:
+        """Lay the active rows out in a captured batch's buffers; the rest become pad rows."""
+        pad = b.slots.shape[0] - len(slots)
+        src = BatchSampling.build(params + [SamplingParams()] * pad, torch.device("cpu"))
+        b.slots.copy_(torch.tensor(slots + [self.cache.dummy_slot] * pad))
+        for name in ("temperature", "top_k", "top_p", "seed_lo", "seed_hi"):
+            getattr(b.sp, name).copy_(getattr(src, name))
+
+    def _mark(self):
+        if not self.opts.profile:
+            return None
+        if self.device.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def _record_time(self, rows: int, marks: list, t0: float, tokens: int) -> None:
+        if self.device.type == "cuda":
+            marks[-1].synchronize()
+            ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+        else:
+            ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+        ms += [0.0] * (3 - len(ms))
+        self.cycle_times.append(CycleTime(batch=rows, draft_ms=ms[0], verify_ms=ms[1], extend_ms=ms[2],
+                                          wall_ms=(time.perf_counter() - t0) * 1e3, tokens=tokens))
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

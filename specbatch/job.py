@@ -32,6 +32,7 @@ class JobOptions:
     overwrite: bool = False
     device: str | None = None
     bucket_window: int = 0
+    eager: bool = False                  # no CUDA graphs (the reference path)
 
 
 def resolve_model(name: str) -> Path:
@@ -124,7 +125,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
 
     engine = Engine(model_dir, EngineOptions(
         batch_size=recipe.batch_size, max_model_len=recipe.max_model_len, dtype=recipe.dtype,
-        device=opts.device, bucket_window=opts.bucket_window, spec=spec))
+        device=opts.device, bucket_window=opts.bucket_window, spec=spec, graphs=not opts.eager))
     rows = iter(source)
     if opts.limit is not None:
         rows = itertools.takewhile(lambda r: r.row < opts.limit, rows)
@@ -133,7 +134,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     resumed = len(done) if opts.limit is None else sum(1 for r in done if r < opts.limit)
     notify("start", {"total": None if total is None else total - resumed, "resumed": resumed,
                      "device": str(engine.device), "max_model_len": engine.max_len,
-                     "model": str(model_dir)})
+                     "model": str(model_dir), "capture_s": engine.capture_seconds})
     try:
         for rec in engine.generate(todo, recipe.sampling):
             if opts.fail_fast and rec["error"]:
@@ -151,4 +152,5 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
                          device=str(engine.device), max_model_len=engine.max_len,
                          recipe=recipe.name, model=str(model_dir), draft=spec.draft,
                          target_forwards=engine.target_forwards,
+                         graphs=engine.graphs is not None, capture_s=engine.capture_seconds,
                          tokens_per_target_forward=engine.tokens_emitted / max(engine.target_forwards, 1))

@@ -38,7 +38,9 @@ class OracleDrafter(Drafter):
         nxt = cont[len(done): len(done) + count] if on_path else []
         return nxt + [1] * (count - len(nxt))
 
-    def propose(self, slots, last_tokens, lens):
+    graphable = False          # host-side lookups
+
+    def propose(self, slots, last_tokens, lens, kv_bound=None):
         B, N = slots.shape[0], self.num_draft_tokens
         depth = self.max_depth
         rows = []
@@ -58,6 +60,6 @@ class OracleDrafter(Drafter):
         depths = torch.tensor(dep, device=slots.device).expand(B, N)
         return Proposal(tokens, parents, depths, ancestor_mask(parents, depth))
 
-    def extend(self, slots, lens, acc: Acceptance, captured):
+    def extend(self, slots, lens, acc: Acceptance, captured, kv_bound=None):
         for b, s in enumerate(slots.tolist()):
             self.seq[s] += acc.tokens[b, : int(acc.num[b])].tolist()

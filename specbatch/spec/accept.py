@@ -30,8 +30,9 @@ class Acceptance:
 
 def accept(node_tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
            sp: BatchSampling, start: torch.Tensor, max_depth: int) -> Acceptance:
-    """node_tokens / parents [B, N] (node 0 the root), logits [B, N, V] float32 from the target
-    at every node, start [B] the committed length (node depth d decides position start+1+d)."""
+    """node_tokens / parents [B, N] (node 0 the root), logits [B, N, V] from the target at every
+    node (any float dtype; sampling works in float32), start [B] the committed length (node
+    depth d decides position start+1+d)."""
     B, N, V = logits.shape
     dev = logits.device
     rows = torch.arange(B, device=dev)
@@ -40,7 +41,7 @@ def accept(node_tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tenso
     argmax = logits.argmax(dim=-1)                                           # [B, N]
     probs = None
     if not sp.all_greedy:
-        probs = sp.repeat_rows(N).target_probs(logits.reshape(B * N, V)).view(B, N, V)
+        probs = sp.repeat_rows(N).target_probs(logits.float().reshape(B * N, V)).view(B, N, V)
         onehot = torch.nn.functional.one_hot(argmax, V).to(probs.dtype)
         probs = torch.where((sp.temperature == 0)[:, None, None], onehot, probs)
 

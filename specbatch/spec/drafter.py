@@ -28,18 +28,21 @@ class Drafter:
     num_draft_tokens: int = 1                 # N, the root included
     max_depth: int = 0                        # longest root-to-leaf path (drafts a cycle can accept)
     capture_layers: tuple[int, ...] = ()      # target layers whose outputs the drafter reads
+    graphable: bool = True                    # propose/extend are pure tensor work (CUDA graphs)
 
     def prefill(self, slots: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
                 captured: list[torch.Tensor], first_tokens: torch.Tensor) -> None:
         """Catch up on prompts the target just prefilled ([B, T] right-padded) and their first tokens."""
 
-    def propose(self, slots: torch.Tensor, last_tokens: torch.Tensor, lens: torch.Tensor) -> Proposal:
-        """Draft from each slot's state; lens [B] are committed lengths (the root sits at lens)."""
+    def propose(self, slots: torch.Tensor, last_tokens: torch.Tensor, lens: torch.Tensor,
+                kv_bound: int | None = None) -> Proposal:
+        """Draft from each slot's state; lens [B] are committed lengths (the root sits at lens);
+        kv_bound >= max(lens), a host int (None: read from lens, a host sync)."""
         parents, depths = chain(last_tokens.shape[0], 1, last_tokens.device)
         return Proposal(tokens=last_tokens[:, None], parents=parents, depths=depths, tree_mask=None)
 
     def extend(self, slots: torch.Tensor, lens: torch.Tensor, acc: Acceptance,
-               captured: list[torch.Tensor]) -> None:
+               captured: list[torch.Tensor], kv_bound: int | None = None) -> None:
         """Catch up on the tokens accepted this cycle (captured: target states at every node)."""
 
 

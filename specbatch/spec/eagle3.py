@@ -50,14 +50,14 @@ class Eagle3Drafter(Drafter):
                       out_rows=lengths - 1)
         self._keep(slots, h[:, 0])
 
-    def extend(self, slots, lens, acc: Acceptance, captured):
+    def extend(self, slots, lens, acc: Acceptance, captured, kv_bound=None):
         # Row lens+j: (emitted token j, target state at the node that emitted it). Rows past
         # num write K/V that the next cycle overwrites before anything reads it.
         W = acc.tokens.shape[1]
         feats = torch.cat(captured, dim=-1)
         feats = feats.gather(1, acc.path[:, :, None].expand(-1, -1, feats.shape[-1]))
         meta = AttnMetadata(slots=slots, positions=lens[:, None] + torch.arange(W, device=lens.device),
-                            prefix_lens=lens, kv_len=int(lens.max()) + W)
+                            prefix_lens=lens, kv_len=_bound(lens, kv_bound) + W)
         h = self.head(acc.tokens, feats, meta, self.cache.layers[0], features=True, out_rows=acc.num - 1)
         self._keep(slots, h[:, 0])
 
@@ -69,7 +69,7 @@ class Eagle3Drafter(Drafter):
 
     # ---- the draft loop ------------------------------------------------------------------------
 
-    def propose(self, slots, last_tokens, lens) -> Proposal:
+    def propose(self, slots, last_tokens, lens, kv_bound=None) -> Proposal:
         B, k, S = slots.shape[0], self.k, self.S
         dev = slots.device
         H = self.hidden.shape[1]
@@ -79,10 +79,11 @@ class Eagle3Drafter(Drafter):
         toks, scores, parents = [beam_tok], [beam_score], [torch.full((B, k), -1, device=dev)]
         # anc[b, j, r]: beam node j sees scratch row r (its ancestors' and its own draft K/V)
         anc = torch.zeros(B, k, (S - 1) * k, dtype=torch.bool, device=dev)
-        kv_base = int(lens.max())
+        kv_base = _bound(lens, kv_bound)
+        eye = torch.eye(k, dtype=torch.bool, device=dev)
         for s in range(1, S):
             off = (s - 1) * k
-            anc[:, torch.arange(k), off + torch.arange(k)] = True
+            anc[:, :, off: off + k] |= eye
             meta = AttnMetadata(slots=slots, positions=(lens + s - 1)[:, None].expand(B, k),
                                 prefix_lens=lens, kv_len=kv_base + s * k,
                                 tree_mask=anc[:, :, : s * k], write_offset=off)
@@ -107,3 +108,7 @@ class Eagle3Drafter(Drafter):
         tokens, p, d, mask = choose_tree(torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1),
                                          self.cand_depths, last_tokens, self.num_draft_tokens, S)
         return Proposal(tokens=tokens, parents=p, depths=d, tree_mask=mask)
+
+
+def _bound(lens: torch.Tensor, kv_bound: int | None) -> int:
+    return int(lens.max()) if kv_bound is None else kv_bound

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.config import ModelError
-from ..models.eagle3 import default_aux_layers, load_eagle3
+from ..models.eagle3 import Eagle3Head, default_aux_layers, load_eagle3
 from ..models.llama import CausalLM
 from .drafter import Drafter, NoDrafter
 from .eagle3 import Eagle3Drafter
@@ -27,16 +27,19 @@ class SpecConfig:
         return 1 if self.algorithm == "vanilla" else int(self.num_draft_tokens)
 
 
-def make_drafter(spec: SpecConfig, target: CausalLM, num_slots: int, max_len: int) -> Drafter:
+def make_drafter(spec: SpecConfig, target: CausalLM, num_slots: int, max_len: int,
+                 head: Eagle3Head | None = None) -> Drafter:
+    """`head`: an already-built EAGLE3 head instead of loading `spec.draft` (bench)."""
     if spec.algorithm == "vanilla":
         return NoDrafter()
     if spec.algorithm not in AVAILABLE:
         raise ModelError(f"algorithm {spec.algorithm!r} is not available in this version yet "
                          f"(available: {', '.join(AVAILABLE)})")
-    if not spec.draft:
+    if head is None and not spec.draft:
         raise ModelError("eagle3 needs a draft head: pass --draft DIR (an EAGLE3 head directory)")
     dev, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
-    head = load_eagle3(spec.draft, target.cfg, target.model.embed_tokens, dtype, dev)
+    if head is None:
+        head = load_eagle3(spec.draft, target.cfg, target.model.embed_tokens, dtype, dev)
     L = target.cfg.num_layers
     aux = head.cfg.aux_layer_ids or default_aux_layers(L)
     bad = [i for i in aux if not 0 <= i < L]

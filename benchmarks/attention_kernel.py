@@ -1,0 +1,137 @@
+"""Triton slot-cache attention vs the torch path, timed inside CUDA graphs (GPU only).
+
+    python benchmarks/attention_kernel.py [--sweep]
+
+Llama-3.1-8B attention shapes (32 query / 8 kv heads, head_dim 128, bf16) for decode (T=1),
+chain verify (T=4, causal) and a tree of 8 nodes, at batch 1/8/64 and context 1024/4096 (every
+slot full). Per case: microseconds per call for `kernels.attention.slot_attention` (default split
+plan) and `models.attention.attend`, and the K/V bytes read over the time as a fraction of copy
+bandwidth. Calls rotate over enough layer planes of one cache tensor to overflow L2, as a model's
+layers do, so every call reads from HBM. --sweep times splits x pipeline stages for decode at
+batch 1 and 8, to tune the defaults in kernels/attention.py.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import torch
+
+from specbatch.bench.floor import copy_bandwidth
+from specbatch.kernels import attention as kattn
+from specbatch.models.attention import AttnMetadata, attend
+
+HQ, HKV, D = 32, 8, 128
+DTYPE = torch.bfloat16
+MODES = [("decode", 1), ("chain", 4), ("tree", 8)]
+BATCHES = [1, 8, 64]
+CONTEXTS = [1024, 4096]
+
+
+class Case:
+    """A cache [2 * layers, B + 1, ctx + T, Hkv, D] with every slot full, and one query per layer."""
+
+    def __init__(self, B: int, mode: str, T: int, ctx: int, dev: torch.device):
+        self.B, self.T, self.ctx = B, T, ctx
+        self.read_bytes = 2 * B * (ctx + T) * HKV * D * DTYPE.itemsize     # K and V, rows read
+        l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20)
+        self.layers = min(max(2, -(-3 * l2 // self.read_bytes)), 32)
+        self.data = torch.randn(2 * self.layers, B + 1, ctx + T, HKV, D, device=dev, dtype=DTYPE)
+        self.q = torch.randn(B, T, HQ, D, device=dev, dtype=DTYPE)
+        self.out = torch.empty_like(self.q)
+        slots = torch.arange(B, device=dev)
+        prefix = torch.full((B,), ctx, device=dev)
+        positions = prefix[:, None] + torch.arange(T, device=dev)
+        tree = None
+        if mode == "tree":        # a binary-ish tree: node i's parent is (i - 1) // 2
+            idx = torch.arange(T, device=dev)
+            anc = idx[:, None] == idx[None, :]
+            for i in range(1, T):
+                anc[i] |= anc[(i - 1) // 2]
+            tree = anc.expand(B, T, T).contiguous()
+        self.meta = AttnMetadata(slots=slots, positions=positions, prefix_lens=prefix,
+                                 kv_len=ctx + T, tree_mask=tree)
+
+    def kernel(self, layer: int, **kw) -> torch.Tensor:
+        m = self.meta
+        return kattn.slot_attention(self.q, self.data[2 * layer], self.data[2 * layer + 1], m.slots,
+                                    m.prefix_lens, D ** -0.5, tree_mask=m.tree_mask,
+                                    max_rows=m.kv_len, out=self.out, **kw)
+
+    def torch(self, layer: int) -> torch.Tensor:
+        return attend(self.q, self.data[2 * layer], self.data[2 * layer + 1], self.meta, D ** -0.5)
+
+
+def graph_us(fn, layers: int, replays: int = 50) -> float:
+    """Median microseconds per fn(layer) call, one graph holding one call per layer."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(0)                                       # compile / allocate outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(layers):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / layers)
+    return statistics.median(times)
+
+
+def sweep(dev: torch.device, bw: float) -> None:
+    print("\nsweep: decode, ctx 4096 (splits x num_stages)")
+    default_stages = kattn._NUM_STAGES
+    for B in (1, 8):
+        case = Case(B, "decode", 1, 4096, dev)
+        for splits, stages in itertools.product((1, 2, 4, 8, 16, 32, 64), (2, 3, 4)):
+            kattn._NUM_STAGES = stages
+            us = graph_us(lambda i: case.kernel(i, num_splits=splits), case.layers)
+            print(f"  B {B:2d} splits {splits:3d} stages {stages}: {us:8.2f} us  "
+                  f"{case.read_bytes / (us * 1e-6) / bw:6.1%}")
+    kattn._NUM_STAGES = default_stages
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="time splits x stages for decode at batch 1 and 8")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    print(f"{torch.cuda.get_device_name(dev)} ({sms} SMs); copy bandwidth {bw / 1e9:.0f} GB/s; "
+          f"Hq {HQ} Hkv {HKV} D {D} {DTYPE}")
+    print(f"{'mode':6s} {'B':>3s} {'ctx':>5s} {'splits':>6s} {'floor us':>9s} "
+          f"{'triton us':>10s} {'of bw':>6s} {'torch us':>9s} {'of bw':>6s}")
+    for (mode, T), B, ctx in itertools.product(MODES, BATCHES, CONTEXTS):
+        case = Case(B, mode, T, ctx, dev)
+        got, ref = case.kernel(0), case.torch(0)
+        err = (got.float() - ref.float()).abs().max().item()
+        assert err < 2e-2, f"kernel disagrees with torch: {err}"
+        block_n, _, _ = kattn._config(max(16, T * HQ // HKV), D, DTYPE.itemsize)
+        splits = kattn.choose_splits(B * HKV, ctx + T, block_n, dev)
+        floor_us = case.read_bytes / bw * 1e6
+        k_us = graph_us(case.kernel, case.layers)
+        try:
+            t_us = graph_us(case.torch, case.layers)
+        except RuntimeError as e:          # the torch path not capturable in some build: say so
+            print(f"  (torch path not captured: {e})")
+            t_us = float("nan")
+        print(f"{mode:6s} {B:3d} {ctx:5d} {splits:6d} {floor_us:9.2f} {k_us:10.2f} {floor_us / k_us:6.1%} "
+              f"{t_us:9.2f} {floor_us / t_us:6.1%}")
+        del case
+        torch.cuda.empty_cache()
+    if args.sweep:
+        sweep(dev, bw)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""Triton attention over the static slot KV cache: decode, chain / tree verify and draft steps.
+
+The same operation as `specbatch.models.attention.attend` (kept import-free of it: kernels stay a
+leaf). Sequence b brings T new tokens; token t reads rows l < prefix_b + M of cache slot slots[b]:
+every committed row l < prefix_b (within a sliding window when given), and region row
+m = l - prefix_b when tree_mask[b, t, m] (tree) or m <= write_offset + t (causal).
+
+One program per (sequence, kv head, split) takes all T*G query rows of its kv head as one tile,
+so K/V are read once per kv head (GQA). A split walks its contiguous chunk of BLOCK_N-row blocks,
+computed in the kernel from the slot's own row count: short sequences never loop over the host
+bound. With several splits, partial (acc, max, sum) go to fp32 scratch and a second kernel merges
+them (log-sum-exp). No host sync and no device-dependent allocation: capturable in a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_QUERY_ROWS = 128    # T * G per program; larger T goes to SDPA (the caller dispatches)
+MAX_HEAD_DIM = 256
+_WAVES = 2              # aim for >= this many programs per SM before splitting stops
+_MIN_BLOCKS_PER_SPLIT = 2
+_MAX_SPLITS = 64
+_TILE_BYTES = 16384     # one K (or V) tile per pipeline stage
+_NUM_STAGES = 3         # K/V tiles in flight: 2 prefetched (~70 KB shared at bf16 D 128)
+# The interpreter's dot multiplies bf16 bit patterns as integers (triton 3.9 create_dot):
+# there the kernel upcasts bf16 operands to fp32, rounding p to bf16 first as the GPU path does.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
+
+
+@triton.jit(do_not_specialize=["region", "write_offset", "smb", "smt", "smm"])
+def _slot_attn_kernel(
+    q_ptr, k_ptr, v_ptr, slots_ptr, prefix_ptr, mask_ptr, pos_ptr, out_ptr, pacc_ptr, pm_ptr, pl_ptr,
+    region, write_offset, window, qk_scale,
+    s_slot, s_pre,
+    sqb, sqt, sqh, sqd,
+    sks, skl, skh, skd,
+    svs, svl, svh, svd,
+    smb, smt, smm,
+    spb, spt,
+    sob, sot, soh, sod,
+    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    TREE: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    n_heads = tl.num_programs(1)
+    n_splits = tl.num_programs(2)
+
+    # Query row r = t * G + g: new token t, query head h * G + g (the GQA group of kv head h).
+    rows = tl.arange(0, BLOCK_M)
+    t = rows // G
+    row_ok = rows < T * G
+    qh = h * G + rows % G
+    dd = tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    q = tl.load(q_ptr + b * sqb + t[:, None] * sqt + qh[:, None] * sqh + dd[None, :] * sqd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)                  # [BLOCK_M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)      # int64: slot * stride can pass 2**31 elements
+    prefix = tl.load(prefix_ptr + b * s_pre).to(tl.int32)
+    n_rows = prefix + region                         # rows this slot reads (device value)
+
+    lo = prefix * 0
+    if WINDOW:
+        pos = tl.load(pos_ptr + b * spb + t * spt, mask=row_ok, other=0).to(tl.int32)   # [BLOCK_M]
+        # Committed rows before every token's window are skipped; region rows are always inside.
+        first = tl.min(tl.where(row_ok, pos, 2147483647), 0) - window + 1
+        lo = tl.minimum(tl.maximum(first, 0), prefix)
+
+    # This split's contiguous chunk of blocks among those the slot actually reads.
+    blk_lo = lo // BLOCK_N
+    n_blk = tl.cdiv(n_rows, BLOCK_N) - blk_lo
+    per_split = tl.cdiv(n_blk, n_splits)
+    start = blk_lo + s * per_split
+    end = tl.minimum(start + per_split, blk_lo + n_blk)
+
+    p_dtype = v_ptr.dtype.element_ty                 # p meets V rounded to the cache dtype
+    k_base = k_ptr + slot * sks + h * skh
+    v_base = v_ptr + slot * svs + h * svh
+    # Finite start: a row that has seen nothing keeps alpha = 1 and p = 0 (no inf - inf).
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)    # running max, log2 domain
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for blk in range(start, end):
+        cols = blk * BLOCK_N + tl.arange(0, BLOCK_N)                             # cache rows
+        col_ok = cols < n_rows
+        kv_ok = col_ok[:, None] & d_ok[None, :]
+        # Unread rows may hold anything (NaN): masked loads give 0 there.
+        k = tl.load(k_base + cols[:, None] * skl + dd[None, :] * skd, mask=kv_ok, other=0.0)
+        v = tl.load(v_base + cols[:, None] * svl + dd[None, :] * svd, mask=kv_ok, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale          # [BLOCK_M, BLOCK_N]
+
+        rel = cols - prefix                                                       # region index
+        in_prefix = rel < 0
+        if TREE:
+            in_region = (rel >= 0) & col_ok
+            allowed = tl.load(mask_ptr + b * smb + t[:, None] * smt + rel[None, :] * smm,
+                              mask=row_ok[:, None] & in_region[None, :], other=0) != 0
+        else:
+            allowed = (rel[None, :] <= write_offset + t[:, None]) & col_ok[None, :]
+        vis = in_prefix[None, :] | allowed
+        if WINDOW:
+            vis = vis & ((rel >= 0)[None, :] | ((pos[:, None] - cols[None, :]) < window))
+        qk = tl.where(vis, qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])                                          # 0 where hidden
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(p_dtype).to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    if SPLIT:
+        # Partials [B, Hkv, S, T*G(, D)]; an empty split stores (0, -1e30, 0): weight 0 when merged.
+        part = (b * n_heads + h) * n_splits + s
+        tl.store(pm_ptr + part * (T * G) + rows, m_i, mask=row_ok)
+        tl.store(pl_ptr + part * (T * G) + rows, l_i, mask=row_ok)
+        tl.store(pacc_ptr + part * (T * G * D) + rows[:, None] * D + dd[None, :], acc,
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        o = acc / tl.where(row_ok, l_i, 1.0)[:, None]           # pad rows: no 0 / 0
+        tl.store(out_ptr + b * sob + t[:, None] * sot + qh[:, None] * soh + dd[None, :] * sod,
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["n_splits"])
+def _combine_kernel(
+    pacc_ptr, pm_ptr, pl_ptr, out_ptr, n_splits,
+    sob, sot, soh, sod,
+    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n_heads = tl.num_programs(1)
+    rows = tl.arange(0, BLOCK_M)
+    t = rows // G
+    row_ok = rows < T * G
+    qh = h * G + rows % G
+    dd = tl.arange(0, BLOCK_D)
+    ok = row_ok[:, None] & (dd < D)[None, :]
+    base = (b * n_heads + h) * n_splits
+
+    m_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    for s in range(n_splits):
+        m_s = tl.load(pm_ptr + (base + s) * (T * G) + rows, mask=row_ok, other=-1.0e30)
+        m_max = tl.maximum(m_max, m_s)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in range(n_splits):
+        m_s = tl.load(pm_ptr + (base + s) * (T * G) + rows, mask=row_ok, other=-1.0e30)
+        l_s = tl.load(pl_ptr + (base + s) * (T * G) + rows, mask=row_ok, other=0.0)
+        a_s = tl.load(pacc_ptr + (base + s) * (T * G * D) + rows[:, None] * D + dd[None, :], mask=ok, other=0.0)
+        w = tl.exp2(m_s - m_max)
+        l_sum += w * l_s
+        acc += w[:, None] * a_s
+    o = acc / tl.where(row_ok, l_sum, 1.0)[:, None]
+    tl.store(out_ptr + b * sob + t[:, None] * sot + qh[:, None] * soh + dd[None, :] * sod,
+             o.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132      # interpreter: an H100's count, so CPU runs choose like the GPU would
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _config(block_m: int, block_d: int, elem_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages): a K tile of <= 16 KB (64 rows at bf16 D 128) and a score
+    tile of <= 64 x 64; 8 warps for wide tiles and fp32 (its dots run on FMA units, operands in
+    registers); 2 stages for wide tiles (shared memory). No register spills on sm_90 (ptxas -v)
+    up to T * G = 128 at D 128."""
+    block_n = max(16, min(64, _TILE_BYTES // (block_d * elem_bytes), 4096 // block_m))
+    wide = block_m * block_d > 64 * 128
+    warps = 8 if elem_bytes == 4 or wide else 4
+    return block_n, warps, 2 if wide else _NUM_STAGES
+
+
+def choose_splits(programs: int, max_rows: int, block_n: int, device: torch.device) -> int:
+    """Splits of the KV rows: enough programs for ~_WAVES waves, each split >= 2 blocks of rows."""
+    want = triton.cdiv(_WAVES * _sm_count(device), programs)
+    most = triton.cdiv(max_rows, block_n) // _MIN_BLOCKS_PER_SPLIT
+    return max(1, min(want, most, _MAX_SPLITS))
+
+
+def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   prefix_lens: torch.Tensor, scale: float, *, tree_mask: torch.Tensor | None = None,
+                   write_offset: int = 0, positions: torch.Tensor | None = None,
+                   sliding_window: int | None = None, max_rows: int | None = None,
+                   num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, T, Hq, D] over caches [S, L, Hkv, D] -> out [B, T, Hq, D] (q's dtype).
+
+    slots, prefix_lens [B] int64; tree_mask [B, T, M] bool (None = causal over write_offset + T
+    region rows); positions [B, T] (only read with sliding_window); max_rows: host bound on
+    prefix_b + M, for the split choice only (default: the cache length).
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    if k_cache.shape[3] != D or v_cache.shape != k_cache.shape or Hq % Hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not match caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k_cache.dtype != q.dtype \
+            or v_cache.dtype != q.dtype:
+        raise ValueError(f"dtypes q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}: need one of bf16/fp16/fp32")
+    G = Hq // Hkv
+    if T * G > MAX_QUERY_ROWS:
+        raise ValueError(f"T * G = {T * G} query rows per kv head > {MAX_QUERY_ROWS}: use SDPA")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {D} > {MAX_HEAD_DIM}")
+    tree = tree_mask is not None
+    region = tree_mask.shape[2] if tree else write_offset + T
+    if tree and tuple(tree_mask.shape[:2]) != (B, T):
+        raise ValueError(f"tree_mask {tuple(tree_mask.shape)} does not match q {tuple(q.shape)}")
+    if sliding_window is not None:
+        if positions is None:
+            raise ValueError("sliding_window needs positions")
+        if sliding_window <= region:
+            raise ValueError(f"sliding window {sliding_window} not wider than the region ({region} rows)")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+
+    BLOCK_M = max(16, triton.next_power_of_2(T * G))
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_N, warps, stages = _config(BLOCK_M, BLOCK_D, q.element_size())
+    if num_splits is None:
+        num_splits = choose_splits(B * Hkv, max_rows if max_rows is not None else k_cache.shape[1],
+                                   BLOCK_N, q.device)
+    split = num_splits > 1
+    if split:
+        pacc = torch.empty(B, Hkv, num_splits, T * G, D, dtype=torch.float32, device=q.device)
+        pm = torch.empty(B, Hkv, num_splits, T * G, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+    else:
+        pacc = pm = pl = out        # unused: the kernel writes out directly
+    # bool -> uint8 is a view (same bytes); unused pointers get any tensor.
+    mask = tree_mask.view(torch.uint8) if tree else slots
+    smask = tree_mask.stride() if tree else (0, 0, 0)
+    pos = positions if positions is not None else slots
+    spos = positions.stride() if positions is not None else (0, 0)
+    window = sliding_window if sliding_window is not None else 0
+
+    _slot_attn_kernel[(B, Hkv, num_splits)](
+        q, k_cache, v_cache, slots, prefix_lens, mask, pos, out, pacc, pm, pl,
+        region, write_offset, window, scale * 1.4426950408889634,      # log2(e): exp2 domain
+        slots.stride(0), prefix_lens.stride(0),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *smask, *spos, *out.stride(),
+        T=T, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        TREE=tree, WINDOW=sliding_window is not None, SPLIT=split,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",      # fp32: exact, like the torch path
+        UPCAST=_INTERPRET and q.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
+    )
+    if split:
+        _combine_kernel[(B, Hkv)](
+            pacc, pm, pl, out, num_splits, *out.stride(),
+            T=T, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=4,
+        )
+    return out

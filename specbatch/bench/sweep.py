@@ -1,0 +1,376 @@
+"""The measurement: each recipe over the same prompts at every batch size of the sweep.
+
+One engine per recipe, sized for the largest batch (graphs are captured once); each point
+generates exactly `bs` rows so every slot is busy during decode. Only steady-state cycles (all
+`bs` rows active) count towards tokens/s and the step breakdown.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..data import RowError, RowRequest, open_rows
+from ..engine import CycleTime, Engine, EngineOptions, resolve_device
+from ..job import resolve_model, spec_config
+from ..models.config import DecoderConfig
+from ..models.eagle3 import Eagle3Head
+from ..models.llama import CausalLM
+from ..models.loader import load_target, resolve_dtype
+from ..prompts import PromptError, encode_row, load_tokenizer
+from ..recipe import SamplingDefaults, load_recipe
+from ..spec.factory import AVAILABLE, SpecConfig
+from ..stats import RunStats
+from . import configs
+from .floor import copy_bandwidth, eagle3_draft_bytes, kv_bytes, step_floor_ms, weight_bytes
+from .hf_peer import PEER_NAME, hf_model, hf_tokens_per_s
+
+DEFAULT_RECIPES = ("vanilla", "eagle3_topk1", "eagle3_tree")
+GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CPU_BATCH_SIZES = (1, 2, 4, 8)
+WARMUP_TOKENS = 8
+
+Log = Callable[[str], None]
+
+
+class BenchError(Exception):
+    """A bench that cannot run as asked; the message is one actionable line."""
+
+
+@dataclass
+class BenchOptions:
+    recipes: tuple[str, ...] = DEFAULT_RECIPES
+    model: str | None = None                 # HF directory; None: the embedded demo model
+    draft: str | None = None                 # EAGLE3 head directory (needed with --model)
+    random_weights: str | None = None        # builtin config name or config.json path
+    batch_sizes: tuple[int, ...] | None = None   # None: GPU_BATCH_SIZES, or CPU_BATCH_SIZES on CPU
+    prompt_len: int = 1024                   # generated / held-out prompts (not --prompts files)
+    prompts: str | None = None               # .jsonl / .parquet rows instead
+    max_tokens: int = 128
+    dtype: str = "auto"
+    device: str | None = None
+    graphs: bool = True
+    simulate_acceptance: tuple[float, ...] | None = None
+    hf: bool = True
+    hf_max_batch: int = 64
+    max_model_len: int | None = None         # None: longest prompt + max_tokens
+    warmup: bool = True                      # a short run at each point before the measured one
+    seed: int = 0
+
+
+@dataclass
+class Source:
+    """The weights every recipe runs on, loaded once."""
+    name: str                                # for reports: "demo", a directory, a builtin config
+    kind: str                                # "demo" | "model" | "random"
+    cfg_dict: dict[str, Any]
+    model: CausalLM
+    tokenizer: Any
+    model_dir: Path | None = None
+    head_cfg: dict[str, Any] | None = None   # random weights: the EAGLE3 head's config
+    head: Eagle3Head | None = None           # random weights: built on first use, shared
+
+
+class _NoTokenizer:
+    """Random weights have no vocabulary: completions decode to empty text."""
+    eos_token_id = None
+
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def parse_list(text: str, kind: type, flag: str) -> tuple:
+    """'1,2,4' -> (1, 2, 4); a bad item is a one-line error naming the flag."""
+    try:
+        values = tuple(kind(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise BenchError(f"{flag} {text}: expected comma-separated {kind.__name__}s") from None
+    if not values:
+        raise BenchError(f"{flag}: no values given")
+    return values
+
+
+def acceptance_label(sim: tuple[float, ...] | None) -> str:
+    if sim is None:
+        return "measured acceptance"
+    return "simulated acceptance " + "/".join(f"{p:g}" for p in sim)
+
+
+def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
+    """Measure every (recipe, batch size); returns {"meta": ..., "points": [...]}."""
+    _check(opts)
+    device = resolve_device(opts.device)
+    sizes = sorted(set(opts.batch_sizes or (GPU_BATCH_SIZES if device.type == "cuda" else CPU_BATCH_SIZES)))
+    recipes = [load_recipe(r) for r in opts.recipes]
+    bad = [r for r in recipes if r.algorithm not in AVAILABLE]
+    if bad:
+        raise BenchError(f"--recipe {bad[0].name}: algorithm {bad[0].algorithm!r} is not available in "
+                         f"this version (available: {', '.join(AVAILABLE)})")
+    spec_recipes = [r for r in recipes if r.algorithm != "vanilla"]
+    src = _load_source(opts, device)
+    label = acceptance_label(opts.simulate_acceptance)
+    if src.kind == "random" and spec_recipes and opts.simulate_acceptance is None:
+        log("warning: random drafts are never accepted, so the accept length of "
+            f"{', '.join(r.name for r in spec_recipes)} will be ~1; pass --simulate-acceptance P1,P2,... "
+            "to time them under a chosen acceptance profile")
+    prompts = _prompts(opts, src, sizes[-1])
+    max_len = opts.max_model_len or max(map(len, prompts)) + opts.max_tokens
+    specs = [_spec(r, opts, src, device) for r in recipes]        # a missing --draft fails before any run
+    log(f"measuring copy bandwidth on {device} ...")
+    bandwidth = copy_bandwidth(device)
+    _free(device)
+    meta = {
+        "device": _device_name(device), "device_type": device.type,
+        "dtype": str(src.model.lm_head.weight.dtype).removeprefix("torch."),
+        "model_source": src.kind, "model": src.name,
+        "copy_bandwidth_bytes_per_s": bandwidth, "batch_sizes": sizes,
+        "prompts": len(prompts), "mean_prompt_tokens": statistics.fmean(map(len, prompts)),
+        "prompt_source": opts.prompts or ("random token ids" if src.kind == "random" else "held-out stdlib prefixes"),
+        "max_tokens": opts.max_tokens, "max_model_len": max_len, "graphs": opts.graphs and device.type == "cuda",
+        "simulated": opts.simulate_acceptance is not None,
+        "simulated_acceptance": list(opts.simulate_acceptance) if opts.simulate_acceptance else None,
+        "acceptance": label,
+    }
+    points: list[dict[str, Any]] = []
+    for recipe, (spec, head) in zip(recipes, specs):
+        sim = opts.simulate_acceptance if recipe.algorithm != "vanilla" else None
+        eopts = EngineOptions(batch_size=sizes[-1], max_model_len=max_len, device=str(device),
+                              spec=spec, graphs=opts.graphs, profile=True, simulate_acceptance=sim)
+        log(f"{recipe.name}: building the engine for batch {sizes[-1]} ...")
+        engine = _engine(eopts, src, head)
+        for bs in sizes:
+            p = _measure(engine, prompts[:bs], opts, sizes[-1], bandwidth)
+            p.update(recipe=recipe.name, algorithm=recipe.algorithm, peer=False,
+                     acceptance=label if recipe.algorithm != "vanilla" else "none (vanilla)",
+                     simulated_acceptance=list(sim) if sim else None)
+            points.append(p)
+            log(f"{recipe.name} bs={bs}: {p['tokens_per_s']:.1f} tok/s, accept {p['accept_length']:.2f} "
+                f"({label if sim else 'measured'}), step {p['step_ms']:.2f} ms, floor {p['floor_ms']:.2f} ms")
+        del engine
+        _free(device)
+    if opts.hf:
+        points += _hf_points(src, prompts, [b for b in sizes if b <= opts.hf_max_batch], opts, log)
+    _speedups(points)
+    return {"meta": meta, "points": points}
+
+
+# ---- sources and prompts ---------------------------------------------------------------------
+
+
+def _check(opts: BenchOptions) -> None:
+    if opts.random_weights and (opts.model or opts.draft):
+        raise BenchError("--random-weights builds the target and the draft head itself: drop --model/--draft")
+    if opts.max_tokens < 2:
+        raise BenchError("--max-tokens must be at least 2 (one prefill token, then decode)")
+    if opts.prompt_len < 1:
+        raise BenchError("--prompt-len must be positive")
+    if opts.batch_sizes and min(opts.batch_sizes) < 1:
+        raise BenchError("--batch-sizes must be positive")
+    sim = opts.simulate_acceptance
+    if sim is not None and not all(0.0 <= p <= 1.0 for p in sim):
+        raise BenchError(f"--simulate-acceptance {','.join(map(str, sim))}: probabilities must be in [0, 1]")
+
+
+def _load_source(opts: BenchOptions, device: torch.device) -> Source:
+    if opts.random_weights:
+        cfg, name = configs.resolve_config(opts.random_weights)
+        dtype = resolve_dtype(opts.dtype, DecoderConfig.from_dict(cfg, name), device)
+        model = configs.random_target(cfg, dtype, device, seed=opts.seed)
+        return Source(name=name, kind="random", cfg_dict=cfg, model=model, tokenizer=_NoTokenizer(),
+                      head_cfg=configs.head_config(cfg, name))
+    model_dir = resolve_model(opts.model or "default")
+    model, raw = load_target(model_dir, opts.dtype, device)
+    return Source(name="demo" if opts.model is None else str(model_dir), kind="demo" if opts.model is None else "model",
+                  cfg_dict=raw, model=model, tokenizer=load_tokenizer(model_dir), model_dir=model_dir)
+
+
+def _spec(recipe: Any, opts: BenchOptions, src: Source, device: torch.device) -> tuple[SpecConfig, Eagle3Head | None]:
+    if recipe.algorithm == "vanilla":
+        return SpecConfig(), None
+    if src.kind == "random":
+        if src.head is None:
+            src.head = configs.random_eagle3(src.head_cfg, src.model, src.model.lm_head.weight.dtype, device,
+                                             seed=opts.seed + 1)
+        return SpecConfig(recipe.algorithm, recipe.num_steps, recipe.topk, recipe.num_draft_tokens), src.head
+    r = recipe.with_overrides(model=opts.model, draft=opts.draft)
+    return spec_config(r), None
+
+
+def _engine(eopts: EngineOptions, src: Source, head: Eagle3Head | None) -> Engine:
+    try:
+        return Engine(src.model_dir, eopts, model=src.model, tokenizer=src.tokenizer, draft_head=head)
+    except torch.cuda.OutOfMemoryError:
+        raise BenchError(f"out of GPU memory building an engine for batch {eopts.batch_size} and "
+                         f"{eopts.max_model_len} positions: lower --batch-sizes or --max-model-len") from None
+
+
+def _prompts(opts: BenchOptions, src: Source, n: int) -> list[list[int]]:
+    """n prompts (token ids), the same for every recipe and batch size."""
+    vocab = src.model.cfg.vocab_size
+    if opts.prompts:
+        ids = []
+        for row in open_rows(opts.prompts):
+            if isinstance(row, RowError):
+                raise BenchError(row.error)
+            if src.kind == "random" and row.prompt_token_ids is None:
+                raise BenchError(f"{opts.prompts}: random weights have no tokenizer; give prompt_token_ids rows")
+            try:
+                ids.append(encode_row(src.tokenizer, row, vocab))
+            except PromptError as e:
+                raise BenchError(str(e)) from None
+            if len(ids) == n:
+                break
+        if not ids:
+            raise BenchError(f"{opts.prompts}: no rows")
+        return [ids[i % len(ids)] for i in range(n)]          # fewer rows than the largest batch: reused
+    if src.kind == "random":
+        g = torch.Generator().manual_seed(opts.seed)
+        return torch.randint(0, vocab, (n, opts.prompt_len), generator=g).tolist()
+    from ..train.corpus import heldout_prefixes
+
+    try:
+        texts = heldout_prefixes(src.tokenizer, n=n, prefix_tokens=opts.prompt_len, seed=1)
+    except ValueError as e:
+        raise BenchError(f"held-out prompts: {e} (lower --prompt-len or pass --prompts FILE)") from None
+    return [src.tokenizer(t["prompt"])["input_ids"] for t in texts]
+
+
+# ---- one point ---------------------------------------------------------------------------------
+
+
+def _measure(engine: Engine, prompts: list[list[int]], opts: BenchOptions, max_bs: int,
+             bandwidth: float) -> dict[str, Any]:
+    bs = len(prompts)
+    rows = [RowRequest(row=i, id=str(i), prompt_token_ids=p) for i, p in enumerate(prompts)]
+    defaults = SamplingDefaults(max_tokens=opts.max_tokens, ignore_eos=True)      # greedy
+    if opts.warmup:
+        list(engine.generate(rows, replace(defaults, max_tokens=min(WARMUP_TOKENS, opts.max_tokens))))
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(engine.device)
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    engine.cycle_times.clear()
+    t0 = time.perf_counter()
+    recs = list(engine.generate(rows, defaults))
+    wall = time.perf_counter() - t0
+    errors = [r["error"] for r in recs if r["error"]]
+    if errors:
+        raise BenchError(f"batch {bs}: {errors[0]}")
+    stats = RunStats()
+    for r in recs:
+        stats.add(r)
+    steady, lens = _steady(engine.cycle_times, bs, statistics.fmean(map(len, prompts)))
+    if not steady:
+        raise BenchError(f"batch {bs}: no decode cycle ran with every row active (raise --max-tokens)")
+    tokens = sum(c.tokens for c in steady)
+    decode_cycles = sum(stats.histogram)
+    step_ms = statistics.median(c.wall_ms for c in steady)
+    w_bytes, kv = _cycle_bytes(engine, bs, statistics.fmean(lens))
+    floor_ms = step_floor_ms(w_bytes + kv, bandwidth)
+    return {
+        "batch_size": bs,
+        "tokens_per_s": tokens / (sum(c.wall_ms for c in steady) / 1e3),
+        "e2e_tokens_per_s": stats.completion_tokens / wall,
+        "accept_length": 1 + stats.accepted_tokens / decode_cycles if decode_cycles else 1.0,
+        "accept_length_with_prefill": stats.accept_length,
+        "acceptance_per_position": stats.acceptance_per_position(),
+        "steady_cycles": len(steady), "steady_tokens": tokens, "cycles": len(engine.cycle_times),
+        "step_ms": step_ms,
+        "draft_ms": statistics.median(c.draft_ms for c in steady),
+        "verify_ms": statistics.median(c.verify_ms for c in steady),
+        "extend_ms": statistics.median(c.extend_ms for c in steady),
+        "host_ms": statistics.median(c.wall_ms - c.draft_ms - c.verify_ms - c.extend_ms for c in steady),
+        "mean_committed_len": statistics.fmean(lens),
+        "weight_bytes_per_step": w_bytes, "kv_bytes_per_step": kv,
+        "floor_ms": floor_ms, "floor_fraction": floor_ms / step_ms,
+        "peak_memory_bytes": int(torch.cuda.max_memory_allocated(engine.device)) if cuda else None,
+        "capture_s": engine.capture_seconds, "engine_batch": max_bs,
+    }
+
+
+def _steady(cycles: list[CycleTime], bs: int, prompt_len: float) -> tuple[list[CycleTime], list[float]]:
+    """Cycles with all `bs` rows active, and the mean committed length each one read.
+
+    Rows start together and only leave, so these are a prefix. A cycle's tokens / batch is the
+    rows' mean advance (exact until the last cycles, where stops cut the emitted tokens).
+    """
+    steady, lens, length = [], [], prompt_len
+    for c in cycles:
+        if c.batch == bs:
+            steady.append(c)
+            lens.append(length)
+        length += c.tokens / c.batch
+    return steady, lens
+
+
+def _cycle_bytes(engine: Engine, bs: int, mean_len: float) -> tuple[int, float]:
+    """(weight bytes, KV bytes) one cycle must read: the target once; an EAGLE3 head S times
+    (S - 1 tree steps + 1 catch-up), each forward over its own cache."""
+    model = engine.model
+    dtype = model.lm_head.weight.dtype
+    w = weight_bytes(model)
+    kv = kv_bytes(model.cfg, dtype, mean_len * bs)
+    head = getattr(engine.drafter, "head", None)
+    if head is not None:
+        S = engine.drafter.max_depth
+        w += eagle3_draft_bytes(head, S)
+        kv += S * kv_bytes(head.cfg.layer, dtype, mean_len * bs)
+    return w, kv
+
+
+# ---- the peer and the comparisons -----------------------------------------------------------------
+
+
+def _hf_points(src: Source, prompts: list[list[int]], sizes: list[int], opts: BenchOptions,
+               log: Log) -> list[dict[str, Any]]:
+    log(f"{PEER_NAME}: batch sizes {', '.join(map(str, sizes)) or 'none'} (--hf-max-batch {opts.hf_max_batch})")
+    hf = hf_model(src.cfg_dict, src.model)
+    device = src.model.lm_head.weight.device
+    points = []
+    for bs in sizes:
+        p: dict[str, Any] = {"recipe": PEER_NAME, "algorithm": "vanilla", "peer": True, "batch_size": bs,
+                             "acceptance": "none (vanilla)", "simulated_acceptance": None}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            p["tokens_per_s"] = hf_tokens_per_s(hf, prompts[:bs], opts.max_tokens)
+            if p["tokens_per_s"] is None:
+                p["error"] = "timing noise"
+        except torch.cuda.OutOfMemoryError:
+            p["tokens_per_s"], p["error"] = None, "out of memory"
+            _free(device)
+        if device.type == "cuda":
+            p["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
+        points.append(p)
+        rate = p["error"] if p["tokens_per_s"] is None else f"{p['tokens_per_s']:.1f} tok/s"
+        log(f"{PEER_NAME} bs={bs}: {rate}")
+    del hf
+    _free(device)
+    return points
+
+
+def _speedups(points: list[dict[str, Any]]) -> None:
+    """speedup_vs_vanilla: tokens/s over vanilla's (ours) at the same batch size."""
+    base = {p["batch_size"]: p["tokens_per_s"] for p in points if p["recipe"] == "vanilla" and not p["peer"]}
+    for p in points:
+        ref, rate = base.get(p["batch_size"]), p.get("tokens_per_s")
+        p["speedup_vs_vanilla"] = rate / ref if ref and rate is not None else None
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

@@ -1,0 +1,83 @@
+"""CUDA graphs of the cycle's device stages.
+
+The engine hands over its stage functions (propose; verify + accept + commit; extend), grouped
+into the graphs to capture, and a factory of static batches (input buffers: slots and sampling
+parameters). Each (padded batch size, sampling variant) gets one graph per group, captured
+largest batch first with one shared memory pool. A smaller batch replays the next captured size;
+its pad rows point at the dummy slot. Nothing here knows what the stages compute.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+import torch
+
+Stage = Callable[[Any], None]
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Every size to 8, then steps growing with the batch (pad waste stays under ~25%)."""
+    steps = [*range(1, 9), 12, 16, 24, 32, 40, 48, 56, 64, *range(80, 129, 16), *range(160, 257, 32),
+             *range(320, max(max_batch, 320) + 1, 64)]
+    return sorted({s for s in steps if s < max_batch} | {max_batch})
+
+
+@dataclass
+class Captured:
+    batch: Any                                   # the engine's batch over static buffers
+    graphs: list[torch.cuda.CUDAGraph]           # one per stage group, replayed in order
+    layout: Hashable = None                      # what the buffers hold now (skips refilling)
+
+
+@dataclass
+class GraphRunner:
+    make_batch: Callable[[int, Hashable], Any]   # (padded size, variant) -> static batch
+    groups: list[list[Stage]]                    # stage functions, one list per graph
+    sizes: list[int]
+    capture_seconds: float = 0.0
+    _pool: Any = None
+    _graphs: dict[tuple[int, Hashable], Captured] = field(default_factory=dict)
+
+    def capture_all(self, variant: Hashable) -> None:
+        for size in sorted(self.sizes, reverse=True):
+            self._capture(size, variant)
+
+    def padded(self, rows: int) -> int:
+        i = bisect.bisect_left(self.sizes, rows)
+        if i == len(self.sizes):
+            raise ValueError(f"batch of {rows} rows exceeds the largest captured size {self.sizes[-1]}")
+        return self.sizes[i]
+
+    def get(self, rows: int, variant: Hashable) -> Captured:
+        """The graphs for `rows` active rows (captured now if this variant was not used yet)."""
+        key = (self.padded(rows), variant)
+        return self._graphs.get(key) or self._capture(*key)
+
+    def _capture(self, size: int, variant: Hashable) -> Captured:
+        t0 = time.perf_counter()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        batch = self.make_batch(size, variant)
+        # Warm-up outside capture, on a side stream as torch asks: compiles Triton kernels and
+        # sets up cuBLAS workspaces. Every row of a fresh batch is a pad row (dummy slot).
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for group in self.groups:
+                for stage in group:
+                    stage(batch)
+        torch.cuda.current_stream().wait_stream(side)
+        graphs = []
+        for group in self.groups:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                for stage in group:
+                    stage(batch)
+            graphs.append(g)
+        torch.cuda.synchronize()
+        captured = self._graphs[(size, variant)] = Captured(batch, graphs)
+        self.capture_seconds += time.perf_counter() - t0
+        return captured
