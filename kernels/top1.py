@@ -160,10 +160,11 @@ def top1(logits: torch.Tensor, num_splits: int | None = None,
 
     num_splits: programs per row (default: enough to fill the GPU; clipped to [1, 64] and to
     what V allows). out: optional (idx, logp) to write into. block / num_warps: tuning knobs.
-    Graph-capturable: no host sync, allocations depend on shapes only. Not re-entrant across
-    streams (per-device row counters).
+    Graph-capturable: no host sync, allocations depend on shapes only; call it once before
+    capturing (compiles, allocates the per-device row counters). Launches must not overlap on
+    two streams (they share those counters).
     """
-    if logits.dim() != 2 or logits.stride(1) != 1:
+    if logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0:
         raise ValueError(f"top1 wants [R, V] with a contiguous last dim, got {tuple(logits.shape)} "
                          f"strides {logits.stride()}")
     R, V = logits.shape

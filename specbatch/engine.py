@@ -16,7 +16,7 @@ from .data import RowError, RowRequest
 from .models.attention import AttnMetadata
 from .models.config import generation_eos_ids
 from .models.eagle3 import Eagle3Head
-from .models.llama import CausalLM
+from .models.llama import CausalLM, fuse_projections
 from .models.loader import load_target
 from .prompts import PromptError, encode_row, load_tokenizer
 from .recipe import SamplingDefaults
@@ -99,6 +99,7 @@ class Engine:
         else:
             self.model, self.device, self.tokenizer = model, model.lm_head.weight.device, tokenizer
             eos = model.cfg.eos_token_ids
+        fuse_projections(self.model)
         self.cfg = self.model.cfg
         self.dtype = self.model.lm_head.weight.dtype
         if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:

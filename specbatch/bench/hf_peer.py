@@ -1,6 +1,7 @@
-"""The transformers peer: `generate` (greedy, static cache) on the very same weights, so the
-table shows what the plain HF loop does at each batch size. The HF model is built on the meta
-device and takes our parameters by assignment (our names are the HF ones): no second copy."""
+"""The transformers peer: `generate` (greedy, static cache, not compiled) on the very same
+weights, so the table shows what the plain HF loop does at each batch size. The HF model is
+built on the meta device and takes our parameters by assignment (our names are the HF ones):
+no second copy."""
 from __future__ import annotations
 
 import time
@@ -23,7 +24,8 @@ def hf_model(cfg_dict: dict[str, Any], model: CausalLM) -> Any:
     d = dict(cfg_dict)
     model_type = d.pop("model_type", None) or _MODEL_TYPES.get((d.get("architectures") or [None])[0])
     if model_type is None:
-        raise ModelError(f"transformers peer: cannot tell the model_type of architectures {d.get('architectures')}")
+        raise ModelError(f"transformers peer: no model_type for architectures {d.get('architectures')} "
+                         "(use --no-hf)")
     cfg = tf.AutoConfig.for_model(model_type, **d)
     with torch.device("meta"):
         hf = tf.AutoModelForCausalLM.from_config(cfg)
@@ -55,8 +57,11 @@ def hf_generate(hf: Any, prompts: list[list[int]], max_new: int, pad_id: int = 0
     for i, p in enumerate(prompts):
         ids[i, T - len(p):] = torch.tensor(p)
         mask[i, T - len(p):] = 1
+    # disable_compile: on CUDA a static cache would otherwise torch.compile the forward, once per
+    # batch size (minutes each at 8B), inside the timed generate(N).
     gc = GenerationConfig(do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
-                          cache_implementation="static", pad_token_id=pad_id, eos_token_id=None)
+                          cache_implementation="static", pad_token_id=pad_id, eos_token_id=None,
+                          disable_compile=True)
     out = hf.generate(ids.to(device), attention_mask=mask.to(device), generation_config=gc)
     return out[:, T:]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -59,7 +59,7 @@ class BenchOptions:
     hf: bool = True
     hf_max_batch: int = 64
     max_model_len: int | None = None         # None: longest prompt + max_tokens
-    warmup: bool = True                      # a short run at each point before the measured one
+    warmup: bool = True                      # a short run on each new engine before measuring
     seed: int = 0
 
 
@@ -120,6 +120,10 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
             "to time them under a chosen acceptance profile")
     prompts = _prompts(opts, src, sizes[-1])
     max_len = opts.max_model_len or max(map(len, prompts)) + opts.max_tokens
+    limit = src.model.cfg.max_position_embeddings
+    if max_len > limit:
+        raise BenchError(f"prompts of up to {max(map(len, prompts))} tokens + --max-tokens {opts.max_tokens} "
+                         f"exceed the model's max_position_embeddings ({limit}): lower --prompt-len or --max-tokens")
     specs = [_spec(r, opts, src, device) for r in recipes]        # a missing --draft fails before any run
     log(f"measuring copy bandwidth on {device} ...")
     bandwidth = copy_bandwidth(device)
@@ -130,7 +134,8 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
         "model_source": src.kind, "model": src.name,
         "copy_bandwidth_bytes_per_s": bandwidth, "batch_sizes": sizes,
         "prompts": len(prompts), "mean_prompt_tokens": statistics.fmean(map(len, prompts)),
-        "prompt_source": opts.prompts or ("random token ids" if src.kind == "random" else "held-out stdlib prefixes"),
+        "prompt_source": opts.prompts or ("random token ids" if src.kind == "random"
+                                          else "held-out stdlib prefixes"),
         "max_tokens": opts.max_tokens, "max_model_len": max_len, "graphs": opts.graphs and device.type == "cuda",
         "simulated": opts.simulate_acceptance is not None,
         "simulated_acceptance": list(opts.simulate_acceptance) if opts.simulate_acceptance else None,
@@ -143,6 +148,11 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
                               spec=spec, graphs=opts.graphs, profile=True, simulate_acceptance=sim)
         log(f"{recipe.name}: building the engine for batch {sizes[-1]} ...")
         engine = _engine(eopts, src, head)
+        if opts.warmup:
+            # First-call costs (allocator, kernel selection); smallest batch: its prefill is cheap.
+            warm = [RowRequest(row=i, id=str(i), prompt_token_ids=p) for i, p in enumerate(prompts[:sizes[0]])]
+            list(engine.generate(warm, SamplingDefaults(max_tokens=min(WARMUP_TOKENS, opts.max_tokens),
+                                                        ignore_eos=True)))
         for bs in sizes:
             p = _measure(engine, prompts[:bs], opts, sizes[-1], bandwidth)
             p.update(recipe=recipe.name, algorithm=recipe.algorithm, peer=False,
@@ -185,11 +195,13 @@ def _load_source(opts: BenchOptions, device: torch.device) -> Source:
                       head_cfg=configs.head_config(cfg, name))
     model_dir = resolve_model(opts.model or "default")
     model, raw = load_target(model_dir, opts.dtype, device)
-    return Source(name="demo" if opts.model is None else str(model_dir), kind="demo" if opts.model is None else "model",
-                  cfg_dict=raw, model=model, tokenizer=load_tokenizer(model_dir), model_dir=model_dir)
+    demo = opts.model is None
+    return Source(name="demo" if demo else str(model_dir), kind="demo" if demo else "model", cfg_dict=raw,
+                  model=model, tokenizer=load_tokenizer(model_dir), model_dir=model_dir)
 
 
-def _spec(recipe: Any, opts: BenchOptions, src: Source, device: torch.device) -> tuple[SpecConfig, Eagle3Head | None]:
+def _spec(recipe: Any, opts: BenchOptions, src: Source,
+          device: torch.device) -> tuple[SpecConfig, Eagle3Head | None]:
     if recipe.algorithm == "vanilla":
         return SpecConfig(), None
     if src.kind == "random":
@@ -248,8 +260,6 @@ def _measure(engine: Engine, prompts: list[list[int]], opts: BenchOptions, max_b
     bs = len(prompts)
     rows = [RowRequest(row=i, id=str(i), prompt_token_ids=p) for i, p in enumerate(prompts)]
     defaults = SamplingDefaults(max_tokens=opts.max_tokens, ignore_eos=True)      # greedy
-    if opts.warmup:
-        list(engine.generate(rows, replace(defaults, max_tokens=min(WARMUP_TOKENS, opts.max_tokens))))
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)

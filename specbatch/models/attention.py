@@ -15,10 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .. import kernels
+
 # Not cuDNN: on Hopper it serves bf16 by default and builds a plan for every new key length,
 # about 116 ms each (measured on an H100: benchmarks/sdpa_shapes.py), and the key length here
 # grows every decode step. The other backends take 0.35 ms for the same call.
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_KERNEL_QUERY_ROWS = 128     # T * (Hq / Hkv) per program of the Triton kernel
 
 
 @dataclass
@@ -84,7 +87,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
            scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """q: [B, T, Hq, D] -> [B, T, Hq, D], reading the slots' first kv_len cache rows."""
+    """q: [B, T, Hq, D] -> [B, T, Hq, D], reading the slots' first kv_len cache rows.
+
+    On CUDA, few new tokens per sequence (decode, verify, draft steps) go to the Triton kernel,
+    which reads each slot's own length from the device; long prefills stay with SDPA."""
+    if kernels.active(q) and q.shape[1] * (q.shape[2] // k_cache.shape[2]) <= _KERNEL_QUERY_ROWS:
+        from ..kernels.attention import slot_attention
+
+        return slot_attention(q, k_cache, v_cache, meta.slots, meta.prefix_lens, scale,
+                              tree_mask=meta.tree_mask, write_offset=meta.write_offset,
+                              positions=meta.positions, sliding_window=sliding_window,
+                              max_rows=meta.kv_len)
     keys = k_cache[meta.slots, : meta.kv_len].transpose(1, 2)      # [B, Hkv, L, D]
     values = v_cache[meta.slots, : meta.kv_len].transpose(1, 2)
     mask = meta.visibility(sliding_window)[:, None]                  # [B, 1, T, L]

@@ -61,6 +61,34 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight [sum of outputs, in] (and bias) whose row blocks the given layers' parameters
+    become views of: one GEMM instead of several, same parameter names, no extra memory."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = None
+    if all(lin.bias is not None for lin in linears):
+        bias = torch.cat([lin.bias.detach() for lin in linears])
+    elif any(lin.bias is not None for lin in linears):
+        raise ValueError("fuse_linears: some layers have a bias and some do not")
+    rows = [lin.out_features for lin in linears]
+    for lin, w in zip(linears, weight.split(rows)):
+        lin.weight.data = w
+    if bias is not None:
+        for lin, b in zip(linears, bias.split(rows)):
+            lin.bias.data = b
+    return weight, bias
+
+
+def fuse_projections(module: nn.Module) -> None:
+    """Fuse q/k/v and gate/up projections of every attention and MLP block inside `module`
+    (after its weights are loaded; idempotent)."""
+    for m in module.modules():
+        if isinstance(m, Attention) and m.qkv is None:
+            m.qkv = fuse_linears(m.q_proj, m.k_proj, m.v_proj)
+        elif isinstance(m, MLP) and m.gate_up is None:
+            m.gate_up = fuse_linears(m.gate_proj, m.up_proj)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, in_features: int | None = None):
         super().__init__()
@@ -75,15 +103,19 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.scale = d ** -0.5
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None    # see fuse_projections
 
     def forward(self, x, cos, sin, meta: AttnMetadata, k_cache, v_cache, out_rows=None):
         """x [B, T, in] -> [B, T, H]; with `out_rows` [B] every row's K/V is written but the
         attention output is computed for that one row per sequence only: [B, 1, H]."""
         B, T, _ = x.shape
         d = self.cfg.head_dim
-        q = self.q_proj(x).view(B, T, -1, d)
-        k = self.k_proj(x).view(B, T, -1, d)
-        v = self.v_proj(x).view(B, T, -1, d)
+        if self.qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            hq, hkv = self.cfg.num_heads * d, self.cfg.num_kv_heads * d
+            q, k, v = nn.functional.linear(x, *self.qkv).split([hq, hkv, hkv], dim=-1)
+        q, k, v = q.view(B, T, -1, d), k.view(B, T, -1, d), v.view(B, T, -1, d)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
@@ -103,9 +135,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=b)
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None   # see fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = nn.functional.linear(x, *self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

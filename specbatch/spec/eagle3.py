@@ -11,6 +11,7 @@ import torch
 
 from ..models.attention import AttnMetadata
 from ..models.eagle3 import Eagle3Head
+from ..models.llama import fuse_projections
 from ..runtime.kv_cache import KVCache
 from .accept import Acceptance
 from .drafter import Drafter, Proposal
@@ -22,6 +23,7 @@ class Eagle3Drafter(Drafter):
     def __init__(self, head: Eagle3Head, aux_layers: tuple[int, ...], num_steps: int, topk: int,
                  num_draft_tokens: int, num_slots: int, max_len: int):
         self.head = head
+        fuse_projections(head)
         self.S, self.k, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.max_depth = num_steps
         self.capture_layers = aux_layers
