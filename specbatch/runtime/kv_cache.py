@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..models.config import DecoderConfig, ModelError
 
 GiB = 1 << 30
@@ -70,10 +71,16 @@ def compact_path(kv: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, pat
 
     The node emitted as row j sat at cache row start + path[:, j]; it belongs at start + j.
     path[:, j] >= j, so reading every source before writing is safe. Rows past num stay put.
+    kv: KVCache.data [planes, slots + 1, rows, Hkv, D]; on CUDA one Triton launch for every plane.
     """
+    if kernels.active(kv):
+        from ..kernels.compact import compact_path as fused_compact
+
+        fused_compact(kv, slots, start, path, num)
+        return
     j = torch.arange(path.shape[1], device=path.device)
     keep = j[None, :] < num[:, None]
     src = start[:, None] + torch.where(keep, path, j[None, :])
     dst = start[:, None] + j[None, :]
     s = slots[:, None].expand_as(dst)
-    kv[:, s, dst] = kv[:, s, src]          # kv: KVCache.data [planes, slots + 1, rows, Hkv, D]
+    kv[:, s, dst] = kv[:, s, src]

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from ..sampling import BatchSampling, draw, row_keys, uniforms
+from .topk import top1
 
 _ACCEPT_SALT = 1      # the acceptance uniform; salt 0 is the per-vocabulary race of `draw`
 
@@ -35,6 +37,11 @@ def accept(node_tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tenso
     depth d decides position start+1+d)."""
     B, N, V = logits.shape
     dev = logits.device
+    if sp.all_greedy and kernels.active(logits):
+        from ..kernels.accept import greedy_accept
+
+        tokens, num, path = greedy_accept(node_tokens, parents, top1(logits)[0], max_depth)
+        return Acceptance(tokens=tokens, num=num, path=path)
     rows = torch.arange(B, device=dev)
     # kids[b, n, c]: node c is a child of node n
     kids_of = parents[:, None, :] == torch.arange(N, device=dev)[None, :, None]

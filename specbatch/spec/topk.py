@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
+
 # Finite stand-in for log(0): keeps scores ordered and sums of them finite.
 LOG_ZERO = -1e30
 
@@ -20,6 +22,11 @@ def top1(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Rows that are all -inf give token 0 with log-probability LOG_ZERO; rows holding +inf give
     the mass to the +inf entries.
     """
+    if kernels.active(logits) and logits.shape[-1] > 0:
+        from ..kernels.top1 import top1 as fused_top1
+
+        idx, logp = fused_top1(logits.reshape(-1, logits.shape[-1]))
+        return idx.view(logits.shape[:-1]), logp.view(logits.shape[:-1])
     x = logits.float()
     m, idx = x.max(dim=-1)
     # max - lse computed as -log(sum(exp(x - max))): exact even when |max| dwarfs log(V).
