@@ -19,6 +19,7 @@ import statistics
 import torch
 
 from specbatch.bench.floor import copy_bandwidth
+from specbatch import kernels
 from specbatch.kernels import attention as kattn
 from specbatch.models.attention import AttnMetadata, attend
 
@@ -60,7 +61,8 @@ class Case:
                                     max_rows=m.kv_len, out=self.out, **kw)
 
     def torch(self, layer: int) -> torch.Tensor:
-        return attend(self.q, self.data[2 * layer], self.data[2 * layer + 1], self.meta, D ** -0.5)
+        with kernels.torch_only():          # attend dispatches to the kernel on CUDA otherwise
+            return attend(self.q, self.data[2 * layer], self.data[2 * layer + 1], self.meta, D ** -0.5)
 
 
 def graph_us(fn, layers: int, replays: int = 50) -> float:

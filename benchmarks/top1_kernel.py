@@ -18,7 +18,14 @@ import torch
 
 from specbatch.bench.floor import copy_bandwidth
 from specbatch.kernels.top1 import plan, top1
-from specbatch.spec.topk import top1 as torch_top1
+from specbatch import kernels
+from specbatch.spec.topk import top1 as _dispatch_top1
+
+
+def torch_top1(x):
+    """The torch reference path (spec.topk.top1 would dispatch to the kernel on CUDA)."""
+    with kernels.torch_only():
+        return _dispatch_top1(x)
 
 SHAPES = [(64, 128256), (1, 128256), (256, 32000)]
 DTYPE = torch.bfloat16

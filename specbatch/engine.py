@@ -311,7 +311,7 @@ class Engine:
             compact_path(self.cache.data, b.slots, lens, acc.path, acc.num)
         self.lens[b.slots] = lens + acc.num
         self.last[b.slots] = acc.tokens.gather(1, (acc.num - 1)[:, None])[:, 0]
-        self.lens[self.cache.dummy_slot] = 0            # pad rows all advanced the dummy slot
+        self.lens[self.cache.dummy_slot:].zero_()       # pad rows all advanced the dummy slot
         b.acc = acc
         b.out = torch.cat([acc.tokens, acc.num[:, None]], dim=1)
 
