@@ -16,7 +16,7 @@ from torch import nn
 
 from .attention import AttnMetadata
 from .config import DecoderConfig, ModelError, load_config_dict
-from .llama import MLP, Attention, RMSNorm, rope_cos_sin, rope_inv_freq
+from .llama import MLP, Attention, RMSNorm, Rope, rope_inv_freq
 from .loader import iter_tensors, load_weights, safetensors_files, tensor_names
 
 
@@ -84,12 +84,11 @@ class Eagle3Head(nn.Module):
         h = self.fc(hidden) if features else hidden
         emb = self.embed_tokens(input_ids)
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], dim=-1)
-        cos, sin = rope_cos_sin(self.inv_freq, meta.positions, x.dtype)
-        attn = layer.self_attn(x, cos, sin, meta, *kv, out_rows=out_rows)
+        attn = layer.self_attn(x, Rope(self.inv_freq, meta.positions, x.dtype), meta, *kv, out_rows=out_rows)
         if out_rows is not None:
             h = h.gather(1, out_rows[:, None, None].expand(-1, 1, h.shape[-1]))
-        h = h + attn
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        x, h = layer.post_attention_layernorm(attn, h)
+        return h + layer.mlp(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm [..., H] -> float32 draft-vocabulary logits [..., V_draft]."""

@@ -6,11 +6,13 @@ it reads token ids, an AttnMetadata and the per-layer KV caches.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 
+from .. import kernels
 from .attention import AttnMetadata, attend, write_kv
 from .config import DecoderConfig
 
@@ -23,7 +25,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`: s = x + residual and (norm(s), s), the residual stream's
+        add fused into the norm that follows it (one kernel on CUDA)."""
+        if kernels.active(x):
+            from ..kernels.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -59,6 +73,35 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+class Rope:
+    """The rotary embedding of one forward: positions [B, T] and the model's inv_freq. The torch
+    path builds cos / sin [B, T, 1, D] once per forward; the CUDA path rotates inside the kernel
+    that also writes K/V."""
+
+    def __init__(self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+        self.inv_freq, self.positions, self.dtype = inv_freq, positions, dtype
+
+    @functools.cached_property
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(self.inv_freq, self.positions, self.dtype)
+
+
+def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope,
+                     meta: AttnMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """Rotate q and k [B, T, heads, D], write k and v to the cache rows of the new tokens;
+    -> rotated q."""
+    if kernels.active(q):
+        from ..kernels.rope import rope_write_kv
+
+        return rope_write_kv(q, k, v, rope.positions, rope.inv_freq, k_cache, v_cache, meta.slots,
+                             meta.cache_rows())
+    cos, sin = rope.cos_sin
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    write_kv(k_cache, v_cache, k, v, meta)
+    return q
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -105,7 +148,7 @@ class Attention(nn.Module):
         self.scale = d ** -0.5
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None    # see fuse_projections
 
-    def forward(self, x, cos, sin, meta: AttnMetadata, k_cache, v_cache, out_rows=None):
+    def forward(self, x, rope: Rope, meta: AttnMetadata, k_cache, v_cache, out_rows=None):
         """x [B, T, in] -> [B, T, H]; with `out_rows` [B] every row's K/V is written but the
         attention output is computed for that one row per sequence only: [B, 1, H]."""
         B, T, _ = x.shape
@@ -118,9 +161,7 @@ class Attention(nn.Module):
         q, k, v = q.view(B, T, -1, d), k.view(B, T, -1, d), v.view(B, T, -1, d)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        write_kv(k_cache, v_cache, k, v, meta)
+        q = rotate_and_store(q, k, v, rope, meta, k_cache, v_cache)
         if out_rows is not None:
             q = q.gather(1, out_rows[:, None, None, None].expand(-1, 1, *q.shape[2:]))
             meta = meta.select_rows(out_rows)
@@ -140,7 +181,12 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = nn.functional.linear(x, *self.gate_up).chunk(2, dim=-1)
+        gate_up = nn.functional.linear(x, *self.gate_up)
+        if kernels.active(gate_up):
+            from ..kernels.activation import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -152,9 +198,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, meta, k_cache, v_cache):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, residual, rope, meta, k_cache, v_cache):
+        """(h, residual) -> (mlp output, residual): the layer's output h + residual is left
+        unsummed, the add fused into the next norm (residual None: h is the embedding)."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, rope, meta, k_cache, v_cache), residual)
+        return self.mlp(x), residual
 
 
 class DecoderBody(nn.Module):
@@ -183,13 +235,14 @@ class CausalLM(nn.Module):
         order `capture` lists them: what EAGLE3 heads (three layers) and MTP layers consume.
         """
         h = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.inv_freq, meta.positions, h.dtype)
+        rope = Rope(self.inv_freq, meta.positions, h.dtype)
         captured: dict[int, torch.Tensor] = {}
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, meta, *kv[i])
+            h, residual = layer(h, residual, rope, meta, *kv[i])
             if i in capture:
-                captured[i] = h
-        return self.model.norm(h), [captured[i] for i in capture]
+                captured[i] = h + residual
+        return self.model.norm(h, residual)[0], [captured[i] for i in capture]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> float32 [..., V]."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
@@ -73,9 +74,12 @@ class GraphRunner:
         graphs = []
         for group in self.groups:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
-                for stage in group:
-                    stage(batch)
+            with warnings.catch_warnings():
+                # a stage with no device work (vanilla's extend) captures an empty graph
+                warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+                with torch.cuda.graph(g, pool=self._pool):
+                    for stage in group:
+                        stage(batch)
             graphs.append(g)
         torch.cuda.synchronize()
         captured = self._graphs[(size, variant)] = Captured(batch, graphs)

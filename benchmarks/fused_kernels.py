@@ -1,0 +1,136 @@
+"""Fused elementwise kernels vs the torch reference sequences, timed inside CUDA graphs (GPU only).
+
+    python benchmarks/fused_kernels.py [--calls 20] [--replays 200]
+
+Llama-3.1-8B shapes (H 4096, I 14336, Hq 32, Hkv 8, D 128), bf16, T = 1, batch 1 and 64. Each
+line: microseconds per call (median over graph replays of `--calls` back-to-back calls, CUDA
+events) for the Triton kernel and for the torch ops it replaces in the decoder layer, plus the
+fraction of outputs bitwise equal to torch. The torch RoPE line starts from cos / sin, which the
+model computes once per forward (not per layer), and includes write_kv's index arithmetic.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from specbatch.kernels.activation import silu_mul
+from specbatch.kernels.norm import rms_norm
+from specbatch.kernels.rope import rope_write_kv
+from specbatch.models.attention import AttnMetadata, write_kv
+from specbatch.models.config import DecoderConfig
+from specbatch.models.llama import RMSNorm, rope_cos_sin, rope_inv_freq, rotate_half
+
+DTYPE = torch.bfloat16
+CACHE_ROWS = 2048
+CFG = DecoderConfig(
+    architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+    num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+    rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    max_position_embeddings=131072, tie_word_embeddings=False, qkv_bias=False, o_bias=False,
+    mlp_bias=False, qk_norm=False, sliding_window=None, torch_dtype="bfloat16")
+
+
+def graph_us(fn, calls: int, replays: int) -> float:
+    """Median microseconds per fn() call: one graph holding `calls` calls, replayed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()                                    # compile / allocate outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a == b).float().mean())
+
+
+def cases(B: int, dev: torch.device):
+    """-> [(name, fused fn, torch fn, check)] for batch B, T = 1; check() runs both eagerly and
+    gives the fraction of outputs bitwise equal."""
+    H, I = CFG.hidden_size, CFG.intermediate_size
+    Hq, Hkv, D = CFG.num_heads, CFG.num_kv_heads, CFG.head_dim
+    g = torch.Generator(device=dev).manual_seed(B)
+    rnd = lambda *s: torch.randn(*s, generator=g, device=dev).to(DTYPE)   # noqa: E731
+    x, res = rnd(B, 1, H), rnd(B, 1, H)
+    norm = RMSNorm(H, CFG.rms_norm_eps).to(dev, DTYPE)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * rnd(H))
+    w, eps = norm.weight.detach(), CFG.rms_norm_eps
+    y_f, s_f = torch.empty_like(x), torch.empty_like(x)
+    gu = rnd(B, 1, 2 * I)
+    a_f = torch.empty(B, 1, I, dtype=DTYPE, device=dev)
+    silu_t = lambda: torch.nn.functional.silu(gu[..., :I]) * gu[..., I:]        # noqa: E731
+
+    qkv = rnd(B, 1, (Hq + 2 * Hkv) * D)
+    q = qkv[..., : Hq * D].view(B, 1, Hq, D)
+    k = qkv[..., Hq * D: (Hq + Hkv) * D].view(B, 1, Hkv, D)
+    v = qkv[..., (Hq + Hkv) * D:].view(B, 1, Hkv, D)
+    meta = AttnMetadata(slots=torch.randperm(B + 1, device=dev)[:B],
+                        positions=torch.randint(0, 100000, (B, 1), device=dev),
+                        prefix_lens=torch.randint(0, CACHE_ROWS - 1, (B,), device=dev), kv_len=CACHE_ROWS)
+    rows = meta.cache_rows()
+    inv = rope_inv_freq(CFG).to(dev)
+    cos, sin = rope_cos_sin(inv, meta.positions, DTYPE)
+    kc_f, vc_f, kc_t, vc_t = (torch.zeros(B + 1, CACHE_ROWS, Hkv, D, dtype=DTYPE, device=dev) for _ in range(4))
+    qo_f = torch.empty(B, 1, Hq, D, dtype=DTYPE, device=dev)
+
+    def rope_t():
+        write_kv(kc_t, vc_t, k * cos + rotate_half(k) * sin, v, meta)
+        return q * cos + rotate_half(q) * sin
+
+    def rope_f():
+        return rope_write_kv(q, k, v, meta.positions, inv, kc_f, vc_f, meta.slots, rows, q_out=qo_f)
+
+    def rope_check() -> float:
+        s = meta.slots[:, None]
+        return min(same(rope_f(), rope_t()), same(kc_f[s, rows], kc_t[s, rows]), same(vc_f, vc_t))
+
+    return [
+        ("rms_norm", lambda: rms_norm(x, w, eps, out=y_f), lambda: norm(x),
+         lambda: same(rms_norm(x, w, eps, out=y_f), norm(x))),
+        ("add + rms_norm", lambda: rms_norm(x, w, eps, residual=res, out=y_f, residual_out=s_f),
+         lambda: norm(x + res),
+         lambda: same(rms_norm(x, w, eps, residual=res, out=y_f, residual_out=s_f)[0], norm(x + res))),
+        ("silu_mul", lambda: silu_mul(gu, out=a_f), silu_t, lambda: same(silu_mul(gu, out=a_f), silu_t())),
+        ("rope + kv write", rope_f, rope_t, rope_check),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=20, help="calls captured per graph")
+    ap.add_argument("--replays", type=int, default=200)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name(dev)}; {DTYPE}; T = 1; microseconds per call in a CUDA graph")
+    print(f"{'B':>3}  {'kernel':16s} {'triton':>8s} {'torch':>8s} {'speedup':>8s}  bitwise equal")
+    with torch.no_grad():
+        for B in (1, 64):
+            for name, fused, ref, check in cases(B, dev):
+                eq = check()
+                tf = graph_us(fused, args.calls, args.replays)
+                tt = graph_us(ref, args.calls, args.replays)
+                print(f"{B:>3}  {name:16s} {tf:8.2f} {tt:8.2f} {tt / tf:7.1f}x  {eq:.5f}")
+
+
+if __name__ == "__main__":
+    main()
