@@ -15,6 +15,7 @@ import statistics
 
 import torch
 
+from specbatch import kernels
 from specbatch.kernels.activation import silu_mul
 from specbatch.kernels.norm import rms_norm
 from specbatch.kernels.rope import rope_write_kv
@@ -104,12 +105,19 @@ def cases(B: int, dev: torch.device):
         s = meta.slots[:, None]
         return min(same(rope_f(), rope_t()), same(kc_f[s, rows], kc_t[s, rows]), same(vc_f, vc_t))
 
+    def norm_t():
+        with kernels.torch_only():                  # RMSNorm dispatches to the kernel on CUDA
+            return norm(x)
+
+    def add_norm_t():
+        with kernels.torch_only():
+            return norm(x + res)
+
     return [
-        ("rms_norm", lambda: rms_norm(x, w, eps, out=y_f), lambda: norm(x),
-         lambda: same(rms_norm(x, w, eps, out=y_f), norm(x))),
+        ("rms_norm", lambda: rms_norm(x, w, eps, out=y_f), norm_t,
+         lambda: same(rms_norm(x, w, eps, out=y_f), norm_t())),
         ("add + rms_norm", lambda: rms_norm(x, w, eps, residual=res, out=y_f, residual_out=s_f),
-         lambda: norm(x + res),
-         lambda: same(rms_norm(x, w, eps, residual=res, out=y_f, residual_out=s_f)[0], norm(x + res))),
+         add_norm_t, lambda: same(rms_norm(x, w, eps, residual=res, out=y_f, residual_out=s_f)[0], add_norm_t())),
         ("silu_mul", lambda: silu_mul(gu, out=a_f), silu_t, lambda: same(silu_mul(gu, out=a_f), silu_t())),
         ("rope + kv write", rope_f, rope_t, rope_check),
     ]

@@ -3,7 +3,8 @@
 Reference: `nn.functional.silu(x[..., :I]) * x[..., I:]`, rounding for rounding:
     a   = g / (1 + exp(-g))     fp32 math (libdevice expf, IEEE division), rounded to the dtype
     out = a * u                 fp32 math, rounded to the dtype
-which is exactly torch's CUDA silu and multiply, so results are bitwise equal on CUDA.
+which is torch's CUDA silu (x / (1 + exp(-x)) in opmath) and multiply op for op: bitwise equal
+on CUDA up to libdevice's flush-to-zero setting, which only touches subnormal intermediates.
 
 Layout: grid (rows, cdiv(I, BLOCK)); each program reads BLOCK gates and the BLOCK ups I later.
 """

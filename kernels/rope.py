@@ -9,7 +9,8 @@ rounding for rounding, dtype = q's:
     out[:D/2] = x1 * cos - x2 * sin                    each product and the sum rounded to dtype
     out[D/2:] = x2 * cos + x1 * sin                    (x1, x2 = the halves: rotate_half)
 then k_cache[slots[b], rows[b, t]] = k_rot.to(cache dtype), same for v. Fused multiply-adds are
-off, so float32 matches too; on CUDA every op is torch's own, so results are bitwise equal.
+off, so float32 follows the same op sequence; on CUDA every op is the one torch runs, so results
+should be bitwise equal (the interpreter's cos / sin are numpy's: last-bit differences there).
 
 Layout: grid (B*T tokens, head groups): groups [0, NQG) rotate HB q heads each, the rest rotate
 HB k heads and copy the same v heads. A program holds [HB, D/2] tiles of both halves.

@@ -43,9 +43,12 @@ class AttnMetadata:
         return self.write_offset + self.num_new if self.tree_mask is None else self.tree_mask.shape[2]
 
     def cache_rows(self) -> torch.Tensor:
-        """[B, T] cache row of each new token."""
-        t = torch.arange(self.num_new, device=self.positions.device)
-        return self.prefix_lens[:, None] + self.write_offset + t
+        """[B, T] cache row of each new token (computed once: every layer asks)."""
+        rows = self.__dict__.get("_cache_rows")
+        if rows is None:
+            t = torch.arange(self.num_new, device=self.positions.device)
+            rows = self.__dict__["_cache_rows"] = self.prefix_lens[:, None] + self.write_offset + t
+        return rows
 
     def select_rows(self, rows: torch.Tensor) -> "AttnMetadata":
         """A causal view with one query per sequence, new token `rows[b]`, whose K/V (and those of
