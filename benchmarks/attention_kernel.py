@@ -13,11 +13,12 @@ batch 1 and 8, to tune the defaults in kernels/attention.py.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
-import statistics
 
 import torch
 
+from specbatch.bench.timing import graph_us as _graph_us
 from specbatch.bench.floor import copy_bandwidth
 from specbatch import kernels
 from specbatch.kernels import attention as kattn
@@ -67,26 +68,7 @@ class Case:
 
 def graph_us(fn, layers: int, replays: int = 50) -> float:
     """Median microseconds per fn(layer) call, one graph holding one call per layer."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(0)                                       # compile / allocate outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(layers):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / layers)
-    return statistics.median(times)
+    return _graph_us([functools.partial(fn, i) for i in range(layers)], replays)
 
 
 def sweep(dev: torch.device, bw: float) -> None:

@@ -11,10 +11,10 @@ model computes once per forward (not per layer), and includes write_kv's index a
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from specbatch.bench.timing import graph_us as _graph_us
 from specbatch import kernels
 from specbatch.kernels.activation import silu_mul
 from specbatch.kernels.norm import rms_norm
@@ -35,29 +35,8 @@ CFG = DecoderConfig(
 
 
 def graph_us(fn, calls: int, replays: int) -> float:
-    """Median microseconds per fn() call: one graph holding `calls` calls, replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()                                    # compile / allocate outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+    """Median microseconds per fn() call, `calls` of them in one graph."""
+    return _graph_us([fn] * calls, replays)
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> float:

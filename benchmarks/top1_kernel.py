@@ -11,11 +11,12 @@ first shape, to tune the defaults in kernels/top1.py.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
-import statistics
 
 import torch
 
+from specbatch.bench.timing import graph_us as _graph_us
 from specbatch.bench.floor import copy_bandwidth
 from specbatch.kernels.top1 import plan, top1
 from specbatch import kernels
@@ -41,27 +42,7 @@ def inputs(R: int, V: int, dev: torch.device) -> list[torch.Tensor]:
 
 def graph_us(fn, xs: list[torch.Tensor], replays: int = 100) -> float:
     """Median microseconds per fn(x) call, one graph holding one call per input."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for x in xs[:3]:
-            fn(x)                                   # compile / allocate outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for x in xs:
-            fn(x)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(xs))
-    return statistics.median(times)
+    return _graph_us([functools.partial(fn, x) for x in xs], replays)
 
 
 def main() -> None:
