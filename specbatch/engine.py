@@ -18,6 +18,7 @@ from .models.config import generation_eos_ids
 from .models.eagle3 import Eagle3Head
 from .models.llama import CausalLM, fuse_projections
 from .models.loader import load_target
+from .models.mtp import MTPLayer
 from .prompts import PromptError, encode_row, load_tokenizer
 from .recipe import SamplingDefaults
 from .request import Request, StopChecker
@@ -86,7 +87,7 @@ def resolve_device(name: str | None) -> torch.device:
 class Engine:
     def __init__(self, model_dir: str | Path | None, opts: EngineOptions | None = None,
                  drafter: Drafter | None = None, *, model: CausalLM | None = None,
-                 tokenizer: Any = None, draft_head: Eagle3Head | None = None):
+                 tokenizer: Any = None, draft_head: Eagle3Head | MTPLayer | None = None):
         """`drafter` replaces the one `opts.spec` describes (tests plug in their own); `model`
         and `tokenizer` replace loading from `model_dir` (bench: random weights), `draft_head`
         replaces loading `opts.spec.draft`."""
@@ -112,7 +113,7 @@ class Engine:
         # Verify writes up to N-1 rows past the committed length: that headroom is allocated too.
         self.cache = KVCache(self.cfg, self.num_slots, self.max_len + width, self.dtype, self.device)
         self.drafter = drafter or make_drafter(opts.spec, self.model, self.num_slots, self.max_len,
-                                               head=draft_head)
+                                               head=draft_head, target_dir=model_dir)
         self.stops = StopChecker(self.tokenizer, self.eos_ids)
         # Per slot (the last one is the dummy slot of pad rows): committed cache rows, and the
         # last emitted token (not yet in the cache), on the device; the host mirrors the lengths.
@@ -217,7 +218,7 @@ class Engine:
             lengths = self._tensor(lens)
             meta = AttnMetadata(slots=slots, positions=torch.arange(T, device=self.device).expand(B, T),
                                 prefix_lens=torch.zeros_like(slots), kv_len=T)
-            hidden, captured = self.model(ids, meta, self.cache.layers, self.drafter.capture_layers)
+            hidden, captured = self._target(ids, meta)
             self.target_forwards += 1
             last = hidden[torch.arange(B, device=self.device), lengths - 1]          # [B, H]
             sp = BatchSampling.build([r.params for _, r in group], self.device)
@@ -301,7 +302,7 @@ class Engine:
         prop, lens = b.prop, b.lens
         meta = AttnMetadata(slots=b.slots, positions=lens[:, None] + prop.depths, prefix_lens=lens,
                             kv_len=b.kv_bound + prop.width, tree_mask=prop.tree_mask)
-        hidden, b.captured = self.model(prop.tokens, meta, self.cache.layers, self.drafter.capture_layers)
+        hidden, b.captured = self._target(prop.tokens, meta)
         logits = self.model.lm_head(hidden)                                      # [B, N, V]
         if self.simulate is None:
             acc = accept(prop.tokens, prop.parents, logits, b.sp, lens, self.drafter.max_depth)
@@ -314,6 +315,11 @@ class Engine:
         self.lens[self.cache.dummy_slot:].zero_()       # pad rows all advanced the dummy slot
         b.acc = acc
         b.out = torch.cat([acc.tokens, acc.num[:, None]], dim=1)
+
+    def _target(self, ids: torch.Tensor, meta: AttnMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The target forward: (final-normed hidden, the states the drafter reads)."""
+        hidden, captured = self.model(ids, meta, self.cache.layers, self.drafter.capture_layers)
+        return hidden, [hidden] if self.drafter.reads_final_hidden else captured
 
     def _extend(self, b: Batch) -> None:
         """The drafter catches up on the accepted tokens with the target's states."""

@@ -46,7 +46,8 @@ def resolve_model(name: str) -> Path:
 
 
 def resolve_draft(recipe: Recipe) -> str | None:
-    """The draft head directory a recipe uses; `default` = the head shipped with the demo model."""
+    """The draft directory a recipe uses; `default` = the one shipped with the demo model. For
+    nextn_mtp on another model, None: the MTP layer inside the target's own checkpoint."""
     if recipe.algorithm == "vanilla":
         if recipe.draft is not None:
             raise JobError(f"--draft {recipe.draft}: recipe {recipe.name!r} (vanilla) uses no draft model")
@@ -54,6 +55,8 @@ def resolve_draft(recipe: Recipe) -> str | None:
     if recipe.draft not in (None, "default"):
         return str(Path(recipe.draft).expanduser())
     if recipe.model != "default":
+        if recipe.algorithm == "nextn_mtp":
+            return None
         raise JobError(f"recipe {recipe.name!r} with --model {recipe.model}: pass --draft DIR, a "
                        f"{recipe.algorithm} draft for that model (the embedded one fits the demo model only)")
     path = DEMO_DIR / recipe.algorithm

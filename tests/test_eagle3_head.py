@@ -17,7 +17,7 @@ from specbatch.models.config import ModelError
 from specbatch.models.eagle3 import default_aux_layers, load_eagle3
 from specbatch.models.loader import load_target
 from specbatch.runtime.kv_cache import KVCache
-from specbatch.spec.eagle3 import Eagle3Drafter
+from specbatch.spec.layer_drafter import LayerDrafter
 from specbatch.spec.factory import SpecConfig, make_drafter
 from tiny_models import make_eagle3_head
 
@@ -400,7 +400,7 @@ def test_factory_needs_a_draft(target):
 
 def test_factory_topk_exceeds_draft_vocab(tmp_path, target_dir, target):
     d = make_eagle3_head(tmp_path / "h", target_dir, draft_vocab=4)
-    assert isinstance(make_drafter(SpecConfig("eagle3", 2, 4, 5, draft=str(d)), target, 2, 32), Eagle3Drafter)
+    assert isinstance(make_drafter(SpecConfig("eagle3", 2, 4, 5, draft=str(d)), target, 2, 32), LayerDrafter)
     _one_line_error(lambda: make_drafter(SpecConfig("eagle3", 2, 5, 6, draft=str(d)), target, 2, 32),
                     "topk 5", "4")
 
@@ -543,7 +543,7 @@ PROMPTS = [[11, 47, 203, 5, 88], [3, 9, 150, 151, 77, 31, 260, 14]]
 
 def _prefilled(target, head_dir, S, k, N, num_slots=3):
     drafter = make_drafter(SpecConfig("eagle3", S, k, N, draft=str(head_dir)), target, num_slots, 48)
-    assert isinstance(drafter, Eagle3Drafter)
+    assert isinstance(drafter, LayerDrafter)
     B, T = len(PROMPTS), max(map(len, PROMPTS))
     ids = torch.zeros(B, T, dtype=torch.int64)
     for i, p in enumerate(PROMPTS):

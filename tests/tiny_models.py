@@ -151,3 +151,72 @@ def make_eagle3_head(out_dir: str | Path, target_dir: str | Path, *, draft_vocab
     save_file({prefix + k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
+
+
+MTP_MARK = {"deepseek": "model.layers.{i}.", "mimo": "model.mtp_layers.0.", "qwen": "mtp."}
+_MTP_NAMES = {      # our (DeepSeek) names -> each layout's
+    "deepseek": {},
+    "mimo": {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
+             "shared_head.norm": "final_layernorm"},
+    "qwen": {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
+             "shared_head.norm": "norm"},
+}
+
+
+def make_mtp_layer(target_dir: str | Path, layout: str = "deepseek", out_dir: str | Path | None = None,
+                   *, seed: int = 0, std: float = 0.2, own_embedding: bool = False,
+                   own_head: bool = False, drop: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """A random MTP layer for the target at `target_dir` in `layout` (deepseek | mimo | qwen),
+    written into the target's own model.safetensors (`out_dir` None; DeepSeek at
+    model.layers.{L}) or as an exported checkpoint in `out_dir` (DeepSeek at model.layers.0).
+    The decoder layer is the target family's (a one-layer transformers model's layer 0); norms
+    near 1, stored as offsets from 1 for qwen. `drop`: checkpoint names to leave out.
+    Returns the tensors written, by checkpoint name."""
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    target_dir = Path(target_dir)
+    raw = json.loads((target_dir / "config.json").read_text())
+    cfg = tf.AutoConfig.from_pretrained(str(target_dir))
+    cfg.num_hidden_layers = 1
+    torch.manual_seed(seed)
+    layer = tf.AutoModelForCausalLM.from_config(cfg).to(torch.float32).model.layers[0]
+    g = torch.Generator().manual_seed(seed + 1)
+    H, V = raw["hidden_size"], raw["vocab_size"]
+    r = lambda *shape: torch.randn(*shape, generator=g) * std
+    w = {k: v.detach().clone() for k, v in layer.state_dict().items() if "rotary" not in k}
+    for k in w:
+        if k.endswith("norm.weight"):
+            w[k] = 1 + r(*w[k].shape)
+    w.update({"enorm.weight": 1 + r(H), "hnorm.weight": 1 + r(H), "eh_proj.weight": r(H, 2 * H),
+              "shared_head.norm.weight": 1 + r(H)})
+    if own_embedding:
+        w["embed_tokens.weight"] = r(V, H)
+    if own_head:
+        w["shared_head.head.weight"] = r(V, H)
+    inside = out_dir is None
+    prefix = MTP_MARK[layout].format(i=raw["num_hidden_layers"] if inside else 0)
+    names = _MTP_NAMES[layout]
+    out = {}
+    for k, v in w.items():
+        head = next((a for a in names if k.startswith(a + ".")), None)
+        if head is not None:
+            k = names[head] + k[len(head):]
+        elif layout == "qwen" and not k.startswith(("embed_tokens", "shared_head")):
+            k = "layers.0." + k
+        if layout == "qwen" and k.endswith("norm.weight"):
+            v = v - 1                  # Gemma-style storage
+        out[prefix + k] = v.contiguous()
+    out = {k: v for k, v in out.items() if k not in drop}
+    if inside:
+        path = target_dir / "model.safetensors"
+        save_file({**load_file(str(path)), **out}, str(path), metadata={"format": "pt"})
+        raw["mtp_num_hidden_layers" if layout == "qwen" else "num_nextn_predict_layers"] = 1
+        (target_dir / "config.json").write_text(json.dumps(raw, indent=1))
+    else:
+        d = Path(out_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        save_file(out, str(d / "model.safetensors"), metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 1,
+                                                   "num_nextn_predict_layers": 1}, indent=1))
+    return out

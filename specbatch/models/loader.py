@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -46,12 +46,15 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(files: list[Path], device: torch.device,
+                 keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in `files`, or of those whose name `keep` accepts."""
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device=str(device)) as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
         except (OSError, ValueError, RuntimeError) as e:
             raise ModelError(f"{path}: cannot read safetensors ({e})") from None
 
@@ -95,7 +98,10 @@ def load_target(model_dir: str | Path, dtype: str = "auto",
     tie = "lm_head.weight" not in tensor_names(files)
     if tie:
         model.lm_head.weight = model.model.embed_tokens.weight
-    load_weights(model, iter_tensors(files, device), str(model_dir),
+    # Only the decoder's own tensors: an MTP layer stored alongside (model.layers.{L}.*,
+    # model.mtp_layers.*, mtp.*) is the drafter's to load.
+    params = set(dict(model.named_parameters()))
+    load_weights(model, iter_tensors(files, device, keep=params.__contains__), str(model_dir),
                  optional=("lm_head.weight",) if tie else ())
     return model.eval().requires_grad_(False), raw
 

@@ -28,6 +28,7 @@ class Drafter:
     num_draft_tokens: int = 1                 # N, the root included
     max_depth: int = 0                        # longest root-to-leaf path (drafts a cycle can accept)
     capture_layers: tuple[int, ...] = ()      # target layers whose outputs the drafter reads
+    reads_final_hidden: bool = False          # ... or the target's final-normed hidden state (MTP)
     graphable: bool = True                    # propose/extend are pure tensor work (CUDA graphs)
 
     def prefill(self, slots: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 from ..models.config import ModelError
 from ..models.eagle3 import Eagle3Head, default_aux_layers, load_eagle3
 from ..models.llama import CausalLM
+from ..models.mtp import MTPLayer, load_mtp
 from .drafter import Drafter, NoDrafter
-from .eagle3 import Eagle3Drafter
+from .layer_drafter import LayerDrafter
 
 
-AVAILABLE = ("vanilla", "eagle3")      # algorithms with a drafter in this version
+AVAILABLE = ("vanilla", "eagle3", "nextn_mtp")      # algorithms with a drafter in this version
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class SpecConfig:
     num_steps: int | None = None         # S
     topk: int | None = None              # k
     num_draft_tokens: int | None = None  # N, the root included
-    draft: str | None = None             # draft head directory
+    draft: str | None = None             # draft directory (nextn_mtp: None = inside the target)
 
     @property
     def width(self) -> int:
@@ -28,13 +29,21 @@ class SpecConfig:
 
 
 def make_drafter(spec: SpecConfig, target: CausalLM, num_slots: int, max_len: int,
-                 head: Eagle3Head | None = None) -> Drafter:
-    """`head`: an already-built EAGLE3 head instead of loading `spec.draft` (bench)."""
+                 head: Eagle3Head | MTPLayer | None = None, target_dir: str | None = None) -> Drafter:
+    """`head`: an already-built draft module instead of loading `spec.draft` (bench);
+    `target_dir`: the target's checkpoint, where an MTP layer may live."""
     if spec.algorithm == "vanilla":
         return NoDrafter()
     if spec.algorithm not in AVAILABLE:
         raise ModelError(f"algorithm {spec.algorithm!r} is not available in this version yet "
                          f"(available: {', '.join(AVAILABLE)})")
+    if spec.algorithm == "nextn_mtp":
+        if head is None:
+            dev, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
+            head = load_mtp(target, target_dir, spec.draft, dtype, dev)
+        if spec.topk > target.cfg.vocab_size:
+            raise ModelError(f"topk {spec.topk} exceeds the vocabulary ({target.cfg.vocab_size})")
+        return LayerDrafter(head, (), spec.num_steps, spec.topk, spec.num_draft_tokens, num_slots, max_len)
     if head is None and not spec.draft:
         raise ModelError("eagle3 needs a draft head: pass --draft DIR (an EAGLE3 head directory)")
     dev, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
@@ -49,5 +58,5 @@ def make_drafter(spec: SpecConfig, target: CausalLM, num_slots: int, max_len: in
                          f"of {L} layers (expected three ids in 0..{L - 1})")
     if spec.topk > head.cfg.draft_vocab_size:
         raise ModelError(f"topk {spec.topk} exceeds the draft vocabulary ({head.cfg.draft_vocab_size})")
-    return Eagle3Drafter(head, tuple(aux), spec.num_steps, spec.topk, spec.num_draft_tokens,
+    return LayerDrafter(head, tuple(aux), spec.num_steps, spec.topk, spec.num_draft_tokens,
                          num_slots, max_len)

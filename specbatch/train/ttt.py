@@ -1,7 +1,7 @@
 """Training-time test for EAGLE3 heads: the head unrolled over whole windows exactly as the
 drafter runs it at inference, and the distillation loss.
 
-Alignment (the drafter in ``specbatch/spec/eagle3.py``): head row p holds the token at position
+Alignment (the drafter in ``specbatch/spec/layer_drafter.py``): head row p holds the token at position
 p+1 and the feature of position p; its output predicts the token at position p+2, i.e. it is scored
 against the target's distribution at position p+1. Training-time test unrolls ``ttt_steps`` steps
 over every row of a window at once:

@@ -1,9 +1,11 @@
-"""The EAGLE3 drafter: a one-layer head reading three target hidden states.
+"""The drafter of one-layer draft modules: an EAGLE3 head (reading three target layers' outputs)
+or a NextN/MTP layer (reading the target's final-normed hidden state). Only the module differs;
+the catch-up, the S-step beam draft loop and the tree choice are shared.
 
-Draft row i of a slot holds (token at position i+1, feature at position i): the target's aux
-states for committed positions, the head's own pre-norm output for drafted ones. After each
-catch-up the slot keeps the output at its last committed row and that row's top-k, the first
-level of the next tree.
+Draft row i of a slot holds (token at position i+1, feature at position i): the target's states
+for committed positions, the module's own output for drafted ones (EAGLE3: pre-norm; MTP: normed,
+as engines feed it back). After each catch-up the slot keeps the output at its last committed
+row and that row's top-k, the first level of the next tree.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 
 from ..models.attention import AttnMetadata
 from ..models.eagle3 import Eagle3Head
+from ..models.mtp import MTPLayer
 from ..models.llama import fuse_projections
 from ..runtime.kv_cache import KVCache
 from .accept import Acceptance
@@ -19,14 +22,20 @@ from .topk import topk_logprobs
 from .tree import chain, child_scores, choose_tree
 
 
-class Eagle3Drafter(Drafter):
-    def __init__(self, head: Eagle3Head, aux_layers: tuple[int, ...], num_steps: int, topk: int,
+class LayerDrafter(Drafter):
+    """`head(tokens, hidden, meta, kv, features, out_rows)` -> its output states, `head.logits`,
+    `head.to_target` (draft -> target ids) and `head.cfg.layer` (the KV cache's shape).
+    `aux_layers`: the target layers whose outputs are the features (EAGLE3); empty: the target's
+    final-normed hidden state (MTP)."""
+
+    def __init__(self, head: Eagle3Head | MTPLayer, aux_layers: tuple[int, ...], num_steps: int, topk: int,
                  num_draft_tokens: int, num_slots: int, max_len: int):
         self.head = head
         fuse_projections(head)
         self.S, self.k, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.max_depth = num_steps
         self.capture_layers = aux_layers
+        self.reads_final_hidden = not aux_layers
         dev = head.lm_head.weight.device
         dtype = head.lm_head.weight.dtype
         H = head.cfg.layer.hidden_size
