@@ -2,7 +2,7 @@
 
     python benchmarks/quality.py --device cuda --out quality.json
 
-Defaults to the embedded demo model and head. Greedy, 128 new tokens, 64 held-out prefixes of
+Defaults to the embedded demo model, its EAGLE3 head and its MTP layer. Greedy, 128 new tokens, 64 held-out prefixes of
 ~128 tokens (seed 1, not the examples' seed). Every speculative run is compared token for token
 with vanilla in the same dtype (float32: must match exactly; bfloat16: the match rate is reported).
 """
@@ -26,7 +26,8 @@ from specbatch.spec.factory import SpecConfig
 from specbatch.stats import RunStats
 from specbatch.train.corpus import heldout_prefixes, iter_corpus
 
-RECIPES = ("eagle3_topk1", "eagle3_deep", "eagle3_tree")
+RECIPES = ("eagle3_topk1", "eagle3_deep", "eagle3_tree", "nextn_mtp", "nextn_mtp_1", "naive_2token",
+           "naive_2token_mtp")
 
 
 def heldout_loss(model_dir: Path, device: str, seq_len: int = 512) -> dict:
@@ -82,7 +83,9 @@ def match(a: list[list[int]], b: list[list[int]]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEMO_DIR / "target"))
-    ap.add_argument("--draft", default=str(DEMO_DIR / "eagle3"))
+    ap.add_argument("--draft", default=str(DEMO_DIR / "eagle3"), help="EAGLE3 head directory")
+    ap.add_argument("--mtp-draft", default=str(DEMO_DIR / "nextn_mtp"), help="exported MTP layer directory")
+    ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--prefix-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -108,9 +111,10 @@ def main() -> None:
     for dtype in a.dtypes.split(","):
         base = run(model, prompts, SpecConfig(), dtype, a.device, a.batch_size, a.max_tokens)
         report["runs"][f"vanilla/{dtype}"] = {k: v for k, v in base.items() if k != "outputs"}
-        for name in RECIPES:
+        for name in a.recipes.split(","):
             r = load_recipe(name)
-            spec = SpecConfig("eagle3", r.num_steps, r.topk, r.num_draft_tokens, a.draft)
+            draft = a.mtp_draft if r.drafter == "nextn_mtp" else a.draft
+            spec = SpecConfig(r.algorithm, r.num_steps, r.topk, r.num_draft_tokens, draft, drafter=r.drafter)
             res = run(model, prompts, spec, dtype, a.device, a.batch_size, a.max_tokens)
             res.update(match(base["outputs"], res.pop("outputs")))
             report["runs"][f"{name}/{dtype}"] = res

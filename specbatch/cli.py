@@ -30,7 +30,7 @@ def run(
     input: str = typer.Argument(..., help="Input rows: a .jsonl or .parquet file, or - for JSONL on stdin."),
     recipe: str = typer.Option("vanilla", "--recipe", "-r", help="Builtin recipe name or a recipe .yaml path."),
     model: Optional[str] = typer.Option(None, help="HF model directory (default: the recipe's model)."),
-    draft: Optional[str] = typer.Option(None, help="Draft head directory (speculative recipes)."),
+    draft: Optional[str] = typer.Option(None, help="Draft directory: an EAGLE3 head, or an exported MTP layer (nextn_mtp reads the one inside --model without it)."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Output .parquet or .jsonl (default: <input>.completions.parquet)."),
     batch_size: Optional[int] = typer.Option(None, help="Scheduler slots (sequences decoded together)."),
     max_tokens: Optional[int] = typer.Option(None, help="Default completion length limit."),
@@ -115,10 +115,10 @@ def recipes(name: Optional[str] = typer.Argument(None, help="Print this recipe i
 def inspect(
     recipe: str = typer.Option("vanilla", "--recipe", "-r", help="Recipe whose model to show."),
     model: Optional[str] = typer.Option(None, help="Model directory (overrides the recipe's)."),
-    draft: Optional[str] = typer.Option(None, help="Draft head directory (overrides the recipe's)."),
+    draft: Optional[str] = typer.Option(None, help="Draft directory: an EAGLE3 head or an exported MTP layer (overrides the recipe's)."),
 ) -> None:
     """Show which model and draft a recipe resolves to, and the model's shape."""
-    from .job import JobError, resolve_draft, resolve_model
+    from .job import JobError, describe_draft, resolve_draft, resolve_model
     from .models.config import ModelError, load_config
     from .recipe import RecipeError, load_recipe
 
@@ -140,7 +140,7 @@ def inspect(
                  ("hidden / heads / kv heads / head dim", f"{cfg.hidden_size} / {cfg.num_heads} / {cfg.num_kv_heads} / {cfg.head_dim}"),
                  ("vocab", cfg.vocab_size), ("parameters (approx.)", f"{params / 1e6:.1f} M"),
                  ("checkpoint dtype", cfg.torch_dtype), ("max positions", cfg.max_position_embeddings),
-                 ("draft", draft or "-")]:
+                 ("draft", describe_draft(r, draft) or "-")]:
         table.add_row(k, escape(str(v)))
     out.print(table)
 
@@ -149,7 +149,7 @@ def inspect(
 def bench(
     recipe: Optional[list[str]] = typer.Option(None, "--recipe", "-r", help="Recipe to measure (repeatable; default: vanilla, eagle3_topk1, eagle3_tree)."),
     model: Optional[str] = typer.Option(None, help="HF model directory (default: the embedded demo model)."),
-    draft: Optional[str] = typer.Option(None, help="EAGLE3 head directory (required with --model; default: the demo model's head)."),
+    draft: Optional[str] = typer.Option(None, help="Draft directory (EAGLE3: required with --model; nextn_mtp: default the MTP inside the target; default: the demo model's)."),
     random_weights: Optional[str] = typer.Option(None, help="Random weights at real shapes: llama-3.1-8b, or a config.json path (no download)."),
     batch_sizes: Optional[str] = typer.Option(None, help="Comma-separated batch sizes (default 1,2,...,256 on GPU; 1,2,4,8 on CPU)."),
     prompt_len: int = typer.Option(1024, help="Prompt tokens (random ids, or held-out prefixes of about this length)."),
@@ -159,6 +159,7 @@ def bench(
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs."),
     simulate_acceptance: Optional[str] = typer.Option(None, help="Per-position acceptance probabilities P1,P2,... for the drafts (random weights: step times at a chosen acceptance); every output is labelled simulated."),
+    separate_graphs: bool = typer.Option(False, "--separate-graphs", help="Also run naive_2token recipes with verify and extend as separate graphs (to time the fusion)."),
     no_hf: bool = typer.Option(False, "--no-hf", help="Skip the transformers generate peer."),
     hf_max_batch: int = typer.Option(64, help="Largest batch size the transformers peer runs."),
     out_dir: str = typer.Option("bench", "--out", help="Directory for bench.json, bench.md, bench.png."),
@@ -182,7 +183,7 @@ def bench(
             random_weights=random_weights,
             batch_sizes=parse_list(batch_sizes, int, "--batch-sizes") if batch_sizes else None,
             prompt_len=prompt_len, prompts=prompts, max_tokens=max_tokens, dtype=dtype, device=device,
-            graphs=not eager, hf=not no_hf, hf_max_batch=hf_max_batch, max_model_len=max_model_len,
+            graphs=not eager, separate_graphs=separate_graphs, hf=not no_hf, hf_max_batch=hf_max_batch, max_model_len=max_model_len,
             simulate_acceptance=parse_list(simulate_acceptance, float, "--simulate-acceptance")
             if simulate_acceptance else None)
         result = run_bench(opts, log)
@@ -204,12 +205,14 @@ def bench(
 @app.command()
 def train(
     work_dir: str = typer.Option(".demo_build", help="Where every stage reads and writes its outputs."),
-    stages: str = typer.Option("tokenizer,target,eagle3,bundle", help="Comma-separated stages to run, in order."),
+    stages: str = typer.Option("tokenizer,target,eagle3,mtp,bundle",
+                               help="Comma-separated stages to run, in order (tokenizer, target, eagle3, mtp, bundle)."),
     smoke: bool = typer.Option(False, "--smoke", help="Toy sizes on the CPU in seconds (CI); bundles into WORK_DIR/bundle."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     seed: int = typer.Option(0, help="Seed for every stage."),
 ) -> None:
-    """Rebuild the embedded demo model: corpus -> tokenizer -> target -> EAGLE3 head -> bundle."""
+    """Rebuild the embedded demo model: corpus -> tokenizer -> target -> EAGLE3 head -> NextN/MTP
+    layer -> bundle (target, eagle3, nextn_mtp)."""
     from .train.pipeline import STAGES, build_demo
 
     chosen = tuple(s.strip() for s in stages.split(",") if s.strip())

@@ -46,6 +46,7 @@ class EngineOptions:
     prefill_tokens: int = 8192           # padded tokens per prefill forward
     spec: SpecConfig = SpecConfig()      # the drafter (vanilla: none)
     graphs: bool = True                  # CUDA graphs for the cycle on CUDA (False: --eager)
+    fused: bool | None = None            # the cycle as ONE graph (None: the recipe's choice, naive_2token)
     profile: bool = False                # record per-cycle stage timings (cycle_times)
     simulate_acceptance: tuple[float, ...] | None = None   # bench only: per-position acceptance
 
@@ -54,7 +55,7 @@ class EngineOptions:
 class CycleTime:
     batch: int                 # active rows
     draft_ms: float
-    verify_ms: float           # verify + accept + commit (+ extend when fused in one graph)
+    verify_ms: float           # verify + accept + commit (the whole cycle when fused in one graph)
     extend_ms: float
     wall_ms: float             # the whole cycle on the host clock, host bookkeeping included
     tokens: int                # tokens emitted
@@ -129,9 +130,13 @@ class Engine:
         self.target_forwards = 0                        # batched target forward calls
         self.cycle_times: list[CycleTime] = []
         self.graphs: GraphRunner | None = None
+        self.fused = opts.spec.fused if opts.fused is None else opts.fused
         if opts.graphs and self.device.type == "cuda" and self.drafter.graphable:
-            self.graphs = GraphRunner(self._static_batch, [[self._propose], [self._verify], [self._extend]],
-                                      capture_sizes(self.num_slots))
+            # Fused: propose, verify + accept + commit and the draft extend in one replay (no
+            # host work separates them); otherwise one graph each, so profiles split the cycle.
+            stages = [self._propose, self._verify, self._extend]
+            groups = [stages] if self.fused else [[s] for s in stages]
+            self.graphs = GraphRunner(self._static_batch, groups, capture_sizes(self.num_slots))
             with torch.inference_mode():
                 self.graphs.capture_all(_GREEDY)
 
@@ -358,7 +363,8 @@ class Engine:
             ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
         else:
             ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
-        ms += [0.0] * (3 - len(ms))
+        if len(ms) == 1:                     # one fused graph: all of it counts as verify
+            ms = [0.0, ms[0], 0.0]
         self.cycle_times.append(CycleTime(batch=rows, draft_ms=ms[0], verify_ms=ms[1], extend_ms=ms[2],
                                           wall_ms=(time.perf_counter() - t0) * 1e3, tokens=tokens))
 

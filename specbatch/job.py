@@ -55,20 +55,28 @@ def resolve_draft(recipe: Recipe) -> str | None:
     if recipe.draft not in (None, "default"):
         return str(Path(recipe.draft).expanduser())
     if recipe.model != "default":
-        if recipe.algorithm == "nextn_mtp":
+        if recipe.drafter == "nextn_mtp":
             return None
         raise JobError(f"recipe {recipe.name!r} with --model {recipe.model}: pass --draft DIR, a "
-                       f"{recipe.algorithm} draft for that model (the embedded one fits the demo model only)")
-    path = DEMO_DIR / recipe.algorithm
+                       f"{recipe.drafter} draft for that model (the embedded one fits the demo model only)")
+    path = DEMO_DIR / recipe.drafter
     if not (path / "config.json").is_file():
-        raise JobError(f"recipe {recipe.name!r}: no embedded {recipe.algorithm} draft is bundled in this "
+        raise JobError(f"recipe {recipe.name!r}: no embedded {recipe.drafter} draft is bundled in this "
                        f"version ({path}); pass --model DIR --draft DIR")
     return str(path)
 
 
+def describe_draft(recipe: Recipe, draft: str | None) -> str | None:
+    """The draft for summaries: its directory, where the MTP layer is read from, or None."""
+    if draft is None and recipe.drafter == "nextn_mtp":
+        return "the MTP layer inside the target checkpoint"
+    return draft
+
+
 def spec_config(recipe: Recipe) -> SpecConfig:
     return SpecConfig(algorithm=recipe.algorithm, num_steps=recipe.num_steps, topk=recipe.topk,
-                      num_draft_tokens=recipe.num_draft_tokens, draft=resolve_draft(recipe))
+                      num_draft_tokens=recipe.num_draft_tokens, draft=resolve_draft(recipe),
+                      drafter=recipe.drafter)
 
 
 def default_output(input_path: str) -> str:
@@ -153,7 +161,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     rows_written = writer.finalize()
     return stats.summary(engine.device, output=output, rows_in_output=rows_written, resumed=resumed,
                          device=str(engine.device), max_model_len=engine.max_len,
-                         recipe=recipe.name, model=str(model_dir), draft=spec.draft,
+                         recipe=recipe.name, model=str(model_dir), draft=describe_draft(recipe, spec.draft),
                          target_forwards=engine.target_forwards,
                          graphs=engine.graphs is not None, capture_s=engine.capture_seconds,
                          tokens_per_target_forward=engine.tokens_emitted / max(engine.target_forwards, 1))

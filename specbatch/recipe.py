@@ -11,6 +11,7 @@ from typing import Any, Callable
 import yaml
 
 ALGORITHMS = ("vanilla", "eagle3", "nextn_mtp", "naive_2token")
+DRAFTERS = ("eagle3", "nextn_mtp")        # draft modules; naive_2token runs either
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPEC_PARAMS = ("num_steps", "topk", "num_draft_tokens")
 BUILTIN_PREFIX = "<builtin>"
@@ -41,6 +42,7 @@ class Recipe:
     topk: int | None
     num_draft_tokens: int | None
     model: str
+    drafter: str | None                  # the draft module: the algorithm's own, or naive_2token's pick
     draft: str | None
     dtype: str
     batch_size: int
@@ -59,7 +61,7 @@ class Recipe:
         label = f"{self.source} (overrides)"
         kw = {k: v for k, v in kw.items() if v is not None}
         if "algorithm" in kw and kw["algorithm"] != self.algorithm:
-            for key in SPEC_PARAMS:
+            for key in SPEC_PARAMS + ("drafter",):
                 data[key] = None
         for key, value in kw.items():
             if key == "sampling":
@@ -85,6 +87,7 @@ class Recipe:
             "num_steps": self.num_steps,
             "topk": self.topk,
             "num_draft_tokens": self.num_draft_tokens,
+            "drafter": self.drafter,
             "model": self.model,
             "draft": self.draft,
             "dtype": self.dtype,
@@ -267,6 +270,20 @@ def _check_algorithm_params(
     return s, k, n
 
 
+def _check_drafter(source: str, algorithm: str, v: Any) -> str | None:
+    if algorithm == "vanilla":
+        if v is not None:
+            _fail(source, "drafter", "algorithm vanilla uses no draft module; set it to null or drop it")
+        return None
+    if v is None:
+        return "eagle3" if algorithm == "naive_2token" else algorithm
+    v = _choice(source, "drafter", v, DRAFTERS)
+    if algorithm != "naive_2token" and v != algorithm:
+        _fail(source, "drafter", f"algorithm {algorithm} drafts with {algorithm}, got {v!r} "
+                                 "(only naive_2token takes either)")
+    return v
+
+
 def parse_recipe(data: dict, source: str) -> Recipe:
     """Validate a mapping in the schema's shape; `source` names the file in errors."""
     if not isinstance(data, dict):
@@ -299,6 +316,7 @@ def parse_recipe(data: dict, source: str) -> Recipe:
         num_steps=s,
         topk=k,
         num_draft_tokens=n,
+        drafter=_check_drafter(source, algorithm, data.get("drafter")),
         model=model,
         draft=_str(source, "draft", data.get("draft"), nullable=True),
         dtype=_choice(source, "dtype", data.get("dtype", "auto"), DTYPES),

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from specbatch.bench import configs
-from specbatch.bench.floor import copy_bandwidth, eagle3_draft_bytes, kv_bytes, step_floor_ms, weight_bytes
+from specbatch.bench.floor import copy_bandwidth, draft_bytes, kv_bytes, step_floor_ms, weight_bytes
 from specbatch.bench.hf_peer import PEER_NAME, hf_generate, hf_model
 from specbatch.bench.sweep import BenchOptions, run_bench
 from specbatch.cli import EXIT_USAGE, app
@@ -143,7 +143,7 @@ def test_weight_bytes_counts_storage_once_without_embeddings(tie):
     h_all = sum(p.numel() for n, p in head.named_parameters() if not n.startswith("embed_tokens")) * 4
     assert weight_bytes(head) == h_all
     fc = head.fc.weight.numel() * 4
-    assert eagle3_draft_bytes(head, 3) == 2 * (h_all - fc) + h_all
+    assert draft_bytes(head, 3) == 2 * (h_all - fc) + h_all
     # a second Parameter object over the same storage is still one read
     twin = torch.nn.Module()
     twin.a = torch.nn.Linear(64, 64, bias=False)

@@ -13,7 +13,7 @@ from specbatch.data import RowRequest
 from specbatch.engine import Engine, EngineOptions
 from specbatch.recipe import SamplingDefaults
 from specbatch.spec.factory import SpecConfig
-from tiny_models import make_eagle3_head
+from tiny_models import make_eagle3_head, make_mtp_layer
 
 pytestmark = pytest.mark.gpu
 
@@ -24,6 +24,8 @@ SPECS = {
     "eagle3_deep": (6, 1, 7),
     "eagle3_tree": (5, 4, 8),
     "eagle3_small_tree": (2, 3, 7),
+    "nextn_mtp": (3, 1, 4),               # the MTP layer inside the target checkpoint
+    "nextn_mtp_tree": (3, 2, 5),
 }
 
 
@@ -37,9 +39,23 @@ def head(target, tmp_path_factory):
     return make_eagle3_head(tmp_path_factory.mktemp("eagle3g"), target)
 
 
+@pytest.fixture(scope="module")
+def mtp_target(tiny_model_factory):
+    """A copy of the target carrying a DeepSeek-layout MTP layer at model.layers.4."""
+    d = tiny_model_factory("llama3", tag="mtp", num_hidden_layers=4)
+    make_mtp_layer(d, "deepseek")
+    return d
+
+
 def _spec(name, head):
     s = SPECS[name]
-    return s if isinstance(s, SpecConfig) else SpecConfig("eagle3", *s, str(head))
+    if isinstance(s, SpecConfig):
+        return s
+    return SpecConfig("nextn_mtp", *s) if name.startswith("nextn") else SpecConfig("eagle3", *s, str(head))
+
+
+def _model(name, target, mtp_target):
+    return mtp_target if name.startswith("nextn") else target
 
 
 def _rows(n=len(LENS), **overrides):
@@ -57,24 +73,24 @@ def _run(model, spec, bs, graphs, rows=None, **defaults):
 
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("bs", [3, 10])
-def test_graph_replay_equals_eager_greedy(name, bs, target, head):
-    spec = _spec(name, head)
+def test_graph_replay_equals_eager_greedy(name, bs, target, mtp_target, head):
+    spec, model = _spec(name, head), _model(name, target, mtp_target)
     with kernels.torch_only():
-        ref, ref_stats, eager = _run(target, spec, bs, graphs=False)
+        ref, ref_stats, eager = _run(model, spec, bs, graphs=False)
     assert eager.graphs is None
-    got, stats, eng = _run(target, spec, bs, graphs=True)
+    got, stats, eng = _run(model, spec, bs, graphs=True)
     assert eng.graphs is not None and eng.capture_seconds > 0
     assert got == ref
     assert stats == ref_stats
 
 
-@pytest.mark.parametrize("name", ["vanilla", "eagle3_topk1", "eagle3_tree"])
-def test_graph_replay_equals_eager_sampling(name, target, head):
-    spec = _spec(name, head)
+@pytest.mark.parametrize("name", ["vanilla", "eagle3_topk1", "eagle3_tree", "nextn_mtp"])
+def test_graph_replay_equals_eager_sampling(name, target, mtp_target, head):
+    spec, model = _spec(name, head), _model(name, target, mtp_target)
     defaults = {"temperature": 0.8, "top_p": 0.9, "seed": 11}
     with kernels.torch_only():
-        ref, _, _ = _run(target, spec, 4, graphs=False, **defaults)
-    got, _, eng = _run(target, spec, 4, graphs=True, **defaults)
+        ref, _, _ = _run(model, spec, 4, graphs=False, **defaults)
+    got, _, eng = _run(model, spec, 4, graphs=True, **defaults)
     assert got == ref
     # the sampling variant is captured on first use, next to the greedy one
     assert {v for _, v in eng.graphs._graphs} == {(True, False), (False, True)}

@@ -111,7 +111,7 @@ def test_top_level_must_be_mapping(tmp_path, text):
 def test_unknown_top_level_key_with_suggestion():
     msg = _error({"algorithm": "vanilla", "topK": 2})
     assert "unknown key 'topK'" in msg
-    assert "(known: name, description, algorithm, num_steps, topk, num_draft_tokens, model, draft, dtype, batch_size, max_model_len, sampling)" in msg
+    assert "(known: name, description, algorithm, num_steps, topk, num_draft_tokens, model, drafter, draft, dtype, batch_size, max_model_len, sampling)" in msg
     assert "did you mean 'topk'?" in msg
 
 
@@ -323,7 +323,7 @@ def test_to_dict_round_trip(tmp_path):
     )
     d = r.to_dict()
     assert "source" not in d
-    assert list(d) == ["name", "description", "algorithm", "num_steps", "topk", "num_draft_tokens", "model", "draft", "dtype", "batch_size", "max_model_len", "sampling"]
+    assert list(d) == ["name", "description", "algorithm", "num_steps", "topk", "num_draft_tokens", "drafter", "model", "draft", "dtype", "batch_size", "max_model_len", "sampling"]
     assert d["sampling"]["stop"] == ["</s>"]
     # YAML-able with the safe dumper, and parses back to the same recipe
     text = yaml.safe_dump(d, sort_keys=False)
@@ -333,3 +333,18 @@ def test_to_dict_round_trip(tmp_path):
     assert load_recipe(str(p)) == Recipe(**{**r.__dict__, "source": str(p)})
     vanilla = load_recipe("vanilla")
     assert parse_recipe(vanilla.to_dict(), vanilla.source) == vanilla
+
+
+def test_drafter_key():
+    assert _parse(algorithm="naive_2token").drafter == "eagle3"
+    assert _parse(algorithm="naive_2token", drafter="nextn_mtp").drafter == "nextn_mtp"
+    assert _parse(algorithm="eagle3", num_steps=2, topk=1, num_draft_tokens=3).drafter == "eagle3"
+    assert _parse(algorithm="nextn_mtp", num_steps=1, topk=1, num_draft_tokens=2).drafter == "nextn_mtp"
+    assert _parse(algorithm="vanilla").drafter is None
+    assert "drafter: algorithm vanilla uses no draft module" in _error({"algorithm": "vanilla", "drafter": "eagle3"})
+    msg = _error({"algorithm": "eagle3", "num_steps": 2, "topk": 1, "num_draft_tokens": 3, "drafter": "nextn_mtp"})
+    assert "drafter: algorithm eagle3 drafts with eagle3, got 'nextn_mtp' (only naive_2token takes either)" in msg
+    assert "drafter: expected one of eagle3, nextn_mtp, got str 'medusa'" in _error(
+        {"algorithm": "naive_2token", "drafter": "medusa"})
+    r = _parse(algorithm="naive_2token", drafter="nextn_mtp")
+    assert r.with_overrides(algorithm="eagle3", num_steps=2, topk=1, num_draft_tokens=3).drafter == "eagle3"

@@ -1,5 +1,5 @@
 """EAGLE3 head training: the training-time-test forward reproduces the drafter's inference path
-row by row (catch-up and chain draft steps, through the real Eagle3Drafter and KV cache), the
+row by row (catch-up and chain draft steps, through the real LayerDrafter and KV cache), the
 features are what the engine captures, the loss falls, the saved head loads and drafts losslessly,
 and the draft vocabulary is the deterministic most-frequent set."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ from specbatch.models.eagle3 import load_eagle3
 from specbatch.models.loader import load_target
 from specbatch.recipe import SamplingDefaults
 from specbatch.runtime.kv_cache import KVCache
-from specbatch.spec.eagle3 import Eagle3Drafter
+from specbatch.spec.layer_drafter import LayerDrafter
 from specbatch.spec.factory import SpecConfig
 from specbatch.train.eagle3 import FrozenTarget, build_head, head_config, select_draft_vocab, train_eagle3
 from specbatch.train.ttt import ttt_forward
@@ -95,7 +95,7 @@ def _random_head(target_dir, Vd=100, seed=0):
 
 def test_ttt_forward_matches_drafter_inference(target_dir):
     """Catch-up at the last committed row (step 0) and a chain draft of depth S (steps 1..S-1)
-    through Eagle3Drafter + its KV cache, fed by the engine's own target capture, equal the
+    through LayerDrafter + its KV cache, fed by the engine's own target capture, equal the
     training forward at (row L-1+j, step j) on the window prefix + first token + drafted tokens."""
     S = 4
     target, _ = load_target(target_dir, "float32", "cpu")
@@ -117,7 +117,7 @@ def test_ttt_forward_matches_drafter_inference(target_dir):
                         prefix_lens=torch.zeros(B, dtype=torch.int64), kv_len=T)
     with torch.no_grad():
         _, captured = target(ids, meta, kv.layers, capture=AUX)
-    drafter = Eagle3Drafter(head, AUX, num_steps=S, topk=1, num_draft_tokens=S + 1, num_slots=B,
+    drafter = LayerDrafter(head, AUX, num_steps=S, topk=1, num_draft_tokens=S + 1, num_slots=B,
                             max_len=64)
     outs: list[torch.Tensor] = []
     hook = head.register_forward_hook(lambda m, a, o: outs.append(o.detach().clone()))

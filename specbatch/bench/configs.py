@@ -11,6 +11,7 @@ import torch
 from ..models.config import DecoderConfig, ModelError
 from ..models.eagle3 import Eagle3Config, Eagle3Head
 from ..models.llama import CausalLM, RMSNorm, rope_inv_freq
+from ..models.mtp import MTPConfig, MTPLayer
 
 _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 8192}
@@ -122,6 +123,18 @@ def random_eagle3(head_cfg_dict: dict[str, Any], target: CausalLM, dtype: torch.
     head.t2d = t2d.to(device)
     _init(head, seed, skip=() if own else (id(target.model.embed_tokens.weight),))
     return head.eval().requires_grad_(False)
+
+
+def random_mtp(target: CausalLM, dtype: torch.dtype, device: torch.device | str, seed: int = 2) -> MTPLayer:
+    """A NextN/MTP layer with random weights shaped like one of `target`'s layers, borrowing the
+    target's embedding and lm_head (as DeepSeek-style checkpoints without their own do)."""
+    cfg = MTPConfig(layer=target.cfg, layout="deepseek", hidden_first=False)
+    with torch.device("meta"):
+        layer = MTPLayer(cfg, own_embedding=False, own_head=False)
+    layer = layer.to(dtype).to_empty(device=torch.device(device))
+    layer.inv_freq = rope_inv_freq(target.cfg).to(device)
+    _init(layer, seed)
+    return layer.attach(target).eval().requires_grad_(False)
 
 
 @torch.no_grad()

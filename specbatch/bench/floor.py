@@ -74,9 +74,10 @@ def step_floor_ms(nbytes: float, bandwidth: float) -> float:
     return nbytes / bandwidth * 1e3
 
 
-def eagle3_draft_bytes(head: nn.Module, num_steps: int) -> int:
-    """Head weights read per cycle: S - 1 tree steps (which skip fc: they take the head's own
-    state) and one catch-up forward (fc over the target's features)."""
+def draft_bytes(head: nn.Module, num_steps: int) -> int:
+    """Draft-module weights read per cycle: S - 1 tree steps and one catch-up forward. An EAGLE3
+    head's tree steps skip fc (they take the head's own state); an MTP layer reads all of its
+    weights every step, the target's lm_head it borrows included."""
     full = weight_bytes(head)
-    fc = weight_bytes(head.fc)
+    fc = weight_bytes(head.fc) if hasattr(head, "fc") else 0
     return (num_steps - 1) * (full - fc) + full

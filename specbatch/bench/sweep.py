@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,6 +20,7 @@ from ..engine import CycleTime, Engine, EngineOptions, resolve_device
 from ..job import resolve_model, spec_config
 from ..models.config import DecoderConfig
 from ..models.eagle3 import Eagle3Head
+from ..models.mtp import MTPLayer
 from ..models.llama import CausalLM
 from ..models.loader import load_target, resolve_dtype
 from ..prompts import PromptError, encode_row, load_tokenizer
@@ -27,7 +28,7 @@ from ..recipe import SamplingDefaults, load_recipe
 from ..spec.factory import AVAILABLE, SpecConfig
 from ..stats import RunStats
 from . import configs
-from .floor import copy_bandwidth, eagle3_draft_bytes, kv_bytes, step_floor_ms, weight_bytes
+from .floor import copy_bandwidth, draft_bytes, kv_bytes, step_floor_ms, weight_bytes
 from .hf_peer import PEER_NAME, hf_model, hf_tokens_per_s
 
 DEFAULT_RECIPES = ("vanilla", "eagle3_topk1", "eagle3_tree")
@@ -55,6 +56,7 @@ class BenchOptions:
     dtype: str = "auto"
     device: str | None = None
     graphs: bool = True
+    separate_graphs: bool = False            # fused-graph recipes (naive_2token) also as 3 graphs
     simulate_acceptance: tuple[float, ...] | None = None
     hf: bool = True
     hf_max_batch: int = 64
@@ -73,7 +75,8 @@ class Source:
     tokenizer: Any
     model_dir: Path | None = None
     head_cfg: dict[str, Any] | None = None   # random weights: the EAGLE3 head's config
-    head: Eagle3Head | None = None           # random weights: built on first use, shared
+    heads: dict[str, Eagle3Head | MTPLayer] = field(default_factory=dict)   # random weights: per
+    # algorithm, built on first use, shared by its recipes
 
 
 class _NoTokenizer:
@@ -142,11 +145,16 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
         "acceptance": label,
     }
     points: list[dict[str, Any]] = []
+    runs = []                     # (recipe, spec, head, name, fused)
     for recipe, (spec, head) in zip(recipes, specs):
+        runs.append((recipe, spec, head, recipe.name, None))
+        if opts.separate_graphs and spec.fused:
+            runs.append((recipe, spec, head, f"{recipe.name} (separate graphs)", False))
+    for recipe, spec, head, name, fused in runs:
         sim = opts.simulate_acceptance if recipe.algorithm != "vanilla" else None
         eopts = EngineOptions(batch_size=sizes[-1], max_model_len=max_len, device=str(device),
-                              spec=spec, graphs=opts.graphs, profile=True, simulate_acceptance=sim)
-        log(f"{recipe.name}: building the engine for batch {sizes[-1]} ...")
+                              spec=spec, graphs=opts.graphs, fused=fused, profile=True, simulate_acceptance=sim)
+        log(f"{name}: building the engine for batch {sizes[-1]} ...")
         engine = _engine(eopts, src, head)
         if opts.warmup:
             # First-call costs (allocator, kernel selection); smallest batch: its prefill is cheap.
@@ -155,11 +163,11 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
                                                         ignore_eos=True)))
         for bs in sizes:
             p = _measure(engine, prompts[:bs], opts, sizes[-1], bandwidth)
-            p.update(recipe=recipe.name, algorithm=recipe.algorithm, peer=False,
+            p.update(recipe=name, algorithm=recipe.algorithm, peer=False, fused_graph=engine.fused,
                      acceptance=label if recipe.algorithm != "vanilla" else "none (vanilla)",
                      simulated_acceptance=list(sim) if sim else None)
             points.append(p)
-            log(f"{recipe.name} bs={bs}: {p['tokens_per_s']:.1f} tok/s, accept {p['accept_length']:.2f} "
+            log(f"{name} bs={bs}: {p['tokens_per_s']:.1f} tok/s, accept {p['accept_length']:.2f} "
                 f"({label if sim else 'measured'}), step {p['step_ms']:.2f} ms, floor {p['floor_ms']:.2f} ms")
         del engine
         _free(device)
@@ -201,19 +209,24 @@ def _load_source(opts: BenchOptions, device: torch.device) -> Source:
 
 
 def _spec(recipe: Any, opts: BenchOptions, src: Source,
-          device: torch.device) -> tuple[SpecConfig, Eagle3Head | None]:
+          device: torch.device) -> tuple[SpecConfig, Eagle3Head | MTPLayer | None]:
     if recipe.algorithm == "vanilla":
         return SpecConfig(), None
     if src.kind == "random":
-        if src.head is None:
-            src.head = configs.random_eagle3(src.head_cfg, src.model, src.model.lm_head.weight.dtype, device,
-                                             seed=opts.seed + 1)
-        return SpecConfig(recipe.algorithm, recipe.num_steps, recipe.topk, recipe.num_draft_tokens), src.head
+        head = src.heads.get(recipe.drafter)
+        if head is None:
+            dtype = src.model.lm_head.weight.dtype
+            head = src.heads[recipe.drafter] = (
+                configs.random_mtp(src.model, dtype, device, seed=opts.seed + 2)
+                if recipe.drafter == "nextn_mtp" else
+                configs.random_eagle3(src.head_cfg, src.model, dtype, device, seed=opts.seed + 1))
+        return SpecConfig(recipe.algorithm, recipe.num_steps, recipe.topk, recipe.num_draft_tokens,
+                          drafter=recipe.drafter), head
     r = recipe.with_overrides(model=opts.model, draft=opts.draft)
     return spec_config(r), None
 
 
-def _engine(eopts: EngineOptions, src: Source, head: Eagle3Head | None) -> Engine:
+def _engine(eopts: EngineOptions, src: Source, head: Eagle3Head | MTPLayer | None) -> Engine:
     try:
         return Engine(src.model_dir, eopts, model=src.model, tokenizer=src.tokenizer, draft_head=head)
     except torch.cuda.OutOfMemoryError:
@@ -319,7 +332,7 @@ def _steady(cycles: list[CycleTime], bs: int, prompt_len: float) -> tuple[list[C
 
 
 def _cycle_bytes(engine: Engine, bs: int, mean_len: float) -> tuple[int, float]:
-    """(weight bytes, KV bytes) one cycle must read: the target once; an EAGLE3 head S times
+    """(weight bytes, KV bytes) one cycle must read: the target once; the draft module S times
     (S - 1 tree steps + 1 catch-up), each forward over its own cache."""
     model = engine.model
     dtype = model.lm_head.weight.dtype
@@ -328,7 +341,7 @@ def _cycle_bytes(engine: Engine, bs: int, mean_len: float) -> tuple[int, float]:
     head = getattr(engine.drafter, "head", None)
     if head is not None:
         S = engine.drafter.max_depth
-        w += eagle3_draft_bytes(head, S)
+        w += draft_bytes(head, S)
         kv += S * kv_bytes(head.cfg.layer, dtype, mean_len * bs)
     return w, kv
 

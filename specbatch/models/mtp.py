@@ -67,6 +67,8 @@ class MTPLayer(nn.Module):
 
     def __init__(self, cfg: MTPConfig, own_embedding: bool, own_head: bool, proj_bias: bool = False):
         super().__init__()
+        # One decoder layer, whatever the target's depth: the drafter sizes its KV cache from it.
+        cfg = replace(cfg, layer=replace(cfg.layer, num_layers=1))
         c = cfg.layer
         self.cfg = cfg
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -142,6 +144,11 @@ def load_mtp(target: CausalLM, target_dir: str | Path | None, draft_dir: str | P
     L = target.cfg.num_layers
     if draft_dir is not None:
         src, index = find_mtp(draft_dir, 0), 0
+        if src is None and (Path(draft_dir) / "config.json").is_file():
+            # a whole checkpoint given as --draft: DeepSeek keeps its MTP after the last layer
+            n = load_config_dict(draft_dir)[0].get("num_hidden_layers")
+            if isinstance(n, int) and n > 0:
+                src = find_mtp(draft_dir, n)
     elif target_dir is not None:
         src, index = find_mtp(target_dir, L), L
     else:
@@ -172,18 +179,16 @@ def load_mtp(target: CausalLM, target_dir: str | Path | None, draft_dir: str | P
         raise ModelError(f"{src.where}: {src.layout} MTP layer is missing weights {', '.join(names[:3])}{more}")
     wanted = set(canon.values())
     by_full = {full: name for name, full in canon.items()}
+    # Qwen: Gemma-style norms, weight stored as w - 1; the 1 added in float32, before the cast
+    gemma = {f"{n}.weight" for n, m in layer.named_modules() if isinstance(m, RMSNorm)} \
+        if src.layout == "qwen" else set()
     for full, t in iter_tensors(src.files, device, keep=wanted.__contains__):
         p = params[by_full[full]]
         if tuple(p.shape) != tuple(t.shape):
             raise ModelError(f"{src.where}: tensor {full} has shape {tuple(t.shape)}, expected "
                              f"{tuple(p.shape)} for this target")
         with torch.no_grad():
-            p.copy_(t)
-    if src.layout == "qwen":                       # Gemma-style norms: weight stored as w - 1
-        with torch.no_grad():
-            for m in layer.modules():
-                if isinstance(m, RMSNorm):
-                    m.weight.add_(1.0)
+            p.copy_(t.float() + 1.0 if by_full[full] in gemma else t)
     return layer.attach(target).eval().requires_grad_(False)
 
 

@@ -11,7 +11,7 @@ from .drafter import Drafter, NoDrafter
 from .layer_drafter import LayerDrafter
 
 
-AVAILABLE = ("vanilla", "eagle3", "nextn_mtp")      # algorithms with a drafter in this version
+AVAILABLE = ("vanilla", "eagle3", "nextn_mtp", "naive_2token")   # algorithms with a drafter here
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,16 @@ class SpecConfig:
     topk: int | None = None              # k
     num_draft_tokens: int | None = None  # N, the root included
     draft: str | None = None             # draft directory (nextn_mtp: None = inside the target)
+    drafter: str | None = None           # the draft module, eagle3 | nextn_mtp (None: the algorithm's)
+
+    @property
+    def module(self) -> str:
+        return self.drafter or ("eagle3" if self.algorithm == "naive_2token" else self.algorithm)
+
+    @property
+    def fused(self) -> bool:
+        """Verify and draft extend as one CUDA graph (naive_2token: no draft forward to separate)."""
+        return self.algorithm == "naive_2token"
 
     @property
     def width(self) -> int:
@@ -37,7 +47,7 @@ def make_drafter(spec: SpecConfig, target: CausalLM, num_slots: int, max_len: in
     if spec.algorithm not in AVAILABLE:
         raise ModelError(f"algorithm {spec.algorithm!r} is not available in this version yet "
                          f"(available: {', '.join(AVAILABLE)})")
-    if spec.algorithm == "nextn_mtp":
+    if spec.module == "nextn_mtp":
         if head is None:
             dev, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
             head = load_mtp(target, target_dir, spec.draft, dtype, dev)
@@ -45,7 +55,8 @@ def make_drafter(spec: SpecConfig, target: CausalLM, num_slots: int, max_len: in
             raise ModelError(f"topk {spec.topk} exceeds the vocabulary ({target.cfg.vocab_size})")
         return LayerDrafter(head, (), spec.num_steps, spec.topk, spec.num_draft_tokens, num_slots, max_len)
     if head is None and not spec.draft:
-        raise ModelError("eagle3 needs a draft head: pass --draft DIR (an EAGLE3 head directory)")
+        raise ModelError(f"{spec.algorithm} with the eagle3 drafter needs a draft head: pass --draft DIR "
+                         "(an EAGLE3 head directory)")
     dev, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
     if head is None:
         head = load_eagle3(spec.draft, target.cfg, target.model.embed_tokens, dtype, dev)

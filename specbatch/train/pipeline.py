@@ -1,8 +1,11 @@
-"""The demo-model pipeline: corpus -> tokenizer -> target -> EAGLE3 head -> bundle, fixed seeds.
+"""The demo-model pipeline: corpus -> tokenizer -> target -> EAGLE3 head -> NextN/MTP layer ->
+bundle, fixed seeds.
 
 Each stage reads the previous stage's output from `work_dir` and writes its own there, so stages
 can run on different machines (the tokenizer and token streams on a CPU box, the training on a
-GPU) and be repeated alone. `--smoke` runs every stage at toy size on the CPU in seconds.
+GPU) and be repeated alone. `--smoke` runs every stage at toy size on the CPU in seconds. Both
+draft stages distil the frozen target the same way (`loop.py`); the bundle holds the target and
+both drafts under the recipes' algorithm names (`eagle3`, `nextn_mtp`).
 """
 from __future__ import annotations
 
@@ -12,18 +15,24 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-STAGES = ("tokenizer", "target", "eagle3", "bundle")
+STAGES = ("tokenizer", "target", "eagle3", "mtp", "bundle")
 BUNDLE_LIMIT = 24 * 2**20
 DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples" / "prompts.jsonl"
 _TARGET_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "train_log.json")
 _HEAD_FILES = ("config.json", "model.safetensors", "train_log.json")
+# work_dir/<stage> -> dest/<bundle name> (the job resolves DEMO_DIR / recipe.algorithm)
+_BUNDLED = (("target", "target", _TARGET_FILES), ("eagle3", "eagle3", _HEAD_FILES),
+            ("mtp", "nextn_mtp", _HEAD_FILES))
 
 # Full-size settings, from sweeps on an H100 (best held-out loss; ~70 s and ~150 s there).
 TARGET_RUN = dict(batch_size=32, steps=2400, lr=1.5e-3, weight_decay=1.0, warmup=100, eval_every=100)
 EAGLE3_RUN = dict(draft_vocab=2048, aux_layers=(1, 3, 5), ttt_steps=6, lr=3e-3, steps=3000, batch_size=32,
                   seq_len=512, warmup=100)
+# EAGLE3_RUN's optimiser settings (not swept for the MTP layer yet); 5 unrolled steps cover the
+# recipes' num_steps.
+MTP_RUN = dict(ttt_steps=5, lr=3e-3, steps=3000, batch_size=32, seq_len=512, warmup=100)
 
 # Toy sizes for --smoke: every stage runs on the CPU in a few seconds.
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -63,6 +72,13 @@ def build_demo(work_dir: str | Path, *, stages: tuple[str, ...] = STAGES, smoke:
                       warmup=5, eval_every=20) if smoke else dict(EAGLE3_RUN)
             metrics = train_eagle3(work / "target", work / "tokens", work / "eagle3", seed=seed,
                                    device=device, log=log, **kw)
+        elif stage == "mtp":
+            from .mtp import train_mtp
+
+            kw = dict(ttt_steps=3, seq_len=64, batch_size=8, steps=40, lr=3e-3, warmup=5,
+                      eval_every=20) if smoke else dict(MTP_RUN)
+            metrics = train_mtp(work / "target", work / "tokens", work / "mtp", seed=seed,
+                                device=device, log=log, **kw)
         else:
             dest = Path(bundle_dir) if bundle_dir else (work / "bundle" if smoke else DEMO_DIR)
             metrics = bundle(work, dest, examples=None if smoke else EXAMPLES)
@@ -86,23 +102,26 @@ def _tokenizer(work: Path, smoke: bool) -> dict[str, Any]:
 
 
 def bundle(work: Path, dest: Path, examples: Path | None = None) -> dict[str, Any]:
-    """Copy the trained target and head into `dest` (the package's assets/demo by default)."""
+    """Copy the trained target and both drafts into `dest` (the package's assets/demo by default):
+    work/target -> target, work/eagle3 -> eagle3, work/mtp -> nextn_mtp; at most BUNDLE_LIMIT."""
+    # check every source and the total before touching dest: no half-replaced bundle
     sizes = {}
-    for name, files in (("target", _TARGET_FILES), ("eagle3", _HEAD_FILES)):
-        src = work / name
+    for stage, name, files in _BUNDLED:
+        src = work / stage
         if not (src / "model.safetensors").is_file():
-            raise FileNotFoundError(f"{src}: no trained {name} (run the {name} stage first)")
+            raise FileNotFoundError(f"{src}: no trained {stage} (run the {stage} stage first)")
+        sizes[name] = sum((src / f).stat().st_size for f in files if (src / f).is_file())
+    total = sum(sizes.values())
+    if total > BUNDLE_LIMIT:
+        raise ValueError(f"bundle is {total / 2**20:.1f} MiB, over the {BUNDLE_LIMIT / 2**20:.0f} MiB limit")
+    for stage, name, files in _BUNDLED:
         out = dest / name
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
         for f in files:
-            if (src / f).is_file():
-                shutil.copy2(src / f, out / f)
-        sizes[name] = sum(p.stat().st_size for p in out.iterdir())
-    total = sum(sizes.values())
-    if total > BUNDLE_LIMIT:
-        raise ValueError(f"bundle is {total / 2**20:.1f} MiB, over the {BUNDLE_LIMIT / 2**20:.0f} MiB limit")
+            if (work / stage / f).is_file():
+                shutil.copy2(work / stage / f, out / f)
     if examples is not None:
         from .target import write_examples
 
