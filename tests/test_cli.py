@@ -18,6 +18,8 @@ from specbatch.cli import EXIT_FAILED, EXIT_USAGE, app
 from specbatch.models.config import SUPPORTED_ARCHITECTURES
 from specbatch.recipe import load_recipe
 
+from errors import one_line_cli_error
+
 BASE_COLUMNS = ["row", "id", "completion", "prompt_tokens", "completion_tokens", "finish_reason", "error",
                 "spec"]
 SPEC_FIELDS = ["verify_steps", "draft_tokens", "accepted_tokens", "accept_length", "accept_histogram"]
@@ -52,16 +54,6 @@ def ok(*args: object):
     r = cli(*args)
     assert r.exit_code == 0, r.output
     return r
-
-
-def one_line_error(result, code: int) -> str:
-    """The run failed with `code` and said why on exactly one stderr line; returns that line."""
-    assert result.exit_code == code, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: "), lines[0]
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -316,7 +308,7 @@ def test_fail_fast_commits_finished_rows_and_resumes(tiny_model, tmp_path):
     out = tmp_path / "ff.parquet"
     args = ["run", inp, "--model", tiny_model, "--max-tokens", 6, "--batch-size", 2, "--device", "cpu",
             "-o", out, "-q"]
-    line = one_line_error(cli(*args, "--fail-fast"), EXIT_FAILED)
+    line = one_line_cli_error(cli(*args, "--fail-fast"), EXIT_FAILED)
     assert f"{inp}:11" in line and "'temperature'" in line
     assert not out.exists()
     parts = sorted((tmp_path / "ff.parquet.parts").glob("part-*.parquet"))
@@ -360,7 +352,7 @@ def broken_models(tiny_model, tmp_path_factory):
 
 
 def test_unknown_recipe(data_dir, tmp_path):
-    line = one_line_error(cli("run", data_dir / "rows.jsonl", "-r", "nope", "-o", tmp_path / "o.parquet"),
+    line = one_line_cli_error(cli("run", data_dir / "rows.jsonl", "-r", "nope", "-o", tmp_path / "o.parquet"),
                           EXIT_USAGE)
     assert "unknown recipe 'nope'" in line and "vanilla" in line
 
@@ -368,7 +360,7 @@ def test_unknown_recipe(data_dir, tmp_path):
 def test_unknown_key_in_recipe_file(tiny_model, data_dir, tmp_path):
     recipe = tmp_path / "typo.yaml"
     recipe.write_text(f"algorithm: vanilla\nmodel: {tiny_model}\nbatchsize: 4\n")
-    line = one_line_error(cli("run", data_dir / "rows.jsonl", "-r", recipe, "-o", tmp_path / "o.parquet"),
+    line = one_line_cli_error(cli("run", data_dir / "rows.jsonl", "-r", recipe, "-o", tmp_path / "o.parquet"),
                           EXIT_USAGE)
     assert str(recipe) in line and "'batchsize'" in line and "batch_size" in line
 
@@ -380,12 +372,12 @@ def test_unknown_key_in_recipe_file(tiny_model, data_dir, tmp_path):
 ])
 def test_unusable_model_dir(broken_models, data_dir, tmp_path, which, expect):
     model = broken_models[which]
-    line = one_line_error(cli(*run_args(model, data_dir / "rows.jsonl", tmp_path / "o.parquet")), EXIT_USAGE)
+    line = one_line_cli_error(cli(*run_args(model, data_dir / "rows.jsonl", tmp_path / "o.parquet")), EXIT_USAGE)
     assert str(model) in line and expect in line
 
 
 def test_unsupported_architecture(broken_models, data_dir, tmp_path):
-    line = one_line_error(cli(*run_args(broken_models["gpt2"], data_dir / "rows.jsonl", tmp_path / "o.parquet")),
+    line = one_line_cli_error(cli(*run_args(broken_models["gpt2"], data_dir / "rows.jsonl", tmp_path / "o.parquet")),
                           EXIT_USAGE)
     assert "GPT2LMHeadModel" in line and str(broken_models["gpt2"] / "config.json") in line
     for arch in SUPPORTED_ARCHITECTURES:
@@ -395,22 +387,22 @@ def test_unsupported_architecture(broken_models, data_dir, tmp_path):
 def test_bad_input_files(tiny_model, tmp_path):
     garbage = tmp_path / "garbage.parquet"
     garbage.write_bytes(b"this is not parquet at all\n" * 10)
-    line = one_line_error(cli(*run_args(tiny_model, garbage, tmp_path / "o1.parquet")), EXIT_USAGE)
+    line = one_line_cli_error(cli(*run_args(tiny_model, garbage, tmp_path / "o1.parquet")), EXIT_USAGE)
     assert str(garbage) in line and "Parquet" in line
 
     missing = tmp_path / "missing.jsonl"
-    line = one_line_error(cli(*run_args(tiny_model, missing, tmp_path / "o2.parquet")), EXIT_USAGE)
+    line = one_line_cli_error(cli(*run_args(tiny_model, missing, tmp_path / "o2.parquet")), EXIT_USAGE)
     assert str(missing) in line and "no such file" in line
 
     csv = tmp_path / "rows.csv"
     csv.write_text("prompt\nhello\n")
-    line = one_line_error(cli(*run_args(tiny_model, csv, tmp_path / "o3.parquet")), EXIT_USAGE)
+    line = one_line_cli_error(cli(*run_args(tiny_model, csv, tmp_path / "o3.parquet")), EXIT_USAGE)
     assert str(csv) in line and ".jsonl" in line and ".parquet" in line
 
 
 def test_unknown_output_extension(tiny_model, data_dir, tmp_path):
     out = tmp_path / "o.csv"
-    line = one_line_error(cli(*run_args(tiny_model, data_dir / "rows.jsonl", out)), EXIT_USAGE)
+    line = one_line_cli_error(cli(*run_args(tiny_model, data_dir / "rows.jsonl", out)), EXIT_USAGE)
     assert str(out) in line and ".parquet" in line
     assert not out.exists()
 
@@ -423,12 +415,12 @@ def test_parts_from_a_different_job(tiny_model, tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "o.parquet"
     base = ["run", inp, "--model", tiny_model, "--batch-size", 2, "--device", "cpu", "-o", out, "-q"]
-    one_line_error(cli(*base, "--max-tokens", 4, "--fail-fast"), EXIT_FAILED)
+    one_line_cli_error(cli(*base, "--max-tokens", 4, "--fail-fast"), EXIT_FAILED)
     parts = sorted((tmp_path / "o.parquet.parts").glob("part-*.parquet"))
     assert parts
     before = [p.read_bytes() for p in parts]
 
-    line = one_line_error(cli(*base, "--max-tokens", 5), EXIT_USAGE)
+    line = one_line_cli_error(cli(*base, "--max-tokens", 5), EXIT_USAGE)
     assert f"{out}.parts" in line and "different job" in line and "--overwrite" in line
     assert "sampling" in line
     assert sorted((tmp_path / "o.parquet.parts").glob("part-*.parquet")) == parts
@@ -457,7 +449,7 @@ def test_stdin_input_and_default_output(tiny_model, data_dir, tmp_path, jsonl_ru
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_device_cuda_without_cuda(tiny_model, data_dir, tmp_path):
-    line = one_line_error(cli("run", data_dir / "rows.jsonl", "--model", tiny_model, "--device", "cuda",
+    line = one_line_cli_error(cli("run", data_dir / "rows.jsonl", "--model", tiny_model, "--device", "cuda",
                               "-o", tmp_path / "o.parquet"), EXIT_USAGE)
     assert "--device cuda" in line and "--device cpu" in line
 
@@ -509,7 +501,7 @@ def test_recipes_prints_yaml():
 
 
 def test_recipes_unknown():
-    line = one_line_error(cli("recipes", "nope"), EXIT_USAGE)
+    line = one_line_cli_error(cli("recipes", "nope"), EXIT_USAGE)
     assert "unknown recipe 'nope'" in line
 
 
@@ -521,7 +513,7 @@ def test_inspect(tiny_model_factory, arch, name):
 
 
 def test_inspect_bad_model(broken_models):
-    line = one_line_error(cli("inspect", "--model", broken_models["gpt2"]), EXIT_USAGE)
+    line = one_line_cli_error(cli("inspect", "--model", broken_models["gpt2"]), EXIT_USAGE)
     assert "GPT2LMHeadModel" in line
 
 
@@ -530,13 +522,13 @@ def test_inspect_bad_model(broken_models):
 
 def test_error_message_is_not_rich_markup(tiny_model, tmp_path):
     inp = write_jsonl(tmp_path / "ff.jsonl", [{"prompt": [True]}])
-    line = one_line_error(cli(*run_args(tiny_model, inp, tmp_path / "o.parquet", "--fail-fast")), EXIT_FAILED)
+    line = one_line_cli_error(cli(*run_args(tiny_model, inp, tmp_path / "o.parquet", "--fail-fast")), EXIT_FAILED)
     assert line.endswith("got [true]")
 
 
 def test_error_message_with_brackets_in_path(tiny_model, tmp_path):
     missing = tmp_path / "data[/].jsonl"
-    line = one_line_error(cli(*run_args(tiny_model, missing, tmp_path / "o.parquet")), EXIT_USAGE)
+    line = one_line_cli_error(cli(*run_args(tiny_model, missing, tmp_path / "o.parquet")), EXIT_USAGE)
     assert str(missing) in line
 
 
@@ -554,6 +546,6 @@ def test_inspect_shows_the_resolved_draft(tiny_model):
     r = ok("inspect", "--recipe", "eagle3_tree")
     flat = "".join(line.strip("│ ").split("│")[-1].strip() for line in r.output.splitlines())
     assert str(DEMO_DIR / "eagle3") in flat, r.output
-    one_line_error(cli("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model)), EXIT_USAGE)
+    one_line_cli_error(cli("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model)), EXIT_USAGE)
     r = ok("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model), "--draft", "/some/head")
     assert "/some/head" in r.output

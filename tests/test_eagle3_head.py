@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specbatch.models.attention import AttnMetadata
-from specbatch.models.config import ModelError
 from specbatch.models.eagle3 import default_aux_layers, load_eagle3
 from specbatch.models.loader import load_target
 from specbatch.runtime.kv_cache import KVCache
 from specbatch.spec.layer_drafter import LayerDrafter
 from specbatch.spec.factory import SpecConfig, make_drafter
 from tiny_models import make_eagle3_head
+from errors import one_line_model_error
 
 CPU = torch.device("cpu")
 V = 320          # tiny targets' vocabulary
@@ -73,16 +73,6 @@ def _copy(src, tmp_path, name="edited") -> Path:
     dst = tmp_path / name
     shutil.copytree(src, dst)
     return dst
-
-
-def _one_line_error(fn, *needles) -> str:
-    with pytest.raises(ModelError) as e:
-        fn()
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    for n in needles:
-        assert str(n) in msg, (n, msg)
-    return msg
 
 
 def _causal_meta(slots, T, prefix=None):
@@ -280,22 +270,22 @@ def test_bfloat16_loading(target_dir, head_dir, head):
 def test_error_not_eagle3(tmp_path, head_dir, target):
     d = _copy(head_dir, tmp_path)
     _edit_config(d, architectures=["LlamaForCausalLM"])
-    _one_line_error(lambda: _load(d, target), d / "config.json", "LlamaForCausalLMEagle3", "EAGLE3")
+    one_line_model_error(lambda: _load(d, target), d / "config.json", "LlamaForCausalLMEagle3", "EAGLE3")
 
 
 def test_error_vocab_mismatch(tmp_path, head_dir, target):
     d = _copy(head_dir, tmp_path)
     _edit_config(d, vocab_size=300)
-    _one_line_error(lambda: _load(d, target), d / "config.json", "vocab_size 300", "320")
+    one_line_model_error(lambda: _load(d, target), d / "config.json", "vocab_size 300", "320")
 
 
 def test_error_target_hidden_mismatch(tmp_path, tiny_model_factory, head_dir):
     wide_dir = tiny_model_factory("llama3", num_hidden_layers=4, hidden_size=96)
     wide, _ = load_target(wide_dir, "float32", "cpu")
     assert wide.cfg.hidden_size == 96
-    _one_line_error(lambda: _load(head_dir, wide), head_dir, "64", "96", "hidden size")
+    one_line_model_error(lambda: _load(head_dir, wide), head_dir, "64", "96", "hidden size")
     # the same through the factory
-    _one_line_error(lambda: make_drafter(SpecConfig("eagle3", 3, 1, 4, draft=str(head_dir)), wide, 2, 32),
+    one_line_model_error(lambda: make_drafter(SpecConfig("eagle3", 3, 1, 4, draft=str(head_dir)), wide, 2, 32),
                     head_dir, "96")
 
 
@@ -304,7 +294,7 @@ def test_error_missing_tensor(tmp_path, head_dir, target):
     w = _weights(d)
     del w["midlayer.mlp.up_proj.weight"]
     _save_weights(d, w)
-    _one_line_error(lambda: _load(d, target), d, "missing", "midlayer.mlp.up_proj.weight")
+    one_line_model_error(lambda: _load(d, target), d, "missing", "midlayer.mlp.up_proj.weight")
 
 
 def test_error_lm_head_rows(tmp_path, head_dir, target):
@@ -312,7 +302,7 @@ def test_error_lm_head_rows(tmp_path, head_dir, target):
     w = _weights(d)
     w["lm_head.weight"] = w["lm_head.weight"][:199]
     _save_weights(d, w)
-    _one_line_error(lambda: _load(d, target), d, "lm_head.weight", "(199, 64)", "(200, 64)")
+    one_line_model_error(lambda: _load(d, target), d, "lm_head.weight", "(199, 64)", "(200, 64)")
 
 
 def test_error_unexpected_tensor(tmp_path, head_dir, target):
@@ -320,7 +310,7 @@ def test_error_unexpected_tensor(tmp_path, head_dir, target):
     w = _weights(d)
     w["midlayer.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
     _save_weights(d, w)
-    _one_line_error(lambda: _load(d, target), d, "unexpected", "midlayer.self_attn.rotary_emb.inv_freq")
+    one_line_model_error(lambda: _load(d, target), d, "unexpected", "midlayer.self_attn.rotary_emb.inv_freq")
 
 
 @pytest.mark.parametrize("index,value", [(-1, 1000), (0, -1)])   # draft 199 -> 1199; draft 0 -> -1
@@ -329,7 +319,7 @@ def test_error_d2t_outside_target_vocab(tmp_path, head_dir, target, index, value
     w = _weights(d)
     w["d2t"][index] = value
     _save_weights(d, w)
-    _one_line_error(lambda: _load(d, target), d, "d2t", "outside the target vocabulary")
+    one_line_model_error(lambda: _load(d, target), d, "d2t", "outside the target vocabulary")
 
 
 def test_error_d2t_shape_names_the_file(tmp_path, head_dir, target):
@@ -337,7 +327,7 @@ def test_error_d2t_shape_names_the_file(tmp_path, head_dir, target):
     w = _weights(d)
     w["d2t"] = w["d2t"][:199]
     _save_weights(d, w)
-    _one_line_error(lambda: _load(d, target), "d2t", "(199,)", "(200,)", d)
+    one_line_model_error(lambda: _load(d, target), "d2t", "(199,)", "(200,)", d)
 
 
 def test_error_t2d_shape(tmp_path, head_dir, target):
@@ -345,7 +335,7 @@ def test_error_t2d_shape(tmp_path, head_dir, target):
     w = _weights(d)
     w["t2d"] = w["t2d"][:100]
     _save_weights(d, w)
-    _one_line_error(lambda: _load(d, target), "t2d", "(100,)", f"({V},)")
+    one_line_model_error(lambda: _load(d, target), "t2d", "(100,)", f"({V},)")
 
 
 def test_error_head_hidden_without_embedding(tmp_path, target_dir, target):
@@ -357,31 +347,31 @@ def test_error_head_hidden_without_embedding(tmp_path, target_dir, target):
     w = _weights(d)
     del w["embed_tokens.weight"]
     _save_weights(d, w)
-    _one_line_error(lambda: _load(d, target), d, "embed_tokens", "32", "64")
+    one_line_model_error(lambda: _load(d, target), d, "embed_tokens", "32", "64")
 
 
 def test_error_missing_config(tmp_path, head_dir, target):
     d = _copy(head_dir, tmp_path)
     (d / "config.json").unlink()
-    _one_line_error(lambda: _load(d, target), d, "config.json")
-    _one_line_error(lambda: _load(tmp_path / "nowhere", target), tmp_path / "nowhere", "not found")
+    one_line_model_error(lambda: _load(d, target), d, "config.json")
+    one_line_model_error(lambda: _load(tmp_path / "nowhere", target), tmp_path / "nowhere", "not found")
 
 
 def test_error_no_safetensors(tmp_path, head_dir, target):
     d = _copy(head_dir, tmp_path)
     (d / "model.safetensors").unlink()
-    _one_line_error(lambda: _load(d, target), d, "safetensors")
+    one_line_model_error(lambda: _load(d, target), d, "safetensors")
 
 
 def test_factory_aux_ids_out_of_range(tmp_path, target_dir, target):
     d = make_eagle3_head(tmp_path / "h", target_dir, aux_ids=[0, 1, 9])
-    _one_line_error(lambda: make_drafter(SpecConfig("eagle3", 3, 1, 4, draft=str(d)), target, 2, 32),
+    one_line_model_error(lambda: make_drafter(SpecConfig("eagle3", 3, 1, 4, draft=str(d)), target, 2, 32),
                     d, "[0, 1, 9]", "eagle_aux_hidden_state_layer_ids", "4 layers")
     d = make_eagle3_head(tmp_path / "two", target_dir, aux_ids=[0, 1])
-    _one_line_error(lambda: make_drafter(SpecConfig("eagle3", 3, 1, 4, draft=str(d)), target, 2, 32),
+    one_line_model_error(lambda: make_drafter(SpecConfig("eagle3", 3, 1, 4, draft=str(d)), target, 2, 32),
                     d, "[0, 1]")
     d = make_eagle3_head(tmp_path / "neg", target_dir, aux_ids=[-1, 1, 2])
-    _one_line_error(lambda: make_drafter(SpecConfig("eagle3", 3, 1, 4, draft=str(d)), target, 2, 32),
+    one_line_model_error(lambda: make_drafter(SpecConfig("eagle3", 3, 1, 4, draft=str(d)), target, 2, 32),
                     d, "[-1, 1, 2]")
 
 
@@ -390,18 +380,18 @@ def test_factory_default_aux_ids_too_shallow(tmp_path, tiny_model_factory):
     t3, _ = load_target(t3_dir, "float32", "cpu")
     assert t3.cfg.num_layers == 3
     d = make_eagle3_head(tmp_path / "h", t3_dir)
-    _one_line_error(lambda: make_drafter(SpecConfig("eagle3", 3, 1, 4, draft=str(d)), t3, 2, 32),
+    one_line_model_error(lambda: make_drafter(SpecConfig("eagle3", 3, 1, 4, draft=str(d)), t3, 2, 32),
                     d, "default", "3 layers", "-1")
 
 
 def test_factory_needs_a_draft(target):
-    _one_line_error(lambda: make_drafter(SpecConfig("eagle3", 3, 1, 4), target, 2, 32), "draft")
+    one_line_model_error(lambda: make_drafter(SpecConfig("eagle3", 3, 1, 4), target, 2, 32), "draft")
 
 
 def test_factory_topk_exceeds_draft_vocab(tmp_path, target_dir, target):
     d = make_eagle3_head(tmp_path / "h", target_dir, draft_vocab=4)
     assert isinstance(make_drafter(SpecConfig("eagle3", 2, 4, 5, draft=str(d)), target, 2, 32), LayerDrafter)
-    _one_line_error(lambda: make_drafter(SpecConfig("eagle3", 2, 5, 6, draft=str(d)), target, 2, 32),
+    one_line_model_error(lambda: make_drafter(SpecConfig("eagle3", 2, 5, 6, draft=str(d)), target, 2, 32),
                     "topk 5", "4")
 
 

@@ -15,7 +15,6 @@ from safetensors.torch import load_file, save_file
 from specbatch.data import RowRequest
 from specbatch.engine import Engine, EngineOptions
 from specbatch.models.attention import AttnMetadata
-from specbatch.models.config import ModelError
 from specbatch.models.loader import load_target
 from specbatch.models.mtp import load_mtp
 from specbatch.recipe import SamplingDefaults
@@ -24,6 +23,7 @@ from specbatch.spec import layer_drafter
 from specbatch.spec.factory import SpecConfig, make_drafter
 from specbatch.spec.layer_drafter import LayerDrafter
 from tiny_models import make_mtp_layer
+from errors import one_line_cli_error, one_line_model_error
 
 CPU = torch.device("cpu")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -90,16 +90,6 @@ def _target(d):
 
 def _load(target_dir, draft_dir, dtype=torch.float32):
     return load_mtp(_target(target_dir), target_dir, draft_dir, dtype, CPU)
-
-
-def _one_line_error(fn, *needles) -> str:
-    with pytest.raises(ModelError) as e:
-        fn()
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    for n in needles:
-        assert str(n) in msg, (n, msg)
-    return msg
 
 
 # ---- 1. the layer forward against a reference from the raw tensors ---------------------------
@@ -259,23 +249,23 @@ def test_bfloat16_loading(mtp_dirs):
 def test_error_no_mtp_in_target(mtp_dirs):
     base = mtp_dirs("llama")
     target = _target(base)
-    msg = _one_line_error(lambda: load_mtp(target, base, None, torch.float32, CPU), base, "no MTP layer",
+    msg = one_line_model_error(lambda: load_mtp(target, base, None, torch.float32, CPU), base, "no MTP layer",
                           f"model.layers.{L}.eh_proj.weight", "model.mtp_layers.0.input_proj.weight",
                           "mtp.fc.weight", "--draft")
     assert "DeepSeek" in msg and "MiMo" in msg and "Qwen3-Next" in msg
     # the same through the factory
-    _one_line_error(lambda: make_drafter(SpecConfig("nextn_mtp", 3, 1, 4), target, 2, 32, target_dir=str(base)),
+    one_line_model_error(lambda: make_drafter(SpecConfig("nextn_mtp", 3, 1, 4), target, 2, 32, target_dir=str(base)),
                     base, "--draft")
     # neither a target directory nor --draft
-    _one_line_error(lambda: make_drafter(SpecConfig("nextn_mtp", 3, 1, 4), target, 2, 32), "--draft")
+    one_line_model_error(lambda: make_drafter(SpecConfig("nextn_mtp", 3, 1, 4), target, 2, 32), "--draft")
 
 
 def test_error_no_mtp_in_draft_dir(mtp_dirs, tmp_path):
     base = mtp_dirs("llama")
     # a plain checkpoint passed as --draft: its layer 0 is no NextN layer
-    _one_line_error(lambda: _load(base, base), base, "no MTP layer", "model.layers.0.eh_proj.weight",
+    one_line_model_error(lambda: _load(base, base), base, "no MTP layer", "model.layers.0.eh_proj.weight",
                     "model.mtp_layers.0.input_proj.weight", "mtp.fc.weight")
-    _one_line_error(lambda: _load(base, tmp_path / "nowhere"), tmp_path / "nowhere", "safetensors")
+    one_line_model_error(lambda: _load(base, tmp_path / "nowhere"), tmp_path / "nowhere", "safetensors")
 
 
 def test_whole_deepseek_checkpoint_as_draft_dir(mtp_dirs):
@@ -307,7 +297,7 @@ def test_error_missing_tensor(mtp_dirs, tmp_path, layout, place, name):
     else:
         make_mtp_layer(base, layout, tmp_path / "d", drop=(name,))
         target_dir, draft_dir, where = base, tmp_path / "d", tmp_path / "d"
-    _one_line_error(lambda: _load(target_dir, draft_dir), where, "missing", name, layout)
+    one_line_model_error(lambda: _load(target_dir, draft_dir), where, "missing", name, layout)
 
 
 @pytest.mark.parametrize("layout,name,shape", [
@@ -322,7 +312,7 @@ def test_error_wrong_shape(mtp_dirs, tmp_path, layout, name, shape):
     expected = tuple(w[name].shape)
     w[name] = torch.zeros(shape)
     save_file(w, str(d / "model.safetensors"))
-    _one_line_error(lambda: _load(base, d), d, name, str(shape), str(expected))
+    one_line_model_error(lambda: _load(base, d), d, name, str(shape), str(expected))
 
 
 @pytest.mark.parametrize("layout,name", [
@@ -338,7 +328,7 @@ def test_error_unexpected_tensor(mtp_dirs, tmp_path, layout, name):
     w = load_file(str(t / "model.safetensors"))
     w[name] = torch.zeros(2 * H, H)
     save_file(w, str(t / "model.safetensors"))
-    _one_line_error(lambda: _load(t, None), t, "unexpected", name, layout)
+    one_line_model_error(lambda: _load(t, None), t, "unexpected", name, layout)
 
 
 @pytest.mark.parametrize("key,value,needles", [
@@ -352,7 +342,7 @@ def test_error_exported_config_mismatch(mtp_dirs, tmp_path, key, value, needles)
     cfg = json.loads((d / "config.json").read_text())
     cfg[key] = value
     (d / "config.json").write_text(json.dumps(cfg))
-    _one_line_error(lambda: _load(base, d), d / "config.json", *needles)
+    one_line_model_error(lambda: _load(base, d), d / "config.json", *needles)
 
 
 def test_target_with_mtp_loads_as_plain_target(mtp_dirs):
@@ -688,25 +678,17 @@ def test_cli_nextn_mtp_inside_and_exported(mimic_dirs, tmp_path):
         assert sum(r["spec"]["accepted_tokens"] for r in rows) > 0
 
 
-def _one_line_cli_error(result, code=2) -> str:
-    assert result.exit_code == code, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ") and "Traceback" not in result.output
-    return lines[0]
-
-
-def test_cli_target_without_mtp_is_a_one_line_error(mtp_dirs, tmp_path):
+def test_cli_target_without_mtp_is_aone_line_model_error(mtp_dirs, tmp_path):
     base = mtp_dirs("llama")
     res, out = _cli_run(tmp_path, "nomtp", base, "--recipe", "nextn_mtp")
-    line = _one_line_cli_error(res)
+    line = one_line_cli_error(res, 2)
     for needle in (str(base), "no MTP layer", "mtp.fc.weight", "--draft"):
         assert needle in line, (needle, line)
     assert not out.exists()
     # a --draft directory without an MTP layer names that directory
     other = mtp_dirs("qwen3")
     res, _ = _cli_run(tmp_path, "nomtp2", base, "--recipe", "nextn_mtp", "--draft", other)
-    line = _one_line_cli_error(res)
+    line = one_line_cli_error(res, 2)
     assert str(other) in line and "model.layers.0.eh_proj.weight" in line
 
 

@@ -150,8 +150,6 @@ def train_eagle3(target_dir, tokens_dir, out_dir, *, draft_vocab: int = 2048,
     tokens_dir, out_dir = Path(tokens_dir), Path(out_dir)
     tcfg, _ = load_config(target_dir)
     aux_layers = tuple(int(i) for i in aux_layers)
-    if ttt_steps < 1:
-        raise ValueError("ttt_steps must be >= 1")
     settings = LoopSettings(ttt_steps=ttt_steps, step_weight=step_weight, seq_len=seq_len,
                             batch_size=batch_size, steps=steps, lr=lr, warmup=warmup,
                             weight_decay=weight_decay, eval_every=eval_every, seed=seed,

@@ -41,6 +41,10 @@ class LoopSettings:
     seed: int
     eval_windows: int
 
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1:
+            raise ValueError("ttt_steps must be >= 1")
+
 
 @dataclass
 class LoopResult:

@@ -115,8 +115,6 @@ def train_mtp(target_dir, tokens_dir, out_dir, *, ttt_steps: int = 4, step_weigh
     dev = device_setup(device)
     tokens_dir, out_dir = Path(tokens_dir), Path(out_dir)
     tcfg, raw = load_config(target_dir)
-    if ttt_steps < 1:
-        raise ValueError("ttt_steps must be >= 1")
     settings = LoopSettings(ttt_steps=ttt_steps, step_weight=step_weight, seq_len=seq_len,
                             batch_size=batch_size, steps=steps, lr=lr, warmup=warmup,
                             weight_decay=weight_decay, eval_every=eval_every, seed=seed,
