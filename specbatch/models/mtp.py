@@ -119,15 +119,16 @@ class MTPSource:
     where: str                    # the directory, for messages
     layout: str
     prefix: str                   # checkpoint names of the layer start with this
+    names: frozenset[str]         # every tensor name in `files` (read once)
 
 
 def find_mtp(directory: str | Path, layer_index: int) -> MTPSource | None:
     """The MTP layer stored in `directory`, if any: DeepSeek's at model.layers.{layer_index}."""
     files = safetensors_files(directory)
-    names = tensor_names(files)
+    names = frozenset(tensor_names(files))
     for layout in LAYOUTS:
         if _MARKERS[layout].format(i=layer_index) in names:
-            return MTPSource(files, str(directory), layout, _PREFIXES[layout].format(i=layer_index))
+            return MTPSource(files, str(directory), layout, _PREFIXES[layout].format(i=layer_index), names)
     return None
 
 
@@ -158,7 +159,7 @@ def load_mtp(target: CausalLM, target_dir: str | Path | None, draft_dir: str | P
         hint = "" if draft_dir is not None else "; pass --draft DIR for an exported MTP checkpoint"
         raise ModelError(f"{where}: no MTP layer found (looked for {looked_for(index)}){hint}")
     layer_cfg = _layer_config(target.cfg, draft_dir)
-    tensors = {n[len(src.prefix):]: n for n in tensor_names(src.files) if n.startswith(src.prefix)}
+    tensors = {n[len(src.prefix):]: n for n in src.names if n.startswith(src.prefix)}
     renames = _RENAMES[src.layout]
     canon = {_canonical(short, renames): full for short, full in tensors.items()}
     cfg = MTPConfig(layer=layer_cfg, layout=src.layout, hidden_first=src.layout == "mimo")
