@@ -1,6 +1,7 @@
 """Turn a validated input row into prompt token ids with the model's tokenizer."""
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -11,19 +12,89 @@ class PromptError(Exception):
     """A row whose prompt cannot be tokenized for this model; the message names the row."""
 
 
+# Any one of these in a model directory is a tokenizer AutoTokenizer can load (the error names
+# the usual three).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
+                    "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "tiktoken.model")
+
+
+def exception_line(e: BaseException) -> str:
+    """`Type: first line of the message`, UTF-8 encodable."""
+    text = str(e).strip()
+    first = text.splitlines()[0].strip() if text else ""
+    line = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return line.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def load_tokenizer(model_dir: str | Path) -> Any:
+    d = Path(model_dir)
+    if d.is_dir() and not any((d / f).is_file() for f in _TOKENIZER_FILES) \
+            and not any(d.glob("*.tiktoken")):
+        raise ModelError(f"{model_dir}: no tokenizer (expected tokenizer.json, tokenizer.model or "
+                         "tokenizer_config.json)")
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        # Never run code from the model directory, and never ask about it on stdin (which may be
+        # the user's data with `specbatch run -`).
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     except Exception as e:  # transformers raises many types for a broken tokenizer
+        if "trust_remote_code" in str(e):
+            raise ModelError(f"{model_dir}: the tokenizer needs Python code from the model directory "
+                             "(auto_map in tokenizer_config.json); specbatch never runs "
+                             "model-directory code") from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"{model_dir}: cannot load the tokenizer ({first})") from None
 
 
-def encode_row(tokenizer: Any, row: Any, vocab_size: int) -> list[int]:
+_BYTES_PER_TOKEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def max_bytes_per_token(tokenizer: Any) -> int:
+    """An upper bound on the UTF-8 bytes of text one token covers: 4 bytes per character of the
+    longest vocabulary entry, at least 16. Computed once per tokenizer."""
+    try:
+        return _BYTES_PER_TOKEN[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    try:
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
+    except Exception:  # noqa: BLE001 - no vocabulary to read: no byte bound
+        longest = 1 << 40
+    bound = max(16, 4 * longest)
+    try:
+        _BYTES_PER_TOKEN[tokenizer] = bound
+    except TypeError:
+        pass
+    return bound
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _too_long(where: str, limit: int, what: str) -> PromptError:
+    return PromptError(f"{where}: prompt has {what} but the context per slot is {limit} "
+                       "(set --max-model-len or lower --batch-size)")
+
+
+def _encode(tokenizer: Any, text: str, where: str, limit: int | None, **kw: Any) -> list[int]:
+    """tokenizer(text, **kw) input ids; with `limit`, a text far longer than `limit` tokens can
+    be is tokenized by a prefix first, so a huge prompt costs about `limit` tokens of work."""
+    if limit is not None and _utf8_len(text) > limit * 8:
+        head = tokenizer(text[: limit * 8], **kw)["input_ids"]
+        if len(head) > limit + 2:
+            raise _too_long(where, limit, f"more than {limit} tokens")
+    return list(tokenizer(text, **kw)["input_ids"])
+
+
+def encode_row(tokenizer: Any, row: Any, vocab_size: int, max_tokens_allowed: int | None = None) -> list[int]:
     """`prompt` as tokenizer(prompt) does (default special tokens), `messages` through the chat
-    template with the generation prompt, `prompt_token_ids` as given."""
+    template with the generation prompt, `prompt_token_ids` as given.
+
+    `max_tokens_allowed` (the context per slot): a text prompt with more UTF-8 bytes than that
+    many tokens can cover is rejected without tokenizing it, and a long one is tokenized by a
+    prefix first; whether the ids fit is still the caller's check."""
     where = row.where or f"row {row.row}"
     if row.prompt_token_ids is not None:
         ids = list(row.prompt_token_ids)
@@ -32,19 +103,32 @@ def encode_row(tokenizer: Any, row: Any, vocab_size: int) -> list[int]:
             raise PromptError(f"{where}: field 'prompt_token_ids': id {bad[0]} is outside the "
                               f"model's vocabulary (size {vocab_size})")
         return ids
-    if row.messages is not None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise PromptError(f"{where}: field 'messages': the model's tokenizer has no chat "
-                              "template; give a 'prompt' instead")
-        try:
-            text = tokenizer.apply_chat_template(row.messages, add_generation_prompt=True,
-                                                 tokenize=False)
-        except Exception as e:
-            raise PromptError(f"{where}: field 'messages': chat template failed ({e})") from None
-        # The template writes any BOS itself.
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(row.prompt)["input_ids"]
+    limit = max_tokens_allowed
+    if limit is not None:
+        texts = [m["content"] for m in row.messages] if row.messages is not None else [row.prompt]
+        nbytes = sum(_utf8_len(t) for t in texts)
+        if nbytes > limit * max_bytes_per_token(tokenizer):
+            raise PromptError(f"{where}: prompt has {nbytes} bytes, more than the context of {limit} "
+                              "tokens per slot can hold (set --max-model-len or lower --batch-size)")
+    try:
+        if row.messages is not None:
+            if not getattr(tokenizer, "chat_template", None):
+                raise PromptError(f"{where}: field 'messages': the model's tokenizer has no chat "
+                                  "template; give a 'prompt' instead")
+            try:
+                text = tokenizer.apply_chat_template(row.messages, add_generation_prompt=True,
+                                                     tokenize=False)
+            except Exception as e:
+                raise PromptError(f"{where}: field 'messages': chat template failed "
+                                  f"({exception_line(e)})") from None
+            # The template writes any BOS itself.
+            ids = _encode(tokenizer, text, where, limit, add_special_tokens=False)
+        else:
+            ids = _encode(tokenizer, row.prompt, where, limit)
+    except PromptError:
+        raise
+    except Exception as e:  # the tokenizer failed on this text: this row's error, not the job's
+        raise PromptError(f"{where}: cannot tokenize the prompt ({exception_line(e)})") from None
     if not ids:
         raise PromptError(f"{where}: the prompt tokenizes to no tokens")
-    return list(ids)
+    return ids

@@ -53,7 +53,7 @@ def test_jsonl_round_trip_every_form(tmp_path):
     assert src.total == 5
     assert all(isinstance(r, RowRequest) for r in out), out
     assert [r.row for r in out] == [0, 1, 2, 3, 4]
-    assert [r.id for r in out] == ["0", "1", "2", "req-1", "req-2"]
+    assert [r.id for r in out] == [0, 1, 2, "req-1", "req-2"]
     assert out[0].prompt == "hello" and out[0].messages is None and out[0].prompt_token_ids is None
     assert out[0].overrides == {"temperature": 0.5}
     assert out[1].messages == MESSAGES and out[1].prompt is None and out[1].overrides == {"max_tokens": 8}
@@ -166,10 +166,11 @@ def test_bom_is_ignored(tmp_path):
 
 
 def test_id_precedence():
-    assert parse({"prompt": "x", "id": 7, "custom_id": "c"}).id == "7"
+    assert parse({"prompt": "x", "id": 7, "custom_id": "c"}).id == 7
+    assert parse({"prompt": "x", "id": "7", "custom_id": "c"}).id == "7"
     assert parse({"prompt": "x", "id": None, "custom_id": "c"}).id == "c"
-    assert parse({"prompt": "x"}).id == "3"
-    assert parse({"prompt": "x", "id": "a", "key": 12}, id_column="key").id == "12"
+    assert parse({"prompt": "x"}).id == 3
+    assert parse({"prompt": "x", "id": "a", "key": 12}, id_column="key").id == 12
     e = err({"prompt": "x", "id": "a"}, id_column="key")
     assert "'key'" in e and "null" in e
     assert "'id'" in err({"prompt": "x", "id": [1]})
@@ -183,7 +184,7 @@ def test_id_column_and_keep_columns_jsonl(tmp_path):
         {"prompt": "", "uid": "u3", "meta": 2},
     ]
     out = list(open_rows(write_jsonl(tmp_path / "k.jsonl", rows), id_column="uid", keep_columns=["meta", "lang"]))
-    assert [r.id for r in out] == ["u1", "5", "u3"]
+    assert [r.id for r in out] == ["u1", 5, "u3"]
     assert out[0].keep == {"meta": {"x": 1}, "lang": "en"}
     assert out[1].keep == {"meta": None, "lang": "fr"}
     assert isinstance(out[2], RowError) and out[2].keep == {"meta": 2, "lang": None} and out[2].id == "u3"
@@ -193,7 +194,7 @@ def test_keep_columns_parquet_and_prompt_column(tmp_path):
     rows = [{"text": "a", "topic": "t1", "n": 1}, {"text": "b", "topic": None, "n": 2}]
     path = write_parquet(tmp_path / "k.parquet", rows)
     out = list(open_rows(path, prompt_column="text", id_column="n", keep_columns=["topic"]))
-    assert [(r.id, r.prompt, r.keep) for r in out] == [("1", "a", {"topic": "t1"}), ("2", "b", {"topic": None})]
+    assert [(r.id, r.prompt, r.keep) for r in out] == [(1, "a", {"topic": "t1"}), (2, "b", {"topic": None})]
 
 
 def test_malformed_line_keeps_keep_columns_shape(tmp_path):
@@ -224,7 +225,7 @@ def test_overrides_all_valid():
 
 def test_openai_body_overrides():
     r = parse({"custom_id": "c", "body": {"prompt": "x", "max_completion_tokens": 9, "temperature": 0.2,
-                                          "top_p": 0.9, "logprobs": True, "model": "m"}})
+                                          "top_p": 0.9, "logprobs": False, "model": "m"}})
     assert r.overrides == {"max_tokens": 9, "temperature": 0.2, "top_p": 0.9}
     assert parse({"body": {"prompt": "x", "max_tokens": 9, "max_completion_tokens": 9}}).overrides == {"max_tokens": 9}
     e = err({"body": {"prompt": "x", "max_tokens": 9, "max_completion_tokens": 10}})
@@ -238,18 +239,18 @@ def test_openai_body_overrides():
 @pytest.mark.parametrize(
     "field,value,expected",
     [
-        ("max_tokens", 0, "expected an integer >= 1"),
-        ("max_tokens", True, "expected an integer >= 1"),
-        ("max_tokens", 16.5, "expected an integer >= 1"),
-        ("max_tokens", "16", "expected an integer >= 1"),
+        ("max_tokens", 0, "expected an integer in [1, 2147483647]"),
+        ("max_tokens", True, "expected an integer in [1, 2147483647]"),
+        ("max_tokens", 16.5, "expected an integer in [1, 2147483647]"),
+        ("max_tokens", "16", "expected an integer in [1, 2147483647]"),
         ("temperature", "hot", 'expected a number >= 0, got "hot"'),
         ("temperature", -0.1, "expected a number >= 0"),
         ("temperature", True, "expected a number >= 0"),
         ("top_p", 0, "expected a number in (0, 1]"),
         ("top_p", 1.5, "expected a number in (0, 1]"),
         ("top_p", [0.5], "expected a number in (0, 1]"),
-        ("top_k", -2, "expected an integer >= 1 (0 or -1 to disable)"),
-        ("top_k", 2.5, "expected an integer >= 1"),
+        ("top_k", -2, "expected an integer in [1, 2147483647] (0 or -1 to disable)"),
+        ("top_k", 2.5, "expected an integer in [1, 2147483647]"),
         ("seed", "1", "expected an integer"),
         ("seed", False, "expected an integer"),
         ("stop", 3, "expected a non-empty string or a list of non-empty strings"),
@@ -257,8 +258,8 @@ def test_openai_body_overrides():
         ("stop", ["a", ""], "expected a non-empty string"),
         ("stop", ["a", 1], "expected a non-empty string"),
         ("stop_token_ids", 3, "of integers >= 0"),
-        ("stop_token_ids", [1, -1], "expected an integer >= 0"),
-        ("stop_token_ids", [1, "2"], "expected an integer >= 0"),
+        ("stop_token_ids", [1, -1], "expected an integer in [0, 9223372036854775807]"),
+        ("stop_token_ids", [1, "2"], "expected an integer in [0, 9223372036854775807]"),
         ("ignore_eos", 1, "expected true or false"),
         ("ignore_eos", "yes", "expected true or false"),
     ],
@@ -267,7 +268,7 @@ def test_bad_override(field, value, expected):
     e = err({"prompt": "x", field: value})
     assert f"field '{field}" in e
     assert expected in e
-    assert parse({"prompt": "x", field: value}).id == "3"
+    assert parse({"prompt": "x", field: value}).id == 3
 
 
 def test_bad_override_in_body_names_body_field():
@@ -283,7 +284,7 @@ def test_bad_override_in_body_names_body_field():
     "obj,needles",
     [
         ({"temperature": 1}, ["no 'prompt' or 'messages'"]),
-        ({"prompt": None}, ["no 'prompt'"]),
+        ({"prompt": None}, ["field 'prompt': expected a non-empty string, got null"]),
         ({"prompt": ""}, ["field 'prompt'", "non-empty string"]),
         ({"prompt": "  \n\t"}, ["field 'prompt'", "non-empty string"]),
         ({"prompt": 5}, ["field 'prompt'", "got 5"]),
@@ -300,7 +301,7 @@ def test_bad_override_in_body_names_body_field():
         ({"prompt": "a", "messages": MESSAGES}, ["row has both 'prompt' and 'messages'; give one"]),
         ({"prompt": "a", "prompt_token_ids": [1]}, ["row has both 'prompt' and 'prompt_token_ids'"]),
         ({"messages": MESSAGES, "prompt_token_ids": [1]}, ["row has both 'messages' and 'prompt_token_ids'"]),
-        ({"body": {"messages": MESSAGES, "n": 2}}, ["field 'body.n'", "n>1 is not supported"]),
+        ({"body": {"messages": MESSAGES, "n": 2}}, ["field 'body.n': not supported by specbatch yet (got 2)"]),
         ({"body": {"messages": MESSAGES, "n": 0}}, ["field 'body.n'"]),
         ({"body": "x"}, ["field 'body'", "an object"]),
         ({"body": {"model": "m"}}, ["field 'body'", "'messages' or 'prompt'"]),
@@ -343,7 +344,7 @@ def test_bad_lines_in_jsonl_file(tmp_path):
     assert isinstance(out[6], RowRequest) and out[6].prompt == "ok6" and out[6].where == f"{path}:8"
     errors = out[1:6]
     assert all(isinstance(e, RowError) for e in errors)
-    assert [e.id for e in errors] == ["1", "2", "3", "4", "5"]
+    assert [e.id for e in errors] == [1, 2, 3, 4, 5]
     assert errors[0].error.startswith(f"{path}:2: malformed JSON")
     assert errors[1].error.startswith(f"{path}:3: expected a JSON object")
     assert errors[2].error.startswith(f"{path}:4: invalid UTF-8")

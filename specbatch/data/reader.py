@@ -2,21 +2,40 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .rows import OVERRIDE_KEYS, InputError, RowError, RowRequest, parse_row
+from .rows import OVERRIDE_KEYS, UNSUPPORTED_FIELDS, InputError, RowError, RowRequest, parse_row
 
 PARQUET_BATCH_ROWS = 1024
 SCAN_CHUNK_BYTES = 1 << 22
+# The first block of a JSONL input, checked when it is opened: this many non-blank lines or
+# bytes, whichever comes first.
+BLOCK_LINES = 1000
+BLOCK_BYTES = 1 << 22
 _BOM = b"\xef\xbb\xbf"
+# What a file that is not JSONL at all starts with.
+_MAGIC = (
+    (b"\x89PNG", "a PNG image"),
+    (b"\xff\xd8\xff", "a JPEG image"),
+    (b"%PDF", "a PDF document"),
+    (b"\x1f\x8b", "gzip-compressed data"),
+    (b"BZh", "bzip2-compressed data"),
+    (b"\xfd7zXZ\x00", "xz-compressed data"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed data"),
+    (b"PK\x03\x04", "a zip archive"),
+    (b"PAR1", "a Parquet file"),
+    (b"\xff\xfe", "UTF-16 text"),
+    (b"\xfe\xff", "UTF-16 text"),
+)
 # A newline whose following line is blank (whitespace only, then newline).
 _BEFORE_BLANK_LINE = re.compile(rb"\n(?=[ \t\r\f\v]*\n)")
 
@@ -65,41 +84,134 @@ def count_nonblank_lines(f: BinaryIO) -> int:
     return n
 
 
-def _jsonl_rows(f: BinaryIO, name: str, opts: dict) -> Iterator[Row]:
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _display(name: str) -> str:
+    """A path as error messages (which reach the output) show it: always UTF-8 encodable."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _jsonl_rows(lines: Iterable[bytes], name: str, opts: dict) -> Iterator[Row]:
     row = 0
-    for lineno, line in enumerate(f, 1):
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         where = f"{name}:{lineno}"
         if lineno == 1 and line.startswith(_BOM):
             line = line[len(_BOM) :]
+        digest = _digest(line.strip())  # the raw bytes: invalid UTF-8 lines get one too
         try:
-            text = line.decode("utf-8")
+            text = line.rstrip(b"\r\n").decode("utf-8")
         except UnicodeDecodeError as e:
-            yield _line_error(row, f"{where}: invalid UTF-8 at byte {e.start} of the line", opts)
-            row += 1
-            continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            yield _line_error(row, f"{where}: malformed JSON: {e.msg} at column {e.colno}", opts)
-            row += 1
-            continue
-        except (ValueError, RecursionError) as e:
-            yield _line_error(row, f"{where}: malformed JSON: {_one_line(e)}", opts)
-            row += 1
-            continue
-        yield parse_row(obj, row=row, where=where, **opts)
+            out: Row = _line_error(row, f"{where}: invalid UTF-8 at byte {e.start} of the line", opts)
+        else:
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                # json's messages for these end in "at", before the position it appends itself.
+                msg = e.msg.removesuffix(" at").removesuffix(" starting")
+                out = _line_error(row, f"{where}: malformed JSON at column {e.colno}: {msg}", opts)
+            except (ValueError, RecursionError) as e:
+                out = _line_error(row, f"{where}: malformed JSON: {_one_line(e)}", opts)
+            else:
+                out = parse_row(obj, row=row, where=where, **opts)
+        out.digest = digest
+        yield out
         row += 1
 
 
 def _line_error(row: int, error: str, opts: dict) -> RowError:
-    return RowError(row, str(row), error, {c: None for c in opts["keep_columns"]})
+    return RowError(row, row, error, {c: None for c in opts["keep_columns"]})
+
+
+def _read_block(f: BinaryIO) -> tuple[list[bytes], bool]:
+    """The first block of lines; and whether its last line was cut at the byte budget."""
+    lines: list[bytes] = []
+    used = nonblank = 0
+    while nonblank < BLOCK_LINES and used < BLOCK_BYTES:
+        budget = BLOCK_BYTES - used
+        line = f.readline(budget)
+        if not line:
+            break
+        lines.append(line)
+        used += len(line)
+        nonblank += bool(line.strip())
+        if len(line) == budget and not line.endswith(b"\n"):
+            return lines, True
+    return lines, False
+
+
+def _field_list(keys: Iterable[object]) -> str:
+    names = []
+    for k in keys:
+        text = str(k)
+        names.append(text if text.isprintable() and text.isascii() else json.dumps(text, ensure_ascii=True))
+    if not names:
+        return "none"
+    shown = ", ".join(names[:40])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
+
+
+def _check_block(name: str, lines: list[bytes], cut: bool, opts: dict) -> None:
+    """An input that is not JSONL at all, or names columns that no row of the first block has,
+    is an InputError rather than one error row per line."""
+    head = lines[0] if lines else b""
+    if head.startswith(_BOM):
+        head = head[len(_BOM) :]
+    for magic, what in _MAGIC:
+        if head.startswith(magic):
+            raise InputError(f"{name}: looks like {what}, not JSONL")
+    keys: dict = {}
+    objects = nonblank = 0
+    partial = False  # the cut last line may be an object whose keys we did not see
+    for i, line in enumerate(lines):
+        if i == 0 and line.startswith(_BOM):
+            line = line[len(_BOM) :]
+        text = line.strip()
+        if not text:
+            continue
+        nonblank += 1
+        if cut and i == len(lines) - 1:
+            partial = text.startswith(b"{")
+            continue
+        try:
+            obj = json.loads(text.decode("utf-8"))
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(obj, dict):
+            objects += 1
+            keys.update(dict.fromkeys(obj))
+    if not nonblank or partial:
+        return
+    if not objects:
+        lines_word = "line is" if nonblank == 1 else f"{nonblank} non-blank lines is"
+        raise InputError(f"{name}: does not look like JSONL: not one of its first {lines_word} a JSON object")
+    rows = f"{objects} row" + ("s" if objects > 1 else "")
+    seen = _field_list(keys)
+    forms = (opts["prompt_column"], "messages", "prompt_token_ids", "body")
+    if not any(f in keys for f in forms):
+        raise InputError(
+            f"{name}: no '{opts['prompt_column']}', 'messages', 'prompt_token_ids' or 'body' field "
+            f"in the first {rows} (fields: {seen})"
+        )
+    if opts["id_column"] is not None and opts["id_column"] not in keys:
+        raise InputError(f"{name}: id column '{opts['id_column']}' is not in the first {rows} (fields: {seen})")
+    for c in opts["keep_columns"]:
+        if c not in keys:
+            raise InputError(f"{name}: keep column '{c}' is not in the first {rows} (fields: {seen})")
 
 
 def _open_jsonl_file(path: str, opts: dict) -> RowSource:
     try:
         with open(path, "rb") as f:
+            lines, cut = _read_block(f)
+            _check_block(path, lines, cut, opts)
+            f.seek(0)
             total = count_nonblank_lines(f)
     except FileNotFoundError:
         raise InputError(f"{path}: cannot read JSONL: no such file") from None
@@ -107,6 +219,7 @@ def _open_jsonl_file(path: str, opts: dict) -> RowSource:
         raise InputError(f"{path}: cannot read JSONL: is a directory") from None
     except OSError as e:
         raise InputError(f"{path}: cannot read JSONL: {e.strerror or _one_line(e)}") from None
+    name = _display(path)
 
     def rows() -> Iterator[Row]:
         try:
@@ -114,18 +227,33 @@ def _open_jsonl_file(path: str, opts: dict) -> RowSource:
         except OSError as e:
             raise InputError(f"{path}: cannot read JSONL: {e.strerror or _one_line(e)}") from None
         with f:
-            yield from _jsonl_rows(f, path, opts)
+            yield from _jsonl_rows(f, name, opts)
 
     return RowSource(path, total, rows)
 
 
+def _stdin_lines(stream: BinaryIO, opts: dict) -> Iterator[bytes]:
+    """Read the first block into memory, check it, then give it out followed by the rest of the
+    stream: stdin is read once. The check runs on the first iteration, not at open, so a caller
+    may still copy stdin elsewhere instead of iterating this source."""
+    lines, cut = _read_block(stream)
+    _check_block("<stdin>", lines, cut, opts)
+    if cut:
+        yield from lines[:-1]
+        yield lines[-1] + stream.readline()
+    else:
+        yield from lines
+    yield from stream
+
+
 def _open_stdin(opts: dict) -> RowSource:
     stream = sys.stdin.buffer
-    return RowSource("-", None, lambda: _jsonl_rows(stream, "<stdin>", opts))
+    return RowSource("-", None, lambda: _jsonl_rows(_stdin_lines(stream, opts), "<stdin>", opts))
 
 
 def _parquet_columns(names: list[str], opts: dict) -> list[str]:
-    wanted = [opts["prompt_column"], "messages", "prompt_token_ids", "body", "url", *OVERRIDE_KEYS]
+    wanted = [opts["prompt_column"], "messages", "prompt_token_ids", "body", "method", "url", *OVERRIDE_KEYS]
+    wanted += list(UNSUPPORTED_FIELDS)
     wanted += [opts["id_column"]] if opts["id_column"] is not None else ["id", "custom_id"]
     wanted += list(opts["keep_columns"])
     present = set(names)
@@ -154,6 +282,7 @@ def _open_parquet(path: str, opts: dict) -> RowSource:
             f"(columns: {cols})"
         )
     columns = _parquet_columns(names, opts)
+    name = _display(path)
 
     def rows() -> Iterator[Row]:
         row = 0
@@ -167,10 +296,21 @@ def _open_parquet(path: str, opts: dict) -> RowSource:
             except (OSError, pa.ArrowException, ValueError) as e:
                 raise InputError(f"{path}: cannot read Parquet: {_one_line(e)}") from None
             for obj in records:
-                yield parse_row(obj, row=row, where=f"{path} row {row}", **opts)
+                out = parse_row(obj, row=row, where=f"{name} row {row}", **opts)
+                out.digest = _parquet_digest(obj)
+                yield out
                 row += 1
 
     return RowSource(path, total, rows)
+
+
+def _parquet_digest(obj: dict) -> bytes:
+    """Over the row's read columns, as canonical JSON (repr for what JSON cannot hold)."""
+    try:
+        text = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=repr)
+    except (TypeError, ValueError):
+        text = repr(sorted(obj.items(), key=lambda kv: str(kv[0])))
+    return _digest(text.encode("utf-8", "surrogatepass"))
 
 
 def open_rows(
