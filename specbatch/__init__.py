@@ -2,26 +2,29 @@
 
 Library use (what the CLI wraps):
 
-    from specbatch import load_recipe, run_job
-    summary = run_job("data.jsonl", load_recipe("vanilla"), output="out.parquet")
+    from specbatch import LLM
+    llm = LLM(recipe="eagle3_topk1")          # the embedded demo model and its EAGLE3 head
+    for c in llm.generate(["def add(a, b):", "import os"], {"max_tokens": 16}):
+        print(c.index, repr(c.text), c.finish_reason, c.spec["accept_length"])
 
-or, record by record:
+A whole file, resumable, as `specbatch run` does it:
 
-    from specbatch import Engine, EngineOptions, open_rows
-    engine = Engine(model_dir, EngineOptions(batch_size=8))
-    for record in engine.generate(open_rows("data.jsonl")):
-        ...
+    from specbatch import JobOptions, load_recipe, run_job
+    summary = run_job("examples/prompts.jsonl", load_recipe("eagle3_topk1"),
+                      JobOptions(output="completions.jsonl"))
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
 _LAZY = {
+    "LLM": ".llm", "Completion": ".llm",
     "Engine": ".engine", "EngineOptions": ".engine",
-    "load_recipe": ".recipe", "Recipe": ".recipe", "RecipeError": ".recipe",
+    "load_recipe": ".recipe", "Recipe": ".recipe", "RecipeError": ".recipe", "SamplingDefaults": ".recipe",
     "open_rows": ".data", "OutputWriter": ".data",
-    "run_job": ".job", "JobOptions": ".job",
+    "run_job": ".job", "JobOptions": ".job", "JobError": ".job",
 }
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):

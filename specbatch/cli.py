@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,13 +27,55 @@ def _fail(message: str, code: int = EXIT_USAGE) -> None:
     raise typer.Exit(code)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"specbatch {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Offline batch generation with speculative decoding."""
+
+
+# Recipe keys set from `run` flags: errors in their values name the flag, not the key.
+_FLAGS = {"model": "--model", "draft": "--draft", "batch_size": "--batch-size", "max_tokens": "--max-tokens",
+          "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
+          "stop": "--stop", "ignore_eos": "--ignore-eos", "dtype": "--dtype", "max_model_len": "--max-model-len"}
+
+
+class Terminated(BaseException):
+    """SIGTERM (what schedulers send): handled like Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)     # once: the commit that follows must not be cut
+    raise Terminated()
+
+
+def _check_stats_path(path: str) -> None:
+    """--stats-json is written after the job: a path that cannot be written fails now, not then."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        _fail(f"--stats-json {path}: is a directory")
+    if not os.path.isdir(parent):
+        _fail(f"--stats-json {path}: no such directory {parent}")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        _fail(f"--stats-json {path}: not writable")
+
+
 @app.command()
 def run(
     input: str = typer.Argument(..., help="Input rows: a .jsonl or .parquet file, or - for JSONL on stdin."),
     recipe: str = typer.Option("vanilla", "--recipe", "-r", help="Builtin recipe name or a recipe .yaml path."),
     model: Optional[str] = typer.Option(None, help="HF model directory (default: the recipe's model)."),
     draft: Optional[str] = typer.Option(None, help="Draft directory: an EAGLE3 head, or an exported MTP layer (nextn_mtp reads the one inside --model without it)."),
-    output: Optional[str] = typer.Option(None, "--output", "-o", help="Output .parquet or .jsonl (default: <input>.completions.parquet)."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="Output .parquet or .jsonl, or - for JSONL on stdout (default: <input>.completions.parquet)."),
     batch_size: Optional[int] = typer.Option(None, help="Scheduler slots (sequences decoded together)."),
     max_tokens: Optional[int] = typer.Option(None, help="Default completion length limit."),
     temperature: Optional[float] = typer.Option(None, help="Default temperature (0 = greedy)."),
@@ -43,38 +87,49 @@ def run(
     dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 | float16."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     max_model_len: Optional[int] = typer.Option(None, help="Context per slot, prompt + completion (default: model and memory limit)."),
-    limit: Optional[int] = typer.Option(None, help="Only the first N input rows."),
+    limit: Optional[int] = typer.Option(None, min=0, help="Only the first N input rows."),
     prompt_column: str = typer.Option("prompt", help="Column holding the text prompt."),
     id_column: Optional[str] = typer.Option(None, help="Column holding the row id (default: id, then custom_id, then the row number)."),
     keep_columns: Optional[str] = typer.Option(None, help="Comma-separated input columns copied to the output."),
     save_token_ids: bool = typer.Option(False, "--save-token-ids", help="Add output_token_ids to each output row."),
-    bucket: int = typer.Option(0, help="Length-bucketing window: admit similar prompt lengths together (0 = FIFO)."),
+    bucket: int = typer.Option(0, min=0, help="Length-bucketing window: admit similar prompt lengths together (0 = FIFO)."),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs: run every cycle eagerly (the reference path)."),
     stats_json: Optional[str] = typer.Option(None, help="Also write the run summary as JSON to this path."),
-    fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop at the first bad row (exit 1) after committing finished rows."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Discard an existing output or unfinished parts instead of resuming."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop at the first bad row (exit 1), assembling the rows that finished."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Discard an existing specbatch output or unfinished parts instead of resuming."),
+    progress_every: float = typer.Option(30.0, min=0.1, help="Seconds between progress lines when stderr is not a terminal (a scheduler's log)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Errors only: no progress, no summary."),
 ) -> None:
     """Generate a completion for every row of INPUT. Rerunning the same command resumes."""
+    import signal
+
     from .data import InputError, OutputError
     from .job import JobError, JobOptions, run_job
     from .models.config import ModelError
     from .recipe import RecipeError, load_recipe
 
+    overrides = dict(model=model, draft=draft, batch_size=batch_size, max_tokens=max_tokens,
+                     temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                     stop=list(stop) if stop else None, ignore_eos=ignore_eos, dtype=dtype,
+                     max_model_len=max_model_len)
     try:
-        rec = load_recipe(recipe).with_overrides(
-            model=model, draft=draft, batch_size=batch_size, max_tokens=max_tokens,
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=list(stop) if stop else None, ignore_eos=ignore_eos, dtype=dtype,
-            max_model_len=max_model_len)
+        rec = load_recipe(recipe)
     except RecipeError as e:
         _fail(str(e))
+    try:
+        rec = rec.with_overrides(**overrides)
+    except RecipeError as e:
+        key = (e.key or "").removeprefix("sampling.").split("[")[0]
+        _fail(f"{_FLAGS[key]}: {e.detail}" if overrides.get(key) is not None else str(e))
+    if stats_json:
+        _check_stats_path(stats_json)
     opts = JobOptions(
         output=output, limit=limit, prompt_column=prompt_column, id_column=id_column,
         keep_columns=[c.strip() for c in keep_columns.split(",") if c.strip()] if keep_columns else (),
         save_token_ids=save_token_ids, fail_fast=fail_fast, overwrite=overwrite, device=device,
         bucket_window=bucket, eager=eager)
-    view = _ProgressView(enabled=not quiet)
+    view = _ProgressView(quiet=quiet, every=progress_every)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         with view:
             summary = run_job(input, rec, opts, progress=view.update)
@@ -82,11 +137,25 @@ def run(
         _fail(str(e), EXIT_FAILED if fail_fast else EXIT_USAGE)
     except (InputError, OutputError, ModelError, RecipeError, ValueError) as e:
         _fail(str(e))
+    except OSError as e:
+        _fail(f"{e.filename or 'specbatch'}: {e.strerror or e}")
     except KeyboardInterrupt:
-        _fail("interrupted; finished rows are committed, rerun the same command to resume", 130)
-    _print_summary(summary)
+        _fail(f"interrupted; {view.done} finished rows are committed, rerun the same command to resume", 130)
+    except Terminated:
+        _fail(f"terminated (SIGTERM); {view.done} finished rows are committed, rerun the same command to resume", 143)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if not quiet:
+        _print_summary(summary)
     if stats_json:
-        Path(stats_json).write_text(json.dumps(summary, indent=2) + "\n")
+        try:
+            with open(stats_json, "w", encoding="utf-8") as f:
+                f.write(json.dumps(summary, indent=2) + "\n")
+        except OSError as e:
+            _fail(f"--stats-json {stats_json}: {e.strerror or e} (the job itself finished: {summary['output']})")
+    if summary.get("requests") and summary["errors"] == summary["requests"]:
+        _fail(f"every row failed ({summary['errors']} rows); see the error column of {summary['output']}",
+              EXIT_FAILED)
 
 
 @app.command()
@@ -225,14 +294,23 @@ def train(
 
 
 class _ProgressView:
-    """A rich progress bar on stderr: rows done/total, output tokens/s, mean accept length."""
+    """Progress on stderr: a rich bar on a terminal; plain lines every `every` seconds otherwise
+    (a scheduler's log); nothing with --quiet."""
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and err.is_terminal
+    def __init__(self, quiet: bool, every: float):
+        self.quiet = quiet
+        self.every = every
+        self.bar = not quiet and err.is_terminal
         self.progress: Progress | None = None
         self.task = None
+        self.total: int | None = None
+        self.done = 0
+        self.errors = 0
+        self.tokens = 0
         self.completion_tokens = 0
         self.verify_steps = 0
+        self.started = time.perf_counter()
+        self.last_line = self.started
 
     def __enter__(self) -> "_ProgressView":
         return self
@@ -241,11 +319,20 @@ class _ProgressView:
         if self.progress is not None:
             self.progress.stop()
 
+    def _say(self, text: str) -> None:
+        err.print(text, highlight=False, markup=False, soft_wrap=True)
+
     def update(self, event: str, info: dict[str, Any]) -> None:
         if event == "start":
+            self.total, self.started = info["total"], time.perf_counter()
+            self.last_line = self.started
+            if self.quiet:
+                return
             if info["resumed"]:
-                err.print(f"resuming: {info['resumed']} rows already committed", highlight=False, markup=False)
-            if not self.enabled:
+                self._say(f"resuming: {info['resumed']} rows already committed")
+            if not self.bar:
+                todo = "?" if self.total is None else f"{self.total:,}"
+                self._say(f"started: {todo} rows on {info['device']} (model loaded in {info['load_s']:.1f} s)")
                 return
             self.progress = Progress(
                 TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
@@ -253,14 +340,38 @@ class _ProgressView:
                 TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False)
             self.progress.start()
             self.task = self.progress.add_task("rows", total=info["total"], rate=0.0, al=0.0)
-        elif event == "record" and self.progress is not None:
-            spec = info["record"].get("spec")
-            if spec:
-                self.completion_tokens += info["record"]["completion_tokens"]
-                self.verify_steps += spec["verify_steps"]
-            elapsed = self.progress.tasks[0].elapsed or 1e-9
-            self.progress.update(self.task, advance=1, rate=info["tokens"] / elapsed,
-                                 al=self.completion_tokens / max(self.verify_steps, 1))
+        elif event == "record":
+            rec = info["record"]
+            self.done += 1
+            self.errors = info.get("errors", self.errors)
+            self.tokens = info["tokens"]
+            if rec.get("spec"):
+                self.completion_tokens += rec["completion_tokens"]
+                self.verify_steps += rec["spec"]["verify_steps"]
+            now = time.perf_counter()
+            rate = self.tokens / max(now - self.started, 1e-9)
+            al = self.completion_tokens / max(self.verify_steps, 1)
+            if self.progress is not None:
+                self.progress.update(self.task, advance=1, rate=rate, al=al)
+            elif not self.quiet and not self.bar and now - self.last_line >= self.every:
+                self.last_line = now
+                self._say(self.line(now, rate, al))
+
+    def line(self, now: float, rate: float, al: float) -> str:
+        elapsed = now - self.started
+        if self.total:
+            share = f"{self.done:,}/{self.total:,} rows ({100 * self.done / self.total:.1f}%)"
+            left = (self.total - self.done) * elapsed / max(self.done, 1)
+            eta = f"ETA {_hms(left)}"
+        else:
+            share, eta = f"{self.done:,} rows", "ETA ?"
+        return (f"progress: {share}, {rate:,.0f} tok/s, {self.errors:,} errors, accept {al:.2f}, "
+                f"elapsed {_hms(elapsed)}, {eta}")
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -274,10 +385,11 @@ def _print_summary(s: dict[str, Any]) -> None:
         ("draft", s["draft"] or "-"), ("device", s["device"]),
         ("requests", f"{s['requests']} ({s['resumed']} resumed from an earlier run)" if s["resumed"] else s["requests"]),
         ("errors", s["errors"]), ("prompt tokens", s["prompt_tokens"]), ("completion tokens", s["completion_tokens"]),
-        ("output tokens/s", f"{s['output_tokens_per_s']:.1f}"), ("mean accept length", f"{s['mean_accept_length']:.3f}"),
+        ("output tokens/s", f"{s['output_tokens_per_s']:.1f} while generating ({s['job_output_tokens_per_s']:.1f} over the whole job)"),
+        ("mean accept length", f"{s['mean_accept_length']:.3f}"),
         ("acceptance per draft position", " ".join(f"{r:.2f}" for r in s["acceptance_per_position"]) or "-"),
         ("tokens per target forward", f"{s['tokens_per_target_forward']:.2f} ({s['target_forwards']} batched forwards)"),
-        ("wall time", f"{s['wall_s']:.1f} s"), ("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB"),
+        ("wall time", f"{s['wall_s']:.1f} s (model load {s['load_s']:.1f} s, generation {s['generate_s']:.1f} s)"), ("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB"),
         ("CUDA graphs", f"captured in {s['capture_s']:.2f} s" if s.get("graphs") else "off (eager)"),
     ]
     for k, v in rows:

@@ -79,9 +79,19 @@ class Batch:
 def resolve_device(name: str | None) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    import re
+
+    shown = name if name.isprintable() and name.strip() == name and name else repr(name)
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", name):
+        raise ValueError(f"--device {shown}: expected cpu, cuda or cuda:N")
     dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available (use --device cpu)")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {shown}: no CUDA device is available (use --device cpu)")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"--device {shown}: this machine has {count} CUDA device"
+                             f"{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})")
     return dev
 
 
@@ -150,17 +160,29 @@ class Engine:
         """A Request ready to schedule, or an error record for a row that cannot run."""
         if isinstance(item, RowError):
             return error_record(item.row, item.id, item.error, item.keep)
+        # Whatever goes wrong with one row is that row's error record, never the job's end.
+        where = item.where or f"row {item.row}"
         try:
-            ids = encode_row(self.tokenizer, item, self.cfg.vocab_size)
+            ids = encode_row(self.tokenizer, item, self.cfg.vocab_size, max_tokens_allowed=self.max_len)
         except PromptError as e:
             return error_record(item.row, item.id, str(e), item.keep)
-        where = item.where or f"row {item.row}"
+        except Exception as e:
+            from .prompts import exception_line
+
+            return error_record(item.row, item.id, f"{where}: cannot tokenize the prompt ({exception_line(e)})",
+                                item.keep)
         if len(ids) >= self.max_len:
             return error_record(item.row, item.id,
                                 f"{where}: prompt has {len(ids)} tokens but the context per slot is "
                                 f"{self.max_len} (set --max-model-len or lower --batch-size)",
                                 item.keep, prompt_tokens=len(ids))
-        params = _params(defaults, item.overrides, item.row)
+        try:
+            params = _params(defaults, item.overrides, item.row)
+        except Exception as e:
+            from .prompts import exception_line
+
+            return error_record(item.row, item.id, f"{where}: invalid sampling parameters ({exception_line(e)})",
+                                item.keep, prompt_tokens=len(ids))
         return Request(row=item.row, id=item.id, prompt_ids=ids, params=params,
                        max_new=min(params.max_tokens, self.max_len - len(ids)), keep=item.keep)
 
@@ -378,11 +400,17 @@ def _params(d: SamplingDefaults, o: dict[str, Any], row: int) -> SamplingParams:
         # From the run seed (--seed, default 0) and the row: reruns and resumes draw the same tokens.
         run_seed = d.seed or 0
         seed = ((run_seed * 0x9E3779B97F4A7C15) ^ (row * 0xBF58476D1CE4E5B9)) % (1 << 64)
+    temperature = float(o.get("temperature", d.temperature))
+    if temperature < 1e-5:
+        # Greedy, as vLLM does below its _SAMPLING_EPS: dividing logits by a tiny temperature
+        # overflows (1e-40 emitted only EOS) or acts greedy anyway. Every temperature (row
+        # overrides, recipe, CLI) passes here.
+        temperature = 0.0
     return SamplingParams(
         max_tokens=o.get("max_tokens", d.max_tokens),
-        temperature=float(o.get("temperature", d.temperature)),
+        temperature=temperature,
         top_p=float(o.get("top_p", d.top_p)),
-        top_k=int(o.get("top_k", d.top_k)),
+        top_k=min(int(o.get("top_k", d.top_k)), 2**31 - 1),   # >= the vocabulary: no filter either way
         seed=int(seed),
         stop=tuple(o.get("stop", d.stop)),
         stop_token_ids=tuple(o.get("stop_token_ids", d.stop_token_ids)),

@@ -1,28 +1,29 @@
-"""A whole batch job: input file -> engine -> resumable output file, with run statistics."""
+"""A whole batch job: input file -> LLM -> resumable output file, with run statistics."""
 from __future__ import annotations
 
 import itertools
 import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from .data import OutputWriter, open_rows
-from .engine import Engine, EngineOptions
+from .data import InputChanged, OutputWriter, StdoutWriter, check_input, open_rows
+from .data.reader import Row
 from .recipe import Recipe
-from .spec.factory import AVAILABLE, SpecConfig
+from .resolve import DEMO_DIR, JobError, describe_draft, resolve_draft, resolve_model, spec_config
 from .stats import RunStats
 
-DEMO_DIR = Path(__file__).parent / "assets" / "demo"
-
-
-class JobError(Exception):
-    """A job that must stop with a non-zero exit; the message is one actionable line."""
+__all__ = ["DEMO_DIR", "JobError", "JobOptions", "describe_draft", "fingerprint", "resolve_draft",
+           "resolve_model", "run_job", "spec_config"]
 
 
 @dataclass
 class JobOptions:
-    output: str | None = None            # default: next to the input, <stem>.completions.parquet
+    output: str | None = None            # default: next to the input, <stem>.completions.parquet; "-": stdout
     limit: int | None = None             # only the first N input rows
     prompt_column: str = "prompt"
     id_column: str | None = None
@@ -35,71 +36,50 @@ class JobOptions:
     eager: bool = False                  # no CUDA graphs (the reference path)
 
 
-def resolve_model(name: str) -> Path:
-    """A model directory, or `default`: the demo model shipped inside the package."""
-    if name == "default":
-        path = DEMO_DIR / "target"
-        if not (path / "config.json").is_file():
-            raise JobError(f"the embedded demo model is missing from {path} (reinstall specbatch)")
-        return path
-    return Path(name).expanduser()
-
-
-def resolve_draft(recipe: Recipe) -> str | None:
-    """The draft directory a recipe uses; `default` = the one shipped with the demo model. For
-    nextn_mtp on another model, None: the MTP layer inside the target's own checkpoint."""
-    if recipe.algorithm == "vanilla":
-        if recipe.draft is not None:
-            raise JobError(f"--draft {recipe.draft}: recipe {recipe.name!r} (vanilla) uses no draft model")
-        return None
-    if recipe.draft not in (None, "default"):
-        return str(Path(recipe.draft).expanduser())
-    if recipe.model != "default":
-        if recipe.drafter == "nextn_mtp":
-            return None
-        raise JobError(f"recipe {recipe.name!r} with --model {recipe.model}: pass --draft DIR, a "
-                       f"{recipe.drafter} draft for that model (the embedded one fits the demo model only)")
-    path = DEMO_DIR / recipe.drafter
-    if not (path / "config.json").is_file():
-        raise JobError(f"recipe {recipe.name!r}: no embedded {recipe.drafter} draft is bundled in this "
-                       f"version ({path}); pass --model DIR --draft DIR")
-    return str(path)
-
-
-def describe_draft(recipe: Recipe, draft: str | None) -> str | None:
-    """The draft for summaries: its directory, where the MTP layer is read from, or None."""
-    if draft is None and recipe.drafter == "nextn_mtp":
-        return "the MTP layer inside the target checkpoint"
-    return draft
-
-
-def spec_config(recipe: Recipe) -> SpecConfig:
-    return SpecConfig(algorithm=recipe.algorithm, num_steps=recipe.num_steps, topk=recipe.topk,
-                      num_draft_tokens=recipe.num_draft_tokens, draft=resolve_draft(recipe),
-                      drafter=recipe.drafter)
-
-
 def default_output(input_path: str) -> str:
     if input_path == "-":
         return "completions.parquet"
-    p = Path(input_path)
-    return str(p.with_name(p.name.rsplit(".", 1)[0] + ".completions.parquet"))
+    base = os.path.basename(input_path.rstrip("/")) or "input"
+    return os.path.join(os.path.dirname(input_path), base.rsplit(".", 1)[0] + ".completions.parquet")
 
 
-def fingerprint(input_path: str, recipe: Recipe, model: Path, draft: str | None,
-                opts: JobOptions) -> dict[str, Any]:
+def fingerprint(recipe: Recipe, model: Any, draft: str | None, opts: JobOptions) -> dict[str, Any]:
     """What must match for a rerun to resume an earlier one's output (batch size, device and
-    --limit may change between runs; anything that changes the rows' content may not)."""
+    --limit may change between runs; anything that changes the rows' content may not). The input
+    itself is checked row by row (data/digests.py), not by its path."""
     r = recipe.to_dict()
     return {
-        "input": input_path if input_path == "-" else os.path.abspath(input_path),
         "recipe": r["name"], "algorithm": r["algorithm"], "num_steps": r["num_steps"],
         "topk": r["topk"], "num_draft_tokens": r["num_draft_tokens"],
-        "model": str(model.resolve()), "draft": draft and str(Path(draft).resolve()), "dtype": r["dtype"],
+        "model": str(model.resolve()), "draft": draft and os.path.realpath(draft), "dtype": r["dtype"],
         "max_model_len": r["max_model_len"], "sampling": r["sampling"],
         "prompt_column": opts.prompt_column, "id_column": opts.id_column,
         "keep_columns": list(opts.keep_columns), "save_token_ids": opts.save_token_ids,
     }
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _check_paths(input_path: str, output: str) -> None:
+    if output == "-" or input_path == "-":
+        return
+    for p in (output, output + ".parts", output + ".manifest.json", output + ".lock"):
+        if _same_file(input_path, p):
+            raise JobError(f"--output {output}: that is the input file {input_path}; choose another --output")
+
+
+def _spool_stdin(output: str) -> str:
+    """A resume from stdin re-reads rows it must check: keep them in a file beside the output."""
+    fd, path = tempfile.mkstemp(prefix=os.path.basename(output) + ".stdin-", suffix=".jsonl",
+                                dir=os.path.dirname(os.path.abspath(output)))
+    with os.fdopen(fd, "wb") as f:
+        shutil.copyfileobj(sys.stdin.buffer, f, 1 << 20)
+    return path
 
 
 Progress = Callable[[str, dict[str, Any]], None]
@@ -114,54 +94,93 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     """
     opts = opts or JobOptions()
     notify = progress or (lambda event, info: None)
-    if recipe.algorithm not in AVAILABLE:
-        raise JobError(f"{recipe.source}: algorithm {recipe.algorithm!r} is not available in this "
-                       f"version yet (available: {', '.join(AVAILABLE)})")
+    stats = RunStats()
     spec = spec_config(recipe)
     model_dir = resolve_model(recipe.model)
+    output = opts.output or default_output(input_path)
+    _check_paths(input_path, output)
     source = open_rows(input_path, prompt_column=opts.prompt_column, id_column=opts.id_column,
                        keep_columns=opts.keep_columns)
-    output = opts.output or default_output(input_path)
-    writer = OutputWriter(output, fingerprint=fingerprint(input_path, recipe, model_dir, spec.draft, opts),
-                          save_token_ids=opts.save_token_ids, keep_columns=opts.keep_columns,
-                          overwrite=opts.overwrite)
-    stats = RunStats()
-    total = source.total
-    if total is not None and opts.limit is not None:
-        total = min(total, opts.limit)
-    if writer.complete:
-        if total is None or all(r in writer.done_rows for r in range(total)):
-            return stats.summary(output=output, complete_before=True, resumed=len(writer.done_rows))
-        writer.reopen()      # finished by an earlier run with a smaller --limit: add the rest
+    if output == "-":
+        writer: OutputWriter | StdoutWriter = StdoutWriter(save_token_ids=opts.save_token_ids,
+                                                           keep_columns=opts.keep_columns)
+    else:
+        writer = OutputWriter(output, fingerprint=fingerprint(recipe, model_dir, spec.draft, opts),
+                              save_token_ids=opts.save_token_ids, keep_columns=opts.keep_columns,
+                              overwrite=opts.overwrite)
+    spooled = None
+    try:
+        if len(writer.done_rows):
+            if input_path == "-":
+                spooled = _spool_stdin(output)
+                source = open_rows(spooled, prompt_column=opts.prompt_column, id_column=opts.id_column,
+                                   keep_columns=opts.keep_columns)
+            try:
+                digests, pending = check_input(iter(source), writer.expected(), limit=opts.limit,
+                                               input_name="<stdin>" if input_path == "-" else input_path,
+                                               output=output)
+            except InputChanged as e:
+                raise JobError(str(e)) from None
+            if writer.complete:
+                if not pending:
+                    return stats.summary(output=output, complete_before=True, resumed=len(writer.done_rows))
+                writer.reopen(digests)       # finished before with a smaller --limit, or new rows: add them
+        return _generate(source, writer, recipe, opts, output, stats, notify)
+    finally:
+        writer.close()
+        if spooled:
+            os.remove(spooled)
 
-    engine = Engine(model_dir, EngineOptions(
-        batch_size=recipe.batch_size, max_model_len=recipe.max_model_len, dtype=recipe.dtype,
-        device=opts.device, bucket_window=opts.bucket_window, spec=spec, graphs=not opts.eager))
-    rows = iter(source)
-    if opts.limit is not None:
-        rows = itertools.takewhile(lambda r: r.row < opts.limit, rows)
+
+def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, opts: JobOptions,
+              output: str, stats: RunStats, notify: Progress) -> dict[str, Any]:
+    from .llm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(recipe=recipe, device=opts.device, eager=opts.eager, bucket=opts.bucket_window)
+    engine = llm.engine
+    stats.start_generation(time.perf_counter() - t0)
     done = writer.done_rows
-    todo = (r for r in rows if r.row not in done)
-    resumed = len(done) if opts.limit is None else sum(1 for r in done if r < opts.limit)
+    limit = opts.limit
+    total = source.total if limit is None or source.total is None else min(source.total, limit)
+    resumed = len(done) if limit is None else done.count_below(limit)
+    digests: dict[int, bytes] = {}
+
+    def todo() -> Iterator[Row]:
+        rows = iter(source)
+        if limit is not None:
+            rows = itertools.takewhile(lambda r: r.row < limit, rows)
+        for r in rows:
+            if r.row not in done:
+                digests[r.row] = getattr(r, "digest", b"")
+                yield r
+
     notify("start", {"total": None if total is None else total - resumed, "resumed": resumed,
                      "device": str(engine.device), "max_model_len": engine.max_len,
-                     "model": str(model_dir), "capture_s": engine.capture_seconds})
+                     "model": str(llm.model_dir), "capture_s": engine.capture_seconds,
+                     "load_s": stats.load_s})
     try:
-        for rec in engine.generate(todo, recipe.sampling):
+        for rec in llm.stream(todo()):
             if opts.fail_fast and rec["error"]:
+                digests.pop(rec["row"], None)
                 raise JobError(rec["error"])
             if not opts.save_token_ids:
                 rec.pop("output_token_ids", None)
-            writer.add(rec)
+            writer.add(rec, digests.pop(rec["row"], b""))
             stats.add(rec)
-            notify("record", {"record": rec, "tokens": engine.tokens_emitted})
-    except BaseException:
-        writer.commit()      # what finished is kept; a rerun resumes after it
+            notify("record", {"record": rec, "tokens": engine.tokens_emitted, "errors": stats.errors})
+    except BaseException as e:
+        try:
+            writer.commit()      # what finished is kept; a rerun resumes after it
+            if opts.fail_fast and isinstance(e, JobError):
+                writer.finalize()        # --fail-fast: what finished is assembled into the output
+        except Exception as failed:  # noqa: BLE001 - the first error is the one to report
+            print(f"warning: could not commit the finished rows: {failed}", file=sys.stderr)
         raise
     rows_written = writer.finalize()
     return stats.summary(engine.device, output=output, rows_in_output=rows_written, resumed=resumed,
                          device=str(engine.device), max_model_len=engine.max_len,
-                         recipe=recipe.name, model=str(model_dir), draft=describe_draft(recipe, spec.draft),
+                         recipe=recipe.name, model=str(llm.model_dir), draft=llm.draft,
                          target_forwards=engine.target_forwards,
                          graphs=engine.graphs is not None, capture_s=engine.capture_seconds,
                          tokens_per_target_forward=engine.tokens_emitted / max(engine.target_forwards, 1))

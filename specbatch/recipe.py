@@ -18,7 +18,12 @@ BUILTIN_PREFIX = "<builtin>"
 
 
 class RecipeError(Exception):
-    """A recipe cannot be found, parsed or validated; the message is one line naming file and key."""
+    """A recipe cannot be found, parsed or validated; the message is one line naming file and key.
+    `key` / `detail`: the offending key and what was wrong with it, where there is one."""
+
+    def __init__(self, message: str, key: str | None = None, detail: str | None = None):
+        super().__init__(message)
+        self.key, self.detail = key, detail or message
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,7 @@ def _sampling_to_dict(s: SamplingDefaults) -> dict[str, Any]:
 
 
 def _fail(source: str, key: str, message: str) -> None:
-    raise RecipeError(f"{source}: {key}: {message}")
+    raise RecipeError(f"{source}: {key}: {message}", key=key, detail=message)
 
 
 def _describe(value: Any) -> str:

@@ -40,6 +40,12 @@ class RunStats:
     accepted_tokens: int = 0
     histogram: list[int] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
+    generation_started: float | None = None     # after the model loaded
+    load_s: float = 0.0
+
+    def start_generation(self, load_s: float) -> None:
+        self.load_s = load_s
+        self.generation_started = time.perf_counter()
 
     def add(self, rec: dict[str, Any]) -> None:
         self.requests += 1
@@ -75,12 +81,15 @@ class RunStats:
 
     def summary(self, mem_device: torch.device | None = None, **extra: Any) -> dict[str, Any]:
         wall = self.wall_s
+        gen = time.perf_counter() - self.generation_started if self.generation_started else 0.0
         return {
             "requests": self.requests,
             "errors": self.errors,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "output_tokens_per_s": self.completion_tokens / wall if wall > 0 else 0.0,
+            # generation only (model load excluded); the job's own rate is completion_tokens / wall_s
+            "output_tokens_per_s": self.completion_tokens / gen if gen > 0 else 0.0,
+            "job_output_tokens_per_s": self.completion_tokens / wall if wall > 0 else 0.0,
             "verify_steps": self.verify_steps,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
@@ -89,6 +98,8 @@ class RunStats:
             "draft_acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
             "acceptance_per_position": self.acceptance_per_position(),
             "wall_s": wall,
+            "load_s": self.load_s,
+            "generate_s": gen,
             "peak_memory_bytes": peak_memory(mem_device),
             **extra,
         }

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -9,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from specbatch.data import OutputError, OutputWriter, output_schema
+from specbatch.data import merge as merge_mod
 from specbatch.data import writer as writer_mod
 
 FP = {"input": "in.jsonl", "recipe": "vanilla", "model": "m", "sampling": {"temperature": 0.0}}
@@ -33,8 +35,15 @@ def rec(row, **extra):
 
 
 def parts(path):
+    """Part names without their writer token, in commit order."""
     d = str(path) + ".parts"
-    return sorted(n for n in os.listdir(d) if n.startswith("part-"))
+    names = [re.sub(r"^part-[0-9a-f]{8}-", "part-", n) for n in os.listdir(d) if n.startswith("part-")]
+    return sorted(names)
+
+
+def part_file(path, index):
+    d = str(path) + ".parts"
+    return os.path.join(d, next(n for n in os.listdir(d) if n.endswith(f"-{index:06d}.parquet")))
 
 
 def read_final(path):
@@ -59,13 +68,15 @@ def test_commit_every_n_rows_and_resume(tmp_path):
     for i in range(7):
         w.add(rec(i))
     assert parts(out) == ["part-000000.parquet", "part-000001.parquet"]
-    assert pq.read_table(tmp_path / "out.parquet.parts" / "part-000000.parquet").column("row").to_pylist() == [0, 1, 2]
+    assert pq.read_table(part_file(out, 0)).column("row").to_pylist() == [0, 1, 2]
     # row 6 is still buffered; a crash now loses it
+    w.close()
     w2 = OutputWriter(str(out), fingerprint=dict(FP), commit_rows=3)
     assert w2.done_rows == {0, 1, 2, 3, 4, 5} and not w2.complete
     w2.add(rec(6))
     w2.commit()
     assert parts(out)[-1] == "part-000002.parquet"
+    w2.close()
     w3 = OutputWriter(str(out), fingerprint=FP)
     assert w3.done_rows == set(range(7))
 
@@ -95,14 +106,15 @@ def test_different_fingerprint_refused(tmp_path):
     out = tmp_path / "out.parquet"
     w = OutputWriter(str(out), fingerprint=FP, commit_rows=1)
     w.add(rec(0))
+    w.close()
     with pytest.raises(OutputError) as ei:
-        OutputWriter(str(out), fingerprint={**FP, "recipe": "eagle3_topk1"})
+        OutputWriter(str(out), fingerprint={**FP, "recipe": "eagle3_topk1", "sampling": {"temperature": 0.5}})
     msg = str(ei.value)
     assert msg == (
-        f"{out}.parts was written by a different job (recipe: 'vanilla' vs 'eagle3_topk1'); "
-        "rerun the same command to resume, or pass --overwrite"
+        f"{out}.parts was written by a different job (recipe: \"vanilla\" -> \"eagle3_topk1\"; "
+        "sampling.temperature: 0.0 -> 0.5); rerun the same command to resume, or pass --overwrite"
     )
-    with pytest.raises(OutputError, match=r"\(extra: <unset> vs 1\)"):
+    with pytest.raises(OutputError, match=r"\(extra: <unset> -> 1\)"):
         OutputWriter(str(out), fingerprint={**FP, "extra": 1})
     with pytest.raises(OutputError, match="save_token_ids"):
         OutputWriter(str(out), fingerprint=FP, save_token_ids=True)
@@ -114,9 +126,10 @@ def test_different_fingerprint_refused(tmp_path):
 
 def test_different_fingerprint_without_parts_is_adopted(tmp_path):
     out = tmp_path / "out.parquet"
-    OutputWriter(str(out), fingerprint=FP)
+    OutputWriter(str(out), fingerprint=FP).close()
     w = OutputWriter(str(out), fingerprint={**FP, "recipe": "x"}, commit_rows=1)
     w.add(rec(0))
+    w.close()
     assert OutputWriter(str(out), fingerprint={**FP, "recipe": "x"}).done_rows == {0}
 
 
@@ -124,14 +137,17 @@ def test_overwrite_removes_parts_and_final(tmp_path):
     out = tmp_path / "out.parquet"
     w = OutputWriter(str(out), fingerprint=FP, commit_rows=1)
     w.add(rec(0))
+    w.close()
     w2 = OutputWriter(str(out), fingerprint={**FP, "recipe": "other"}, overwrite=True)
     assert w2.done_rows == set() and parts(out) == []
     w2.add(rec(5))
     assert w2.finalize() == 1
+    w2.close()
     with pytest.raises(OutputError, match="different job"):
         OutputWriter(str(out), fingerprint=FP)            # finished by the "other" job
     w3 = OutputWriter(str(out), fingerprint={**FP, "recipe": "other"})
     assert w3.complete and w3.done_rows == {5}
+    w3.close()
     w4 = OutputWriter(str(out), fingerprint=FP, overwrite=True)
     assert not w4.complete and w4.done_rows == set() and not out.exists()
 
@@ -159,13 +175,14 @@ def test_finalize_sorted_deduplicated(tmp_path, fmt):
         lines = out.read_text(encoding="utf-8").splitlines()
         assert list(json.loads(lines[0])) == STANDARD
         assert "é" in lines[0]  # ensure_ascii=False
+    w.close()
     assert OutputWriter(str(out), fingerprint=FP).complete
 
 
 @pytest.mark.parametrize("chunk_bytes", [1000, 6000])
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_multi_chunk_merge(tmp_path, monkeypatch, fmt, chunk_bytes):
-    monkeypatch.setattr(writer_mod, "MERGE_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(merge_mod, "MERGE_CHUNK_BYTES", chunk_bytes)
     out = tmp_path / f"out.{fmt}"
     w = OutputWriter(str(out), fingerprint=FP, keep_columns=["k"], commit_rows=7)
     rows = [(i * 37) % 101 for i in range(101)] + [50, 0, 100]
@@ -189,7 +206,7 @@ def test_keep_columns_unify_across_parts(tmp_path):
     w.add(rec(2, lang="en", score=0.5, mixed="two"))
     w.add(rec(3, lang=None, score=None, mixed=None))
     w.add(rec(4, score=3))  # lang / mixed missing -> null
-    assert pq.read_schema(tmp_path / "out.parquet.parts" / "part-000000.parquet").field("lang").type == pa.null()
+    assert pq.read_schema(part_file(out, 0)).field("lang").type == pa.null()
     w.finalize()
     t = pq.read_table(out)
     assert t.column_names == STANDARD + ["lang", "score", "mixed"]
@@ -207,9 +224,11 @@ def test_mixed_types_within_one_part(tmp_path):
     w = OutputWriter(str(out), fingerprint=FP, keep_columns=["meta"])
     w.add(rec(0, meta={"a": 1}))
     w.add(rec(1, meta="plain"))
+    w.add(rec(2, meta={"b": [1, {"c": None}]}))
     w.finalize()
-    t = read_final(out)
-    assert t.column("meta").to_pylist() == ['{"a": 1}', "plain"]
+    # JSONL keeps every value exactly: no JSON text, no null keys added to nested objects
+    lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [x["meta"] for x in lines] == [{"a": 1}, "plain", {"b": [1, {"c": None}]}]
 
 
 @pytest.mark.parametrize("save", [False, True])
@@ -250,6 +269,7 @@ def test_complete_detection(tmp_path, fmt):
         w.add(rec(r))
     assert w.finalize() == 3
     assert w.finalize() == 3  # idempotent
+    w.close()
     w2 = OutputWriter(str(out), fingerprint=FP)
     assert w2.complete and w2.done_rows == {0, 1, 2}
     assert w2.finalize() == 3
@@ -258,23 +278,40 @@ def test_complete_detection(tmp_path, fmt):
     assert not os.path.exists(str(out) + ".parts")
 
 
-def test_final_plus_parts_is_resume_not_complete(tmp_path):
-    # crash between placing the final file and removing the parts dir
+def test_foreign_file_beside_our_parts_is_refused(tmp_path):
     out = tmp_path / "out.parquet"
     w = OutputWriter(str(out), fingerprint=FP, commit_rows=1)
     w.add(rec(0))
-    out.write_bytes(b"stale")
-    w2 = OutputWriter(str(out), fingerprint=FP)
-    assert not w2.complete and w2.done_rows == {0}
-    assert w2.finalize() == 1
-    assert pq.read_table(out).column("row").to_pylist() == [0]
+    w.close()
+    out.write_bytes(b"someone else's file")
+    for overwrite in (False, True):
+        with pytest.raises(OutputError, match="not written by specbatch"):
+            OutputWriter(str(out), fingerprint=FP, overwrite=overwrite)
+    assert out.read_bytes() == b"someone else's file" and parts(out) == ["part-000000.parquet"]
 
 
-def test_unreadable_final_file(tmp_path):
-    out = tmp_path / "out.parquet"
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_files_specbatch_did_not_write_are_never_replaced(tmp_path, fmt):
+    out = tmp_path / f"data.{fmt}"
     out.write_bytes(b"garbage")
-    with pytest.raises(OutputError, match="pass --overwrite"):
-        OutputWriter(str(out), fingerprint=FP)
+    for overwrite in (False, True):
+        with pytest.raises(OutputError) as ei:
+            OutputWriter(str(out), fingerprint=FP, overwrite=overwrite)
+        assert "not written by specbatch" in str(ei.value) and "\n" not in str(ei.value)
+    assert out.read_bytes() == b"garbage"
+    folder = tmp_path / f"dataset.{fmt}"
+    folder.mkdir()
+    (folder / "x").write_text("keep me")
+    for overwrite in (False, True):
+        with pytest.raises(OutputError, match="is a directory"):
+            OutputWriter(str(folder), fingerprint=FP, overwrite=overwrite)
+    assert (folder / "x").read_text() == "keep me"
+    stray = tmp_path / f"o.{fmt}"
+    os.mkdir(str(stray) + ".parts")
+    open(str(stray) + ".parts/notes.txt", "w").write("mine")
+    with pytest.raises(OutputError):
+        OutputWriter(str(stray), fingerprint=FP, overwrite=True)
+    assert open(str(stray) + ".parts/notes.txt").read() == "mine"
 
 
 def test_leftover_temp_files_and_corrupt_part(tmp_path, capsys):
@@ -282,14 +319,16 @@ def test_leftover_temp_files_and_corrupt_part(tmp_path, capsys):
     w = OutputWriter(str(out), fingerprint=FP, commit_rows=2)
     for i in range(4):
         w.add(rec(i))
+    w.close()
     d = tmp_path / "out.parquet.parts"
-    (d / "part-000002.parquet.tmp").write_bytes(b"half written")
-    (d / "part-000001.parquet").write_bytes(b"corrupt")
+    (d / "part-00000000-000002.parquet.tmp").write_bytes(b"half written")
+    corrupt = part_file(out, 1)
+    open(corrupt, "wb").write(b"corrupt")
     w2 = OutputWriter(str(out), fingerprint=FP, commit_rows=2)
     assert w2.done_rows == {0, 1}
-    assert not (d / "part-000002.parquet.tmp").exists()
-    assert not (d / "part-000001.parquet").exists()
-    assert "part-000001.parquet" in capsys.readouterr().err
+    assert not (d / "part-00000000-000002.parquet.tmp").exists()
+    assert not os.path.exists(corrupt)
+    assert os.path.basename(corrupt) in capsys.readouterr().err
     w2.add(rec(2))
     w2.add(rec(3))
     assert w2.finalize() == 4
@@ -301,7 +340,8 @@ def test_part_numbering_continues_after_gap(tmp_path):
     w = OutputWriter(str(out), fingerprint=FP, commit_rows=1)
     for i in range(3):
         w.add(rec(i))
-    os.remove(tmp_path / "out.parquet.parts" / "part-000001.parquet")
+    os.remove(part_file(out, 1))
+    w.close()
     w2 = OutputWriter(str(out), fingerprint=FP, commit_rows=1)
     assert w2.done_rows == {0, 2}
     w2.add(rec(1))
@@ -319,6 +359,7 @@ def test_empty_finalize(tmp_path, fmt):
         assert t.num_rows == 0 and t.column_names == STANDARD + ["output_token_ids", "k"]
     else:
         assert out.read_bytes() == b""
+    w.close()
     w2 = OutputWriter(str(out), fingerprint=FP, keep_columns=["k"], save_token_ids=True)
     assert w2.complete and w2.done_rows == set()
 
@@ -374,13 +415,15 @@ def test_reopen_turns_a_finished_output_back_into_parts(tmp_path):
         for i in range(3):
             w.add({**rec(i), "k": f"v{i}"})
         assert w.finalize() == 3
+        w.close()
         w = OutputWriter(out, fingerprint={"job": 1}, keep_columns=("k",))
         assert w.complete and w.done_rows == {0, 1, 2}
-        w.reopen()
+        w.reopen({0: b"a", 1: b"b", 2: b"c"})
         assert not w.complete and os.path.isdir(out + ".parts")
         for i in (3, 4):
             w.add({**rec(i), "k": f"v{i}"})
         assert w.finalize() == 5
+        w.close()
         rows = read_final(out).to_pylist()
         assert [r["row"] for r in rows] == [0, 1, 2, 3, 4] and [r["k"] for r in rows] == [f"v{i}" for i in range(5)]
 
@@ -390,6 +433,7 @@ def test_finished_parquet_remembers_its_job(tmp_path):
     w = OutputWriter(out, fingerprint={"recipe": "vanilla"})
     w.add(rec(0))
     w.finalize()
-    with pytest.raises(OutputError, match=r"different job \(recipe: 'vanilla' vs 'eagle3_topk1'\)"):
+    w.close()
+    with pytest.raises(OutputError, match=r'different job \(recipe: "vanilla" -> "eagle3_topk1"\)'):
         OutputWriter(out, fingerprint={"recipe": "eagle3_topk1"})
     assert OutputWriter(out, fingerprint={"recipe": "vanilla"}).complete

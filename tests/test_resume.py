@@ -90,10 +90,10 @@ def job(tiny_model, tmp_path_factory):
             if i < SHORT:
                 row["max_tokens"] = 1 + i % 3
             f.write(json.dumps(row) + "\n")
-    outs = {name: d / f"{name}.parquet" for name in ("ref", "out", "int")}
+    outs = {name: d / f"{name}.parquet" for name in ("ref", "out", "int", "term")}
     cmds = {name: _cmd(inp, tiny_model, path) for name, path in outs.items()}
     procs = {name: _start(cmd, d) for name, cmd in cmds.items()}
-    stops = {"out": signal.SIGKILL, "int": signal.SIGINT}
+    stops = {"out": signal.SIGKILL, "int": signal.SIGINT, "term": signal.SIGTERM}
     first: dict[str, list[int]] = {}
     try:
         deadline = time.monotonic() + 150
@@ -119,7 +119,8 @@ def job(tiny_model, tmp_path_factory):
                     "tmp_left": [p.name for p in Path(str(outs[name]) + ".parts").glob("*.tmp")]
                     if Path(str(outs[name]) + ".parts").is_dir() else []}
              for name in stops}
-    reruns = {name: _start(cmds[name], d) for name in stops}
+    # not -q: the reruns say what they resumed
+    reruns = {name: _start([a for a in cmds[name] if a != "-q"], d) for name in stops}
     resumed = {name: _finish(p) for name, p in reruns.items()}
     ref = _finish(procs["ref"])
     assert ref.returncode == 0, ref.stderr
@@ -171,10 +172,21 @@ def test_ctrl_c_commits_what_finished_then_resumes(job):
     _check_resumed(job, "int")
 
 
+def test_sigterm_commits_what_finished_then_resumes(job):
+    """What schedulers send: like Ctrl-C, the finished rows are committed and the exit is non-zero."""
+    s = job["stopped"]["term"]
+    assert s["rc"] == 143, s["stderr"]
+    lines = [line for line in s["stderr"].splitlines() if line.strip()]
+    assert len(lines) == 1 and "terminated (SIGTERM)" in lines[0] and "rerun" in lines[0], s["stderr"]
+    assert not s["final_exists"] and not s["tmp_left"]
+    assert s["first"] and set(s["first"]) <= set(s["committed"])
+    _check_resumed(job, "term")
+
+
 def test_rerun_of_a_complete_output_changes_nothing(job):
     out = job["outs"]["out"]
     before = _digest(out)
-    p = _run(job["cmds"]["out"], job["dir"])
+    p = _run([a for a in job["cmds"]["out"] if a != "-q"], job["dir"])
     assert "already complete" in p.stderr and "--overwrite" in p.stderr
     assert _digest(out) == before
     assert not Path(str(out) + ".parts").exists()
@@ -184,7 +196,8 @@ def test_overwrite_redoes_a_complete_output(job):
     out = job["outs"]["int"]
     stats = job["dir"] / "overwrite.stats.json"
     # --limit keeps it quick; without --overwrite this would be "already complete" and keep all N rows
-    p = _run(job["cmds"]["int"] + ["--overwrite", "--limit", "40", "--stats-json", str(stats)], job["dir"])
+    p = _run([a for a in job["cmds"]["int"] if a != "-q"] + ["--overwrite", "--limit", "40", "--stats-json", str(stats)],
+             job["dir"])
     assert "already complete" not in p.stderr
     s = json.loads(stats.read_text())
     assert s["requests"] == 40 and s["resumed"] == 0 and s["rows_in_output"] == 40

@@ -1,54 +1,61 @@
-"""Output: atomic Parquet parts under `<path>.parts/`, resume from them, final sorted merge."""
+"""Output: an exclusive lock, atomic Parquet parts under `<path>.parts/`, resume, final sorted merge.
+
+What is at an output path P decides what a run does (under the lock `P.lock`):
+  nothing                   a new job: `P.parts/` is created with the job's manifest
+  `P.parts/` of ours        a resume: its committed rows are skipped (after data/digests.py has
+                            proved the input still holds them)
+  P finished by specbatch   complete: P carries the manifest (Parquet: in its footer; JSONL: in
+                            the sidecar `P.manifest.json`, with P's size and hash); leftovers of
+                            a clean-up that was cut short are removed
+Anything else at P (a file specbatch did not write, a directory) is refused, and `overwrite`
+removes only what specbatch wrote. Part names carry a per-writer token, so writers that share
+an output never collide.
+"""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
-import math
 import os
 import re
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, BinaryIO
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .digests import Expected, RowSet, block_digests, block_size
+from .lock import OutputLock
+from .merge import (
+    DIGEST_COLUMN,
+    STANDARD_COLUMNS,
+    jsonl_lines,
+    merge_chunks,
+    merged_schema,
+    output_schema,
+    part_rows,
+    part_table,
+)
 from .rows import OutputError
 
-SPEC_TYPE = pa.struct(
-    [
-        ("verify_steps", pa.int64()),
-        ("draft_tokens", pa.int64()),
-        ("accepted_tokens", pa.int64()),
-        ("accept_length", pa.float64()),
-        ("accept_histogram", pa.list_(pa.int64())),
-    ]
-)
-_BASE_FIELDS = [
-    pa.field("row", pa.int64()),
-    pa.field("id", pa.string()),
-    pa.field("completion", pa.string()),
-    pa.field("prompt_tokens", pa.int64()),
-    pa.field("completion_tokens", pa.int64()),
-    pa.field("finish_reason", pa.string()),
-    pa.field("error", pa.string()),
-    pa.field("spec", SPEC_TYPE),
-]
-_TOKEN_IDS_FIELD = pa.field("output_token_ids", pa.list_(pa.int64()))
-STANDARD_COLUMNS = tuple(f.name for f in _BASE_FIELDS) + (_TOKEN_IDS_FIELD.name,)
+__all__ = ["OutputWriter", "output_schema", "STANDARD_COLUMNS"]
 
 MANIFEST = "manifest.json"
-MANIFEST_KEY = b"specbatch.manifest"   # the manifest inside a finished Parquet output
-_PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
-MERGE_CHUNK_BYTES = 512 << 20  # uncompressed bytes gathered per output chunk in finalize()
-JSONL_BATCH_ROWS = 4096
+MANIFEST_KEY = b"specbatch.manifest"     # the manifest inside a finished Parquet output
+MANIFEST_VERSION = 2
+_PART_RE = re.compile(r"^part-(?:[0-9a-f]{8}-)?(\d{6,})\.parquet$")
+_OUR_NAMES = re.compile(r"^(part-.*\.parquet(\.tmp)?|manifest\.json(\.tmp)?)$")
+_UNSET = object()
 
 
-def output_schema(save_token_ids: bool = False) -> pa.Schema:
-    """Arrow schema of the standard output columns (keep columns are appended per job)."""
-    return pa.schema(_BASE_FIELDS + ([_TOKEN_IDS_FIELD] if save_token_ids else []))
+def fs_error(path: str, e: OSError) -> OutputError:
+    """One line naming the path and the errno."""
+    name = errno.errorcode.get(e.errno or 0, str(e.errno))
+    return OutputError(f"{path}: {e.strerror or e} ({name})")
 
 
 def _fsync_dir(path: str) -> None:
@@ -64,14 +71,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.remove(path)
-
-
-def _write_atomic(final: str, write) -> None:
+def _write_atomic(final: str, write: Callable[[BinaryIO], None]) -> None:
     """Call write(file) on `<final>.tmp`, fsync, then rename over `final`."""
     tmp = final + ".tmp"
     try:
@@ -80,9 +80,14 @@ def _write_atomic(final: str, write) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
+    except BaseException as e:
+        try:
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise fs_error(final, e) from None
         raise
     _fsync_dir(os.path.dirname(os.path.abspath(final)))
 
@@ -91,49 +96,44 @@ def _jsonable(value: object) -> object:
     return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
-_UNSET = object()
-
-
-def _short(value: object) -> str:
-    text = "<unset>" if value is _UNSET else repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _spec_value(spec: object) -> dict | None:
-    if spec is None:
-        return None
-    out = {k: spec.get(k) for k in SPEC_TYPE.names}
-    if out["accept_length"] is not None:
-        out["accept_length"] = float(out["accept_length"])
+def _flat(d: object, prefix: str = "") -> dict[str, object]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 
-def _infer_array(values: list) -> pa.Array:
-    try:
-        return pa.array(values)
-    except (pa.ArrowException, TypeError, ValueError, OverflowError):
-        return _json_strings(values)
+def _show(value: object) -> str:
+    return "<unset>" if value is _UNSET else json.dumps(value, default=str)
 
 
-def _json_strings(values: list) -> pa.Array:
-    """Fallback for values of mixed types: strings as they are, anything else as JSON text."""
-    return pa.array(
-        [None if v is None else v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str)
-         for v in values],
-        pa.string(),
-    )
+def _file_hash(path: str) -> tuple[int, str]:
+    h = hashlib.blake2b(digest_size=16)
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
 
 
-def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
-    try:
-        pa.array([], type=src).cast(dst)
-        return True
-    except (pa.ArrowException, TypeError, ValueError):
-        return False
+class _HashingFile:
+    """A binary file wrapper that hashes what is written (the JSONL sidecar records it)."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.h, self.size = f, hashlib.blake2b(digest_size=16), 0
+
+    def write(self, data: bytes) -> int:
+        self.h.update(data)
+        self.size += len(data)
+        return self.f.write(data)
 
 
 class OutputWriter:
-    """Buffers result records and commits them as atomic Parquet parts; finalize() merges them."""
+    """Buffers result records and commits them as atomic Parquet parts; finalize() merges them.
+    Holds the output's lock from construction to close() (or the end of a `with` block)."""
 
     def __init__(
         self,
@@ -154,198 +154,287 @@ class OutputWriter:
         else:
             raise ValueError(f"{path}: unsupported output; expected a path ending in .parquet or .jsonl")
         keep_columns = tuple(keep_columns)
-        std = set(STANDARD_COLUMNS)
         for c in keep_columns:
-            if c in std:
+            if c in STANDARD_COLUMNS or c == DIGEST_COLUMN:
                 raise ValueError(f"keep column '{c}' clashes with the output column of the same name")
         self.path = path
         self.parts_dir = path + ".parts"
+        self.sidecar = path + ".manifest.json"          # JSONL outputs only
         self.fingerprint = dict(fingerprint)
         self.save_token_ids = save_token_ids
         self.keep_columns = keep_columns
         self.commit_rows = max(1, commit_rows)
         self.commit_seconds = commit_seconds
-        self.schema = output_schema(save_token_ids)
-        self.done_rows: set[int] = set()
+        self.done_rows = RowSet()
         self.complete = False
-        self._buffer: list[dict] = []
+        self.job = os.urandom(8).hex()
+        self._token = os.urandom(4).hex()
+        self._buffer: list[tuple[dict, bytes]] = []
         self._last_commit = time.monotonic()
         self._next_part = 0
         self._final_rows: int | None = None
+        self._final_manifest: dict | None = None
 
+        if os.path.isdir(path):
+            raise OutputError(f"{path} is a directory; choose an output file path (.parquet or .jsonl)")
         parent = os.path.dirname(os.path.abspath(path))
-        os.makedirs(parent, exist_ok=True)
-        for leftover in (path + ".tmp", self.parts_dir + ".tmp"):
-            _remove(leftover)
-        if overwrite:
-            _remove(self.parts_dir)
-            _remove(path)
+        try:
+            if os.path.lexists(parent) and not os.path.isdir(parent):
+                raise OSError(errno.ENOTDIR, "not a directory")
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise fs_error(parent, e) from None
+        self._lock = OutputLock(path).acquire()
+        try:
+            self._open(overwrite)
+        except BaseException:
+            self._lock.release()
+            raise
 
-        if os.path.isdir(self.parts_dir):
-            self._resume()
-        elif os.path.exists(path):
-            self.complete = True
-            self.done_rows = self._final_file_rows()
-            self._final_rows = len(self.done_rows)
-            self._check_final_manifest()
-        else:
-            self._create_parts_dir()
+    # ---- lock ----------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the output lock (buffered rows are NOT committed: call commit() first)."""
+        self._lock.release()
+
+    def __enter__(self) -> "OutputWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # ---- open / resume -------------------------------------------------
 
+    def _open(self, overwrite: bool) -> None:
+        for leftover in (self.path + ".tmp", self.parts_dir + ".tmp", self.parts_dir + ".done", self.sidecar + ".tmp"):
+            self._remove_ours(leftover)
+        final = self._read_final() if os.path.lexists(self.path) else None
+        parts = self._read_parts_manifest() if os.path.isdir(self.parts_dir) else None
+        if overwrite:
+            if os.path.lexists(self.path) and final is None and not self._stale_ours(parts):
+                raise OutputError(f"--overwrite: {self.path} was not written by specbatch (no manifest); "
+                                  "remove it yourself or choose another --output")
+            if os.path.isdir(self.parts_dir):
+                self._remove_ours(self.parts_dir)
+            for p in (self.path, self.sidecar):
+                self._remove_ours(p)
+            final = parts = None
+        if final is not None and parts is not None and final.get("job") == parts.get("job"):
+            self._remove_ours(self.parts_dir)       # a finished job whose clean-up was cut short
+            parts = None
+        if parts is not None:
+            if os.path.lexists(self.path) and final is None and not self._stale_ours(parts):
+                raise OutputError(f"{self.path} exists but was not written by specbatch (no manifest), "
+                                  f"beside this job's parts in {self.parts_dir}; move it away and rerun")
+            self._resume(parts)
+        elif final is not None:
+            self._check_manifest(final, self.path, "pass --overwrite to replace it, or choose another --output")
+            self.complete = True
+            self._final_manifest = final
+            self.done_rows = RowSet(self._final_file_rows())
+            self._final_rows = len(self.done_rows)
+        elif os.path.lexists(self.path):
+            raise OutputError(f"{self.path} exists and was not written by specbatch (no manifest); "
+                              "choose another --output or remove it yourself")
+        else:
+            self._create_parts_dir()
+
+    def _remove_ours(self, path: str) -> None:
+        """Remove a file or a parts directory this writer's naming says is ours; never anything else."""
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                names = os.listdir(path)
+                if not all(_OUR_NAMES.match(n) for n in names):
+                    raise OutputError(f"{path} holds files specbatch did not write ({', '.join(sorted(names)[:3])}...); "
+                                      "remove it yourself or choose another --output")
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.remove(path)
+        except OSError as e:
+            raise fs_error(path, e) from None
+
+    def _stale_ours(self, parts: dict | None) -> bool:
+        """P is the JSONL output whose sidecar this job's finalize overwrote before it was cut short."""
+        if parts is None or self.format != "jsonl":
+            return False
+        side = self._read_json(self.sidecar)
+        return isinstance(side, dict) and side.get("job") == parts.get("job")
+
     def _manifest(self) -> dict:
         return {
-            "version": 1,
+            "version": MANIFEST_VERSION,
+            "job": self.job,
             "fingerprint": _jsonable(self.fingerprint),
             "save_token_ids": self.save_token_ids,
             "keep_columns": list(self.keep_columns),
         }
 
+    @staticmethod
+    def _read_json(path: str) -> object:
+        try:
+            with open(path, "rb") as f:
+                return json.loads(f.read())
+        except (OSError, ValueError):
+            return None
+
     def _create_parts_dir(self) -> None:
         tmp_dir = self.parts_dir + ".tmp"
-        os.mkdir(tmp_dir)
-        _write_atomic(os.path.join(tmp_dir, MANIFEST), lambda f: f.write(self._dump_manifest()))
-        os.rename(tmp_dir, self.parts_dir)
+        try:
+            os.mkdir(tmp_dir)
+            _write_atomic(os.path.join(tmp_dir, MANIFEST), lambda f: f.write(self._dump_manifest()))
+            os.rename(tmp_dir, self.parts_dir)
+        except OSError as e:
+            raise fs_error(self.parts_dir, e) from None
         _fsync_dir(os.path.dirname(os.path.abspath(self.parts_dir)))
 
-    def _dump_manifest(self) -> bytes:
-        return json.dumps(self._manifest(), indent=2, sort_keys=True).encode()
+    def _dump_manifest(self, extra: dict | None = None) -> bytes:
+        return json.dumps({**self._manifest(), **(extra or {})}, indent=2, sort_keys=True).encode()
 
-    def _part_paths(self) -> list[tuple[int, str]]:
-        found = []
-        for name in os.listdir(self.parts_dir):
-            m = _PART_RE.match(name)
-            if m:
-                found.append((int(m.group(1)), os.path.join(self.parts_dir, name)))
-        return sorted(found)
+    def _part_paths(self) -> list[str]:
+        return sorted(os.path.join(self.parts_dir, n) for n in os.listdir(self.parts_dir) if _PART_RE.match(n))
 
     def _mismatch(self, stored: dict) -> str | None:
-        """First differing key between the stored manifest and this job, as 'key: old vs new'."""
+        """Every differing setting between the stored manifest and this job, as 'key: old -> new'."""
         mine = self._manifest()
-        old_fp, new_fp = stored.get("fingerprint", {}), mine["fingerprint"]
-        if not isinstance(old_fp, dict):
-            old_fp = {}
-        for key in [*new_fp, *(k for k in old_fp if k not in new_fp)]:
-            old, new = old_fp.get(key, _UNSET), new_fp.get(key, _UNSET)
-            if old != new:
-                return f"{key}: {_short(old)} vs {_short(new)}"
-        for key in ("save_token_ids", "keep_columns"):
-            if stored.get(key, _UNSET) != mine[key]:
-                return f"{key}: {_short(stored.get(key, _UNSET))} vs {_short(mine[key])}"
-        return None
+        old = _flat({"settings": stored.get("fingerprint", {}), "save_token_ids": stored.get("save_token_ids", _UNSET),
+                     "keep_columns": stored.get("keep_columns", _UNSET)})
+        new = _flat({"settings": mine["fingerprint"], "save_token_ids": mine["save_token_ids"],
+                     "keep_columns": mine["keep_columns"]})
+        diffs = []
+        for key in [*new, *(k for k in old if k not in new)]:
+            a, b = old.get(key, _UNSET), new.get(key, _UNSET)
+            if a != b:
+                diffs.append(f"{key.removeprefix('settings.')}: {_show(a)} -> {_show(b)}")
+        return "; ".join(diffs) or None
 
-    def _resume(self) -> None:
-        for name in os.listdir(self.parts_dir):
-            if name.endswith(".tmp"):
-                _remove(os.path.join(self.parts_dir, name))
-        parts = self._part_paths()
-        manifest_path = os.path.join(self.parts_dir, MANIFEST)
-        try:
-            with open(manifest_path, "rb") as f:
-                stored = json.loads(f.read())
-            if not isinstance(stored, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, ValueError) as e:
-            if not parts:
-                _remove(self.parts_dir)
-                self._create_parts_dir()
-                return
-            raise OutputError(
-                f"{self.parts_dir}: cannot read {MANIFEST} ({' '.join(str(e).split())}); "
-                "pass --overwrite to start over"
-            ) from None
+    def _check_manifest(self, stored: dict, where: str, how: str) -> None:
+        if stored.get("version") != MANIFEST_VERSION:
+            raise OutputError(f"{where} was written by another version of specbatch (manifest version "
+                              f"{stored.get('version')}, this one reads {MANIFEST_VERSION}); {how}")
         diff = self._mismatch(stored)
         if diff is not None:
-            if not parts:
-                # Nothing was committed: adopt the new job instead of refusing.
-                _write_atomic(manifest_path, lambda f: f.write(self._dump_manifest()))
-                return
-            raise OutputError(
-                f"{self.parts_dir} was written by a different job ({diff}); "
-                "rerun the same command to resume, or pass --overwrite"
-            )
-        for index, part in parts:
+            raise OutputError(f"{where} was written by a different job ({diff}); {how}")
+
+    def _read_parts_manifest(self) -> dict | None:
+        """The parts dir's manifest; None for an empty dir without one (it is recreated)."""
+        stored = self._read_json(os.path.join(self.parts_dir, MANIFEST))
+        if isinstance(stored, dict):
+            return stored
+        try:
+            names = [n for n in os.listdir(self.parts_dir) if not n.endswith(".tmp")]
+        except OSError as e:
+            raise fs_error(self.parts_dir, e) from None
+        if not names:
+            self._remove_ours(self.parts_dir)
+            return None
+        raise OutputError(f"{self.parts_dir}: cannot read {MANIFEST}; pass --overwrite to start over")
+
+    def _resume(self, stored: dict) -> None:
+        for name in os.listdir(self.parts_dir):
+            if name.endswith(".tmp"):
+                self._remove_ours(os.path.join(self.parts_dir, name))
+        parts = self._part_paths()
+        if self._mismatch(stored) is not None and not parts:
+            # Nothing was committed: adopt the new job instead of refusing.
+            _write_atomic(os.path.join(self.parts_dir, MANIFEST), lambda f: f.write(self._dump_manifest()))
+            return
+        self._check_manifest(stored, self.parts_dir, "rerun the same command to resume, or pass --overwrite")
+        self.job = stored["job"]
+        for part in parts:
             try:
-                rows = pq.read_table(part, columns=["row"]).column("row").to_pylist()
+                rows = pq.read_table(part, columns=["row"]).column("row").to_numpy()
             except (OSError, pa.ArrowException, ValueError, KeyError) as e:
-                print(
-                    f"warning: {part}: unreadable part deleted, its rows will be redone ({' '.join(str(e).split())})",
-                    file=sys.stderr,
-                )
-                _remove(part)
+                print(f"warning: {part}: unreadable part deleted, its rows will be redone "
+                      f"({' '.join(str(e).split())})", file=sys.stderr)
+                self._remove_ours(part)
                 continue
             self.done_rows.update(rows)
-            self._next_part = max(self._next_part, index + 1)
+            self._next_part = max(self._next_part, int(_PART_RE.match(os.path.basename(part)).group(1)) + 1)
 
-    def _final_file_rows(self) -> set[int]:
+    def _read_final(self) -> dict | None:
+        """The manifest of a finished output at P, or None when P is not one of ours."""
+        if self.format == "parquet":
+            try:
+                meta = pq.read_schema(self.path).metadata or {}
+            except (OSError, pa.ArrowException, ValueError):
+                return None
+            raw = meta.get(MANIFEST_KEY)
+            try:
+                stored = json.loads(raw) if raw is not None else None
+            except ValueError:
+                return None
+            return stored if isinstance(stored, dict) else None
+        side = self._read_json(self.sidecar)
+        if not isinstance(side, dict) or not isinstance(side.get("output"), dict):
+            return None
+        try:
+            size, digest = _file_hash(self.path)
+        except OSError:
+            return None
+        if [size, digest] != [side["output"].get("bytes"), side["output"].get("blake2b")]:
+            return None
+        return side
+
+    def _final_file_rows(self) -> list[int]:
         try:
             if self.format == "parquet":
-                return set(pq.read_table(self.path, columns=["row"]).column("row").to_pylist())
-            rows = set()
+                return pq.read_table(self.path, columns=["row"]).column("row").to_pylist()
             with open(self.path, "rb") as f:
-                for line in f:
-                    if line.strip():
-                        rows.add(int(json.loads(line)["row"]))
-            return rows
+                return [int(json.loads(line)["row"]) for line in f if line.strip()]
         except (OSError, pa.ArrowException, ValueError, KeyError, TypeError) as e:
-            raise OutputError(
-                f"{self.path} exists but cannot be read ({' '.join(str(e).split())}); pass --overwrite to replace it"
-            ) from None
+            raise OutputError(f"{self.path} exists but cannot be read ({' '.join(str(e).split())}); "
+                              "pass --overwrite to replace it") from None
 
-    def _check_final_manifest(self) -> None:
-        """A finished Parquet output carries its job's manifest: refuse to treat another job's
-        output as this one's. (JSONL has nowhere to keep it: only its rows are checked.)"""
-        if self.format != "parquet":
-            return
-        meta = pq.read_schema(self.path).metadata or {}
-        raw = meta.get(MANIFEST_KEY)
-        if raw is None:
-            return
-        diff = self._mismatch(json.loads(raw))
-        if diff is not None:
-            raise OutputError(f"{self.path} was written by a different job ({diff}); "
-                              "pass --overwrite to replace it, or choose another --output")
+    # ---- what a resume must find in the input --------------------------
 
-    def reopen(self) -> None:
-        """Turn a finished output back into one committed part, so a run can add the rows it lacks."""
+    def expected(self) -> Expected:
+        """The done rows and their input digests: per row from the parts, per block when finished."""
+        if self.complete:
+            info = (self._final_manifest or {}).get("input", {})
+            return Expected(done=self.done_rows, block=int(info.get("block", 0) or 0), blocks=info.get("blocks"))
+        rows, digests = part_rows(self._part_paths()) if self.done_rows else (pa.array([], pa.int64()), [])
+        return Expected(done=self.done_rows, rows=rows.to_numpy(), digests=digests)
+
+    def reopen(self, digests: dict[int, bytes]) -> None:
+        """Turn a finished output back into one committed part, so a run can add the rows it lacks.
+        `digests`: the input digest of each of its rows (from data.digests.check_input)."""
         if not self.complete:
             return
-        if self.format == "parquet":
-            table = pq.read_table(self.path).replace_schema_metadata(None)
-        else:
-            with open(self.path, "rb") as f:
-                table = self._part_table([json.loads(line) for line in f if line.strip()])
+        try:
+            if self.format == "parquet":
+                records = pq.read_table(self.path).replace_schema_metadata(None).to_pylist()
+            else:
+                with open(self.path, "rb") as f:
+                    records = [json.loads(line) for line in f if line.strip()]
+        except (OSError, pa.ArrowException, ValueError) as e:
+            raise OutputError(f"{self.path}: cannot read it back ({' '.join(str(e).split())})") from None
+        table = self._part_table([(r, digests.get(r["row"], b"")) for r in records])
         self._create_parts_dir()
-        _write_atomic(os.path.join(self.parts_dir, "part-000000.parquet"), lambda f: pq.write_table(table, f))
-        self._next_part = 1
+        _write_atomic(os.path.join(self.parts_dir, self._part_name()), lambda f: pq.write_table(table, f))
         self.complete = False
 
     # ---- writing parts -------------------------------------------------
 
-    def add(self, record: dict) -> None:
-        """Buffer one record; commits a part when commit_rows or commit_seconds is reached."""
+    def add(self, record: dict, digest: bytes = b"") -> None:
+        """Buffer one record (with its input row's digest); commits a part when commit_rows or
+        commit_seconds is reached."""
         if self.complete:
             raise OutputError(f"{self.path} is already complete; pass --overwrite to regenerate it")
         row = record.get("row")
         if isinstance(row, bool) or not isinstance(row, int):
             raise ValueError(f"record 'row' must be an int, got {row!r}")
-        self._buffer.append(record)
+        self._buffer.append((record, digest))
         if len(self._buffer) >= self.commit_rows or time.monotonic() - self._last_commit >= self.commit_seconds:
             self.commit()
 
-    def _part_table(self, records: list[dict]) -> pa.Table:
-        arrays = []
-        for f in self.schema:
-            if f.name == "spec":
-                values = [_spec_value(r.get("spec")) for r in records]
-            else:
-                values = [r.get(f.name) for r in records]
-            arrays.append(pa.array(values, type=f.type))
-        names = list(self.schema.names)
-        for c in self.keep_columns:
-            arrays.append(_infer_array([r.get(c) for r in records]))
-            names.append(c)
-        return pa.Table.from_arrays(arrays, names=names)
+    def _part_table(self, items: list[tuple[dict, bytes]]) -> pa.Table:
+        return part_table([r for r, _ in items], [d for _, d in items], save_token_ids=self.save_token_ids,
+                          keep_columns=self.keep_columns, json_typed=self.format == "jsonl")
+
+    def _part_name(self) -> str:
+        name = f"part-{self._token}-{self._next_part:06d}.parquet"
+        self._next_part += 1
+        return name
 
     def commit(self) -> None:
         """Write the buffered records as one new part, atomically."""
@@ -354,117 +443,88 @@ class OutputWriter:
             return
         if self.complete:
             raise OutputError(f"{self.path} is already complete; pass --overwrite to regenerate it")
-        table = self._part_table(self._buffer)
-        part = os.path.join(self.parts_dir, f"part-{self._next_part:06d}.parquet")
-        _write_atomic(part, lambda f: pq.write_table(table, f))
-        self._next_part += 1
-        self._buffer = []
+        # Taken off the buffer first: an interrupt after the rename must not commit them twice.
+        items, self._buffer = self._buffer, []
+        part = os.path.join(self.parts_dir, self._part_name())
+        try:
+            table = self._part_table(items)
+            _write_atomic(part, lambda f: pq.write_table(table, f))
+        except BaseException:
+            if not os.path.exists(part):
+                self._buffer = items + self._buffer         # not committed: kept for the next try
+            raise
+        self.done_rows.update([r["row"] for r, _ in items])
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
 
     # ---- final merge ---------------------------------------------------
 
-    def _merged_schema(self, part_schemas: list[pa.Schema]) -> tuple[pa.Schema, set[str]]:
-        """Standard schema + unified keep-column types; keep columns that cannot unify become JSON strings."""
-        fields = list(self.schema)
-        as_json: set[str] = set()
-        for c in self.keep_columns:
-            types = [s.field(c).type for s in part_schemas if c in s.names]
-            try:
-                unified = pa.unify_schemas(
-                    [pa.schema([pa.field(c, t)]) for t in types] or [pa.schema([pa.field(c, pa.null())])],
-                    promote_options="permissive",
-                ).field(c).type
-                if not all(_castable(t, unified) for t in types):
-                    raise pa.ArrowTypeError("not castable")
-            except (pa.ArrowException, TypeError, ValueError):
-                unified = pa.string()
-                as_json.add(c)
-            fields.append(pa.field(c, unified))
-        return pa.schema(fields), as_json
-
-    @staticmethod
-    def _conform(table: pa.Table, schema: pa.Schema, as_json: set[str]) -> pa.Table:
-        arrays = []
-        for f in schema:
-            if f.name not in table.column_names:
-                arrays.append(pa.nulls(table.num_rows, f.type))
-                continue
-            col = table.column(f.name)
-            if f.name in as_json and col.type != pa.string():
-                arrays.append(_json_strings(col.to_pylist()))
-            elif col.type != f.type:
-                arrays.append(col.cast(f.type))
-            else:
-                arrays.append(col)
-        return pa.Table.from_arrays(arrays, schema=schema)
-
-    def _merge_chunks(self, parts: list[str], schema: pa.Schema, as_json: set[str]) -> Iterator[pa.Table]:
-        """Yield the merged output in row order, in chunks bounded by MERGE_CHUNK_BYTES."""
-        part_rows = [pq.read_table(p, columns=["row"]).column("row").combine_chunks() for p in parts]
-        sizes = []
-        for p in parts:
-            md = pq.ParquetFile(p).metadata
-            sizes.append(sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups)))
-        unique = pc.unique(pa.chunked_array(part_rows, pa.int64())) if parts else pa.array([], pa.int64())
-        unique = unique.take(pc.array_sort_indices(unique))
-        if len(unique) == 0:
-            return
-        n_chunks = min(len(unique), max(1, math.ceil(sum(sizes) / MERGE_CHUNK_BYTES)))
-        bounds = [unique[i * len(unique) // n_chunks].as_py() for i in range(n_chunks)] + [None]
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            pieces = []
-            for p, rows in zip(parts, part_rows):
-                mask = None
-                if n_chunks > 1:
-                    mask = pc.greater_equal(rows, lo)
-                    if hi is not None:
-                        mask = pc.and_(mask, pc.less(rows, hi))
-                    if not pc.any(mask).as_py():
-                        continue
-                table = pq.read_table(p)
-                if mask is not None:
-                    table = table.filter(mask)
-                pieces.append(self._conform(table, schema, as_json))
-            chunk = pa.concat_tables(pieces)
-            chunk = chunk.take(pc.sort_indices(chunk, sort_keys=[("row", "ascending")]))  # stable
-            rows = chunk.column("row").combine_chunks()
-            if len(rows) > 1:
-                first = pc.not_equal(rows.slice(1), rows.slice(0, len(rows) - 1))
-                chunk = chunk.filter(pa.concat_arrays([pa.array([True]), first]))
-            yield chunk
-
     def finalize(self) -> int:
         """Commit, merge all parts into the final file (sorted by row, deduplicated); return the row count."""
-        if self.complete and not os.path.isdir(self.parts_dir):
+        if self.complete:
             if self._buffer:
                 raise OutputError(f"{self.path} is already complete; pass --overwrite to regenerate it")
             return self._final_rows or 0
         self.commit()
-        parts = [p for _, p in self._part_paths()]
-        schema, as_json = self._merged_schema([pq.read_schema(p) for p in parts])
+        try:
+            parts = self._part_paths()
+            schema, as_json = merged_schema([pq.read_schema(p) for p in parts], self.save_token_ids, self.keep_columns)
+            rows, digests = part_rows(parts)
+        except OSError as e:
+            raise fs_error(self.parts_dir, e) from None
+        row_list = rows.to_pylist()
+        block = block_size(len(row_list))
+        final = {"input": {"rows": len(row_list), "block": block,
+                           "blocks": block_digests(zip(row_list, digests), block)}}
+        json_columns = ("id", *self.keep_columns) if self.format == "jsonl" else ()
         count = 0
-        final_schema = schema.with_metadata({MANIFEST_KEY: self._dump_manifest()})
 
-        def write_parquet(f) -> None:
+        def write_parquet(f: BinaryIO) -> None:
             nonlocal count
-            with pq.ParquetWriter(f, final_schema) as w:
+            meta = {MANIFEST_KEY: self._dump_manifest(final)}
+            with pq.ParquetWriter(f, schema.with_metadata(meta)) as w:
                 wrote = False
-                for chunk in self._merge_chunks(parts, schema, as_json):
-                    w.write_table(chunk.replace_schema_metadata(final_schema.metadata))
+                for chunk in merge_chunks(parts, schema, as_json):
+                    w.write_table(chunk.replace_schema_metadata(meta))
                     count += chunk.num_rows
                     wrote = True
                 if not wrote:
-                    w.write_table(final_schema.empty_table())
+                    w.write_table(schema.with_metadata(meta).empty_table())
 
-        def write_jsonl(f) -> None:
+        def write_jsonl(f: BinaryIO) -> None:
             nonlocal count
-            for chunk in self._merge_chunks(parts, schema, as_json):
-                for batch in chunk.to_batches(max_chunksize=JSONL_BATCH_ROWS):
-                    lines = [json.dumps(r, ensure_ascii=False, default=str) for r in batch.to_pylist()]
-                    f.write(("\n".join(lines) + "\n").encode("utf-8"))
-                    count += len(lines)
+            out = _HashingFile(f)
+            for chunk in merge_chunks(parts, schema, as_json):
+                for data in jsonl_lines(chunk, json_columns):
+                    out.write(data)
+                count += chunk.num_rows
+            final["output"] = {"bytes": out.size, "blake2b": out.h.hexdigest()}
 
-        _write_atomic(self.path, write_parquet if self.format == "parquet" else write_jsonl)
-        shutil.rmtree(self.parts_dir)
+        if self.format == "parquet":
+            _write_atomic(self.path, write_parquet)
+        else:
+            # The sidecar names the merged file's hash before the file takes P's place: until both
+            # are there, P does not check out as finished and the parts stay authoritative.
+            tmp = self.path + ".tmp"
+            try:
+                with open(tmp, "wb") as f:
+                    write_jsonl(f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                _write_atomic(self.sidecar, lambda f: f.write(self._dump_manifest(final)))
+                os.replace(tmp, self.path)
+            except OSError as e:
+                if os.path.lexists(tmp):
+                    os.remove(tmp)
+                raise fs_error(self.path, e) from None
+            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        try:
+            os.rename(self.parts_dir, self.parts_dir + ".done")
+            self._remove_ours(self.parts_dir + ".done")
+        except OSError as e:
+            raise fs_error(self.parts_dir, e) from None
         _fsync_dir(os.path.dirname(os.path.abspath(self.parts_dir)))
         self.complete = True
         self._final_rows = count

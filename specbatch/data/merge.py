@@ -1,0 +1,199 @@
+"""The output's columns, part tables, and the final merge of parts in row order.
+
+Typed columns (`id` and the keep columns) keep the input's types where the format can: JSONL
+parts hold them as JSON text, decoded again into the final JSONL (exact values, nested or
+mixed); Parquet parts infer an Arrow type per part, unified across parts at the merge (values of
+types that cannot unify become JSON text).
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+SPEC_TYPE = pa.struct(
+    [
+        ("verify_steps", pa.int64()),
+        ("draft_tokens", pa.int64()),
+        ("accepted_tokens", pa.int64()),
+        ("accept_length", pa.float64()),
+        ("accept_histogram", pa.list_(pa.int64())),
+    ]
+)
+# `id` sits second in the output; its type follows the input (string or integer ids).
+_FIXED_FIELDS = [
+    pa.field("row", pa.int64()),
+    pa.field("completion", pa.string()),
+    pa.field("prompt_tokens", pa.int64()),
+    pa.field("completion_tokens", pa.int64()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("error", pa.string()),
+    pa.field("spec", SPEC_TYPE),
+]
+_TOKEN_IDS_FIELD = pa.field("output_token_ids", pa.list_(pa.int64()))
+STANDARD_COLUMNS = ("row", "id", *(f.name for f in _FIXED_FIELDS[1:]), _TOKEN_IDS_FIELD.name)
+DIGEST_COLUMN = "_input_digest"      # parts only: the input row's digest (data/digests.py)
+MERGE_CHUNK_BYTES = 512 << 20        # uncompressed bytes gathered per output chunk
+JSONL_BATCH_ROWS = 4096
+
+
+def output_schema(save_token_ids: bool = False, id_type: pa.DataType = pa.string()) -> pa.Schema:
+    """Arrow schema of the standard output columns (keep columns are appended per job)."""
+    fields = [_FIXED_FIELDS[0], pa.field("id", id_type), *_FIXED_FIELDS[1:]]
+    return pa.schema(fields + ([_TOKEN_IDS_FIELD] if save_token_ids else []))
+
+
+def _spec_value(spec: object) -> dict | None:
+    if spec is None:
+        return None
+    out = {k: spec.get(k) for k in SPEC_TYPE.names}
+    if out["accept_length"] is not None:
+        out["accept_length"] = float(out["accept_length"])
+    return out
+
+
+def _json_text(value: object, ascii: bool = True) -> str | None:
+    # Parts use ASCII escapes: a value arrow could not encode (a lone surrogate) still round-trips.
+    return None if value is None else json.dumps(value, ensure_ascii=ascii, default=str)
+
+
+def _json_strings(values: list) -> pa.Array:
+    """Values of mixed types: strings as they are, anything else as JSON text."""
+    return pa.array([v if v is None or isinstance(v, str) else _json_text(v, ascii=False) for v in values], pa.string())
+
+
+def _infer_array(values: list) -> pa.Array:
+    try:
+        return pa.array(values)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return _json_strings(values)
+
+
+def part_table(records: list[dict], digests: list[bytes], *, save_token_ids: bool,
+               keep_columns: Sequence[str], json_typed: bool) -> pa.Table:
+    """One part: the standard columns, the typed columns, and each row's input digest."""
+    schema = output_schema(save_token_ids)
+    arrays, names = [], []
+    for f in schema:
+        if f.name == "id":
+            continue
+        values = [_spec_value(r.get("spec")) for r in records] if f.name == "spec" else [r.get(f.name) for r in records]
+        arrays.append(pa.array(values, type=f.type))
+        names.append(f.name)
+    for c in ("id", *keep_columns):
+        values = [r.get(c) for r in records]
+        arrays.append(pa.array([_json_text(v) for v in values], pa.string()) if json_typed else _infer_array(values))
+        names.append(c)
+    arrays.append(pa.array(digests, pa.binary()))
+    names.append(DIGEST_COLUMN)
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
+    try:
+        pa.array([], type=src).cast(dst)
+        return True
+    except (pa.ArrowException, TypeError, ValueError):
+        return False
+
+
+def merged_schema(part_schemas: list[pa.Schema], save_token_ids: bool,
+                  keep_columns: Sequence[str]) -> tuple[pa.Schema, set[str]]:
+    """Standard schema + unified typed columns; those that cannot unify become JSON strings."""
+    typed, as_json = [], set()
+    for c in ("id", *keep_columns):
+        types = [s.field(c).type for s in part_schemas if c in s.names]
+        types = [t for t in types if t != pa.null()] or [pa.string() if c == "id" else pa.null()]
+        try:
+            unified = pa.unify_schemas([pa.schema([pa.field(c, t)]) for t in types],
+                                       promote_options="permissive").field(c).type
+            if not all(_castable(t, unified) for t in types):
+                raise pa.ArrowTypeError("not castable")
+        except (pa.ArrowException, TypeError, ValueError):
+            unified = pa.string()
+            as_json.add(c)
+        typed.append(pa.field(c, unified))
+    base = output_schema(save_token_ids, typed[0].type)
+    return pa.schema(list(base) + typed[1:]), as_json
+
+
+def _conform(table: pa.Table, schema: pa.Schema, as_json: set[str]) -> pa.Table:
+    arrays = []
+    for f in schema:
+        if f.name not in table.column_names:
+            arrays.append(pa.nulls(table.num_rows, f.type))
+            continue
+        col = table.column(f.name)
+        if f.name in as_json and col.type != pa.string():
+            arrays.append(_json_strings(col.to_pylist()))
+        elif col.type != f.type:
+            arrays.append(col.cast(f.type))
+        else:
+            arrays.append(col)
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def part_rows(parts: Sequence[str]) -> tuple[pa.Array, list[bytes]]:
+    """(sorted unique row numbers, their input digests) over every part."""
+    tables = [pq.read_table(p, columns=["row", DIGEST_COLUMN]) for p in parts]
+    if not tables:
+        return pa.array([], pa.int64()), []
+    t = pa.concat_tables(tables)
+    t = t.take(pc.sort_indices(t, sort_keys=[("row", "ascending")]))
+    rows = t.column("row").combine_chunks()
+    if len(rows) > 1:
+        first = pc.not_equal(rows.slice(1), rows.slice(0, len(rows) - 1))
+        t = t.filter(pa.concat_arrays([pa.array([True]), first]))
+    return t.column("row").combine_chunks(), t.column(DIGEST_COLUMN).to_pylist()
+
+
+def merge_chunks(parts: Sequence[str], schema: pa.Schema, as_json: set[str]) -> Iterator[pa.Table]:
+    """The merged output in row order (deduplicated), in chunks bounded by MERGE_CHUNK_BYTES."""
+    rows_of = [pq.read_table(p, columns=["row"]).column("row").combine_chunks() for p in parts]
+    size = 0
+    for p in parts:
+        md = pq.ParquetFile(p).metadata
+        size += sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
+    unique = pc.unique(pa.chunked_array(rows_of, pa.int64())) if parts else pa.array([], pa.int64())
+    unique = unique.take(pc.array_sort_indices(unique))
+    if len(unique) == 0:
+        return
+    n_chunks = min(len(unique), max(1, math.ceil(size / MERGE_CHUNK_BYTES)))
+    bounds = [unique[i * len(unique) // n_chunks].as_py() for i in range(n_chunks)] + [None]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        pieces = []
+        for p, rows in zip(parts, rows_of):
+            mask = None
+            if n_chunks > 1:
+                mask = pc.greater_equal(rows, lo)
+                if hi is not None:
+                    mask = pc.and_(mask, pc.less(rows, hi))
+                if not pc.any(mask).as_py():
+                    continue
+            table = pq.read_table(p)
+            if mask is not None:
+                table = table.filter(mask)
+            pieces.append(_conform(table, schema, as_json))
+        chunk = pa.concat_tables(pieces)
+        chunk = chunk.take(pc.sort_indices(chunk, sort_keys=[("row", "ascending")]))  # stable
+        rows = chunk.column("row").combine_chunks()
+        if len(rows) > 1:
+            first = pc.not_equal(rows.slice(1), rows.slice(0, len(rows) - 1))
+            chunk = chunk.filter(pa.concat_arrays([pa.array([True]), first]))
+        yield chunk
+
+
+def jsonl_lines(chunk: pa.Table, json_columns: Sequence[str]) -> Iterator[bytes]:
+    """A merged chunk as JSONL bytes, typed columns held as JSON text decoded to their values."""
+    for batch in chunk.to_batches(max_chunksize=JSONL_BATCH_ROWS):
+        lines = []
+        for r in batch.to_pylist():
+            for c in json_columns:
+                if r.get(c) is not None:
+                    r[c] = json.loads(r[c])
+            lines.append(json.dumps(r, ensure_ascii=False, default=str))
+        yield ("\n".join(lines) + "\n").encode("utf-8")

@@ -1,0 +1,62 @@
+"""`-o -`: JSONL records on stdout, in input order, each as soon as every row before it is out.
+No parts, no lock, no resume: a stream cannot be resumed."""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, BinaryIO
+
+from .digests import Expected, RowSet
+from .merge import STANDARD_COLUMNS, _spec_value
+
+
+class StdoutWriter:
+    format = "jsonl"
+    path = "-"
+    complete = False
+
+    def __init__(self, *, save_token_ids: bool = False, keep_columns: Sequence[str] = (),
+                 stream: BinaryIO | None = None) -> None:
+        self.columns = [c for c in STANDARD_COLUMNS if save_token_ids or c != "output_token_ids"]
+        self.columns += list(keep_columns)
+        self.stream = stream or sys.stdout.buffer
+        self.done_rows = RowSet()
+        self._pending: dict[int, dict] = {}
+        self._next = 0
+        self.count = 0
+
+    def expected(self) -> Expected:
+        return Expected(done=self.done_rows)
+
+    def add(self, record: dict, digest: bytes = b"") -> None:
+        self._pending[record["row"]] = record
+        while self._next in self._pending:
+            self._emit(self._pending.pop(self._next))
+            self._next += 1
+        if not self._pending:
+            self.stream.flush()
+
+    def _emit(self, rec: dict[str, Any]) -> None:
+        out = {c: _spec_value(rec.get(c)) if c == "spec" else rec.get(c) for c in self.columns}
+        self.stream.write((json.dumps(out, ensure_ascii=False, default=str) + "\n").encode("utf-8"))
+        self.count += 1
+
+    @property
+    def buffered(self) -> int:
+        return len(self._pending)
+
+    def commit(self) -> None:
+        self.stream.flush()
+
+    def finalize(self) -> int:
+        for row in sorted(self._pending):       # rows after a gap (a stopped run): still in order
+            self._emit(self._pending.pop(row))
+        self.stream.flush()
+        return self.count
+
+    def reopen(self, digests: dict[int, bytes]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

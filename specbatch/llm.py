@@ -1,0 +1,118 @@
+"""The library entry point: `LLM(...).generate(prompts)`, what `specbatch run` and `run_job` use too.
+
+    from specbatch import LLM
+    llm = LLM(recipe="eagle3_topk1")                 # the embedded demo model and its EAGLE3 head
+    outs = llm.generate(["def fib(n):", [{"role": "user", "content": "hi"}]],
+                        {"max_tokens": 32, "temperature": 0})
+    print(outs[0].text, outs[0].spec["accept_length"])
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Union
+
+from .data import RowError, RowRequest, parse_row
+from .recipe import Recipe, SamplingDefaults, load_recipe
+from .resolve import describe_draft, resolve_model, spec_config
+
+# A prompt: text, a chat (list of {role, content}), token ids, or a whole input row as a dict
+# (the forms and per-row fields of an input file, OpenAI batch lines included).
+Prompt = Union[str, Sequence[Mapping[str, Any]], Sequence[int], Mapping[str, Any]]
+
+
+@dataclass
+class Completion:
+    """One prompt's result: the same fields as an output row of `specbatch run`."""
+    index: int                        # position in the list given to generate() (the input row)
+    id: str | int | None
+    text: str | None                  # None for a prompt that could not run (see `error`)
+    token_ids: list[int] | None       # generated ids, ending with EOS when generation stopped on it
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None         # "stop" | "length"
+    error: str | None
+    spec: dict[str, Any] | None       # verify_steps, draft_tokens, accepted_tokens, accept_length, accept_histogram
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> "Completion":
+        return cls(index=rec["row"], id=rec.get("id"), text=rec.get("completion"),
+                   token_ids=rec.get("output_token_ids"), prompt_tokens=rec.get("prompt_tokens", 0),
+                   completion_tokens=rec.get("completion_tokens", 0), finish_reason=rec.get("finish_reason"),
+                   error=rec.get("error"), spec=rec.get("spec"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _row(prompt: Prompt, index: int) -> RowRequest | RowError:
+    where = f"prompt {index}"
+    if isinstance(prompt, str):
+        obj: Any = {"prompt": prompt}
+    elif isinstance(prompt, Mapping):
+        if "role" in prompt and not any(k in prompt for k in ("prompt", "messages", "prompt_token_ids", "body")):
+            raise TypeError(f"{where}: a chat message, not a prompt: pass each chat as a list of "
+                            "messages, e.g. generate([[{'role': 'user', 'content': '...'}]])")
+        obj = dict(prompt)
+    elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        obj = {"messages": [dict(m) for m in prompt]}
+    elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+        obj = {"prompt_token_ids": list(prompt)}
+    else:
+        raise TypeError(f"{where}: expected a string, a list of chat messages, a list of token ids or a "
+                        f"row dict, got {type(prompt).__name__}")
+    return parse_row(obj, row=index, where=where)
+
+
+class LLM:
+    """A loaded target (and draft) ready to generate, reusable across calls.
+
+    `model`: an HF model directory (default: the recipe's; the embedded demo model for builtin
+    recipes). `recipe`: a builtin recipe name, a YAML path or a Recipe. `overrides`: recipe keys
+    (batch_size, dtype, max_model_len, and sampling defaults such as max_tokens or temperature).
+    """
+
+    def __init__(self, model: str | Path | None = None, recipe: str | Recipe = "vanilla", *,
+                 draft: str | Path | None = None, device: str | None = None, eager: bool = False,
+                 bucket: int = 0, **overrides: Any):
+        from .engine import Engine, EngineOptions      # torch is imported here, not at package import
+
+        base = recipe if isinstance(recipe, Recipe) else load_recipe(str(recipe))
+        self.recipe = base.with_overrides(model=None if model is None else str(model),
+                                          draft=None if draft is None else str(draft), **overrides)
+        spec = spec_config(self.recipe)
+        self.model_dir = resolve_model(self.recipe.model)
+        self.draft = describe_draft(self.recipe, spec.draft)
+        r = self.recipe
+        self.engine = Engine(self.model_dir, EngineOptions(
+            batch_size=r.batch_size, max_model_len=r.max_model_len, dtype=r.dtype, device=device,
+            bucket_window=bucket, spec=spec, graphs=not eager))
+
+    def sampling(self, params: SamplingDefaults | Mapping[str, Any] | None) -> SamplingDefaults:
+        """The recipe's sampling defaults with `params` applied (validated as recipe keys)."""
+        if params is None:
+            return self.recipe.sampling
+        if isinstance(params, SamplingDefaults):
+            params = {f.name: getattr(params, f.name) for f in fields(SamplingDefaults)}
+        return self.recipe.with_overrides(sampling=dict(params)).sampling
+
+    def stream(self, rows: Iterable[RowRequest | RowError],
+               params: SamplingDefaults | Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+        """Output records (dicts, as `specbatch run` writes them) in completion order, streaming `rows`."""
+        return self.engine.generate(rows, self.sampling(params))
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingDefaults | Mapping[str, Any] | None = None) -> list[Completion]:
+        """One Completion per prompt, in the order given. A prompt that cannot run (too long,
+        bad fields) comes back with `error` set; the others are unaffected."""
+        if isinstance(prompts, (str, Mapping)) or (
+                isinstance(prompts, Sequence) and prompts and not isinstance(prompts[0], (str, Mapping, Sequence))):
+            prompts = [prompts]                     # one prompt: text, a row, or token ids
+        rows = [_row(p, i) for i, p in enumerate(prompts)]
+        out = [Completion.from_record(rec) for rec in self.stream(rows, params)]
+        return sorted(out, key=lambda c: c.index)
+
+    @property
+    def device(self) -> str:
+        return str(self.engine.device)

@@ -1,0 +1,226 @@
+"""Whole jobs through the CLI (in process) that must never lose or mix a user's data, and never
+silently do other than asked: changed inputs under a resume, the output lock, the input as the
+output, stdout output, quiet and logged progress, exit codes."""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from specbatch.cli import EXIT_FAILED, EXIT_USAGE, app
+from specbatch.data import OutputWriter
+
+from errors import one_line_cli_error
+
+PROMPTS = ["def add(a, b):", "for i in range(10):", "class Point:", "import os", "The quick brown fox",
+           "while True:", "print(i * i)", "Hello world!"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def cli(*args, input=None):
+    r = CliRunner().invoke(app, [str(a) for a in args], input=input)
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise AssertionError(f"uncaught {type(r.exception).__name__}: {r.exception}\n{r.output}")
+    return r
+
+
+def ok(*args, input=None):
+    r = cli(*args, input=input)
+    assert r.exit_code == 0, r.output
+    return r
+
+
+def lines(rows):
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def write(path, rows):
+    path.write_text(lines(rows))
+    return path
+
+
+def read(path):
+    if str(path).endswith(".parquet"):
+        return pq.read_table(path).to_pylist()
+    return [json.loads(x) for x in open(path)]
+
+
+@pytest.fixture
+def base(tiny_model):
+    return ["--model", tiny_model, "--max-tokens", 4, "--batch-size", 2, "--device", "cpu", "-q"]
+
+
+ROWS = [{"id": f"r{i}", "prompt": PROMPTS[i % len(PROMPTS)]} for i in range(12)]
+
+
+def _interrupted(inp, out, base, after):
+    """A run stopped (Ctrl-C) after `after` finished rows: its parts stay for a resume."""
+    from specbatch.job import JobOptions, run_job
+    from specbatch.recipe import load_recipe
+
+    seen = []
+
+    def stop(event, info):
+        if event == "record":
+            seen.append(info["record"]["row"])
+            if len(seen) == after:
+                raise KeyboardInterrupt
+
+    model = base[base.index("--model") + 1]
+    recipe = load_recipe("vanilla").with_overrides(model=str(model), max_tokens=4, batch_size=2)
+    with pytest.raises(KeyboardInterrupt):
+        run_job(str(inp), recipe, JobOptions(output=str(out), device="cpu"), progress=stop)
+    assert os.path.isdir(str(out) + ".parts")
+
+
+# ---------------------------------------------------------------- the input under a resume
+
+def test_an_edited_row_is_refused_naming_it(tmp_path, base):
+    inp, out = write(tmp_path / "in.jsonl", ROWS), tmp_path / "o.parquet"
+    _interrupted(inp, out, base, after=6)
+    committed = sorted(r for p in (tmp_path / "o.parquet.parts").glob("part-*") for r in pq.read_table(p)["row"].to_pylist())
+    edited = [dict(r) for r in ROWS]
+    edited[committed[1]]["prompt"] = "something else"
+    write(inp, edited)
+    line = one_line_cli_error(cli("run", inp, "-o", out, *base), EXIT_USAGE)
+    assert f"row {committed[1]} differs" in line and "--overwrite" in line
+    # --overwrite starts over on the new input
+    ok("run", inp, "-o", out, *base, "--overwrite")
+    assert [r["id"] for r in read(out)] == [r["id"] for r in edited]
+
+
+def test_a_deleted_first_line_is_refused(tmp_path, base):
+    inp, out = write(tmp_path / "in.jsonl", ROWS), tmp_path / "o.jsonl"
+    _interrupted(inp, out, base, after=6)
+    write(inp, ROWS[1:])
+    line = one_line_cli_error(cli("run", inp, "-o", out, *base), EXIT_USAGE)
+    assert re.search(r"row \d+ differs", line)
+    assert os.path.isdir(str(out) + ".parts") and not out.exists()
+
+
+def test_another_stdin_is_refused(tmp_path, base):
+    out = tmp_path / "s.parquet"
+    a = lines(ROWS[:5])
+    ok("run", "-", "-o", out, *base, input=a)
+    b = lines([{"id": "x", "prompt": "different"}] + ROWS[1:5])
+    line = one_line_cli_error(cli("run", "-", "-o", out, *base, input=b), EXIT_USAGE)
+    assert "<stdin>" in line and "rows 0-" in line and "differ" in line
+    # the same stdin again: complete, nothing changes
+    before = out.read_bytes()
+    ok("run", "-", "-o", out, *base, input=a)
+    assert out.read_bytes() == before
+    assert not [n for n in os.listdir(tmp_path) if ".stdin-" in n]
+
+
+def test_rows_appended_after_a_finished_job_are_generated(tmp_path, base):
+    inp, out = write(tmp_path / "in.jsonl", ROWS[:6]), tmp_path / "o.parquet"
+    ok("run", inp, "-o", out, *base)
+    first = read(out)
+    write(inp, ROWS)
+    stats = tmp_path / "s.json"
+    ok("run", inp, "-o", out, *base, "--stats-json", stats)
+    s = json.loads(stats.read_text())
+    assert s["resumed"] == 6 and s["requests"] == 6
+    rows = read(out)
+    assert [r["id"] for r in rows] == [r["id"] for r in ROWS] and rows[:6] == first
+
+
+# ---------------------------------------------------------------- the output
+
+def test_a_second_run_on_the_same_output_is_refused(tmp_path, base):
+    inp, out = write(tmp_path / "in.jsonl", ROWS), tmp_path / "c.parquet"
+    with OutputWriter(str(out), fingerprint={"held": True}):
+        line = one_line_cli_error(cli("run", inp, "-o", out, *base), EXIT_USAGE)
+    assert "in use by another specbatch run" in line and f"pid {os.getpid()}" in line
+    ok("run", inp, "-o", out, *base)
+    assert len(read(out)) == len(ROWS)
+
+
+@pytest.mark.parametrize("how", ["same", "relative", "link"])
+def test_the_input_is_never_the_output(tmp_path, base, how, monkeypatch):
+    inp = write(tmp_path / "same.jsonl", ROWS)
+    before = inp.read_bytes()
+    out = inp
+    if how == "relative":
+        monkeypatch.chdir(tmp_path)
+        out = "./sub/../same.jsonl"
+        os.mkdir(tmp_path / "sub")
+    elif how == "link":
+        out = tmp_path / "alias.jsonl"
+        os.symlink(inp, out)
+    for extra in ((), ("--overwrite",)):
+        line = one_line_cli_error(cli("run", inp, "-o", out, *base, *extra), EXIT_USAGE)
+        assert "is the input file" in line
+    assert inp.read_bytes() == before
+
+
+def test_output_on_stdout_in_input_order(tmp_path, base):
+    inp = write(tmp_path / "in.jsonl", ROWS)
+    r = ok("run", inp, "-o", "-", *base)
+    got = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [g["row"] for g in got] == list(range(len(ROWS))) and [g["id"] for g in got] == [x["id"] for x in ROWS]
+    ref = tmp_path / "ref.jsonl"
+    ok("run", inp, "-o", ref, *base)
+    assert [g["completion"] for g in got] == [x["completion"] for x in read(ref)]
+
+
+# ---------------------------------------------------------------- what the user sees
+
+def test_quiet_prints_nothing_and_logs_get_progress_lines(tmp_path, base):
+    inp = write(tmp_path / "in.jsonl", ROWS)
+    r = ok("run", inp, "-o", tmp_path / "q.parquet", *base)
+    assert r.stderr == ""
+    loud = [a for a in base if a != "-q"]
+    r = ok("run", inp, "-o", tmp_path / "l.parquet", *loud, "--progress-every", "0.1")
+    assert "started: 12 rows on cpu" in r.stderr
+    assert "output tokens/s" in r.stderr and "model load" in r.stderr
+    progress = [x for x in r.stderr.splitlines() if x.startswith("progress:")]
+    for p in progress:
+        assert re.match(r"progress: \d+/12 rows \(\d+\.\d%\), \d+ tok/s, 0 errors, accept \d\.\d\d, "
+                        r"elapsed \dm\d\ds, ETA \dm\d\ds$", p), p
+
+
+def test_version():
+    from specbatch import __version__
+
+    r = ok("--version")
+    assert r.stdout.strip() == f"specbatch {__version__}"
+
+
+def test_a_job_where_every_row_failed_exits_non_zero(tmp_path, base):
+    inp = write(tmp_path / "bad.jsonl", [{"prompt": ""}, {"prompt": 5}])
+    out = tmp_path / "bad.parquet"
+    line = one_line_cli_error(cli("run", inp, "-o", out, *base), EXIT_FAILED)
+    assert "every row failed (2 rows)" in line
+    assert [r["error"] is not None for r in read(out)] == [True, True]
+
+
+def test_stats_json_that_cannot_be_written_fails_before_the_job(tmp_path, base):
+    inp = write(tmp_path / "in.jsonl", ROWS)
+    blocker = tmp_path / "f"
+    blocker.write_text("")
+    line = one_line_cli_error(cli("run", inp, "-o", tmp_path / "o.parquet", *base, "--stats-json", blocker / "s.json"),
+                              EXIT_USAGE)
+    assert "--stats-json" in line and str(blocker) in line
+    assert not (tmp_path / "o.parquet").exists()
+
+
+@pytest.mark.parametrize("flag,value,expect", [("--top-p", "2", "--top-p: expected 0 < top_p <= 1"),
+                                                ("--temperature", "-1", "--temperature: expected a number >= 0"),
+                                                ("--batch-size", "0", "--batch-size: expected an integer >= 1")])
+def test_bad_flags_are_named_as_flags(tmp_path, base, flag, value, expect):
+    inp = write(tmp_path / "in.jsonl", ROWS)
+    line = one_line_cli_error(cli("run", inp, *base, flag, value), EXIT_USAGE)
+    assert expect in line and "sampling." not in line.split(":")[0]
