@@ -214,3 +214,96 @@ def test_hf_peer_matches_our_greedy_on_the_same_weights():
     rows = [RowRequest(row=i, id=str(i), prompt_token_ids=p) for i, p in enumerate(prompts)]
     recs = sorted(eng.generate(rows, SamplingDefaults(max_tokens=10, ignore_eos=True)), key=lambda r: r["row"])
     assert got == [r["output_token_ids"] for r in recs]
+
+
+# ---------------------------------------------------------------- small targets, failed points
+
+
+def test_bench_runs_a_two_layer_random_config(tmp_path):
+    # the published default aux layers (1, L//2-1, L-4) are (1, 0, -2) for L = 2: clamped to (1, 0, 0)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**TINY, "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+                               "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 128}))
+    res = run_bench(_tiny_opts(cfg, recipes=("eagle3_topk1", "eagle3_tree"), batch_sizes=(2,),
+                               simulate_acceptance=(1.0, 1.0, 1.0)), log=lambda m: None)
+    assert [p["recipe"] for p in res["points"]] == ["eagle3_topk1", "eagle3_tree"]
+    assert all(not p.get("failed") and p["tokens_per_s"] > 0 for p in res["points"]), res["points"]
+    assert res["points"][0]["accept_length"] == 4.0 and res["meta"]["failed_points"] == 0
+
+
+def test_bad_aux_layers_of_a_random_head_name_it_not_none():
+    from specbatch.spec.factory import SpecConfig, make_drafter
+
+    m = configs.random_target(TINY, torch.float32, "cpu")
+    hc = {**configs.head_config(TINY), "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}}
+    head = configs.random_eagle3(hc, m, torch.float32, "cpu")
+    with pytest.raises(ModelError) as e:
+        make_drafter(SpecConfig("eagle3", 3, 1, 4), m, 2, 32, head=head)
+    msg = str(e.value)
+    assert not msg.startswith("None") and "random-weight EAGLE3 head" in msg and "[1, 2, 9]" in msg
+
+
+def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tiny_config, tmp_path, monkeypatch):
+    from specbatch.bench import sweep
+
+    real = sweep._measure
+
+    def flaky(engine, prompts, *args):
+        if engine.opts.spec.algorithm == "eagle3" and len(prompts) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore text")
+        if engine.opts.spec.algorithm == "vanilla" and len(prompts) == 1:
+            raise RuntimeError("boom | at batch 1")
+        return real(engine, prompts, *args)
+
+    monkeypatch.setattr(sweep, "_measure", flaky)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["bench", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "-r", "eagle3_topk1", "--batch-sizes", "1,2,4", "--max-tokens", "8",
+                                 "--prompt-len", "16", "--device", "cpu", "--eager", "--no-hf",
+                                 "--simulate-acceptance", "1,1,1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "bench.json").read_text())
+    got = [(p["recipe"], p["batch_size"], bool(p.get("failed"))) for p in res["points"]]
+    assert got == [("vanilla", 1, True), ("vanilla", 2, False), ("vanilla", 4, False),
+                   ("eagle3_topk1", 1, False), ("eagle3_topk1", 2, True), ("eagle3_topk1", 4, False)]
+    assert res["meta"]["failed_points"] == 2
+    bad = {(p["recipe"], p["batch_size"]): p for p in res["points"] if p.get("failed")}
+    assert bad[("vanilla", 1)]["error"] == "RuntimeError: boom | at batch 1"
+    assert bad[("eagle3_topk1", 2)]["error"] == "out of GPU memory: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert all(p["tokens_per_s"] is None and p["speedup_vs_vanilla"] is None for p in bad.values())
+    ok = [p for p in res["points"] if not p.get("failed")]
+    assert all(p["tokens_per_s"] > 0 for p in ok)
+    assert [p["speedup_vs_vanilla"] is None for p in ok] == [False, False, True, False]   # no vanilla at 1
+    md = (out / "bench.md").read_text()
+    assert "| vanilla | 1 | failed: RuntimeError: boom \\| at batch 1 | - |" in md
+    assert "| eagle3_topk1 | 2 | failed: out of GPU memory: CUDA out of memory." in md
+    assert "2 point(s) failed" in md and md.count("| eagle3_topk1 |") == 3
+    assert "FAILED" in r.stderr
+
+
+def test_an_engine_that_cannot_be_built_fails_its_recipe_only(tiny_config, monkeypatch):
+    from specbatch.bench import sweep
+
+    real = sweep._engine
+
+    def no_tree(eopts, src, head):
+        if eopts.spec.topk == 4:
+            raise ValueError("no tree today")
+        return real(eopts, src, head)
+
+    monkeypatch.setattr(sweep, "_engine", no_tree)
+    res = run_bench(_tiny_opts(tiny_config, recipes=("eagle3_tree", "vanilla"), batch_sizes=(1, 2)),
+                    log=lambda m: None)
+    got = [(p["recipe"], p["batch_size"], p.get("error")) for p in res["points"]]
+    assert got == [("eagle3_tree", 1, "engine: ValueError: no tree today"),
+                   ("eagle3_tree", 2, "engine: ValueError: no tree today"),
+                   ("vanilla", 1, None), ("vanilla", 2, None)]
+
+
+def test_simulated_points_are_reproducible_and_carry_the_chain_formula(tiny_config):
+    opts = _tiny_opts(tiny_config, recipes=("eagle3_tree",), batch_sizes=(2,), max_tokens=24,
+                      simulate_acceptance=(0.8, 0.6, 0.45))
+    a, b = (run_bench(opts, log=lambda m: None)["points"][0] for _ in range(2))
+    assert a["accept_length"] == b["accept_length"]
+    assert a["acceptance_per_position"] == b["acceptance_per_position"]
+    assert a["simulated_chain_accept_length"] == pytest.approx(1 + 0.8 + 0.48 + 0.216)

@@ -375,15 +375,6 @@ def test_factory_aux_ids_out_of_range(tmp_path, target_dir, target):
                     d, "[-1, 1, 2]")
 
 
-def test_factory_default_aux_ids_too_shallow(tmp_path, tiny_model_factory):
-    t3_dir = tiny_model_factory("llama3")          # 3 layers: L - 4 < 0
-    t3, _ = load_target(t3_dir, "float32", "cpu")
-    assert t3.cfg.num_layers == 3
-    d = make_eagle3_head(tmp_path / "h", t3_dir)
-    one_line_model_error(lambda: make_drafter(SpecConfig("eagle3", 3, 1, 4, draft=str(d)), t3, 2, 32),
-                    d, "default", "3 layers", "-1")
-
-
 def test_factory_needs_a_draft(target):
     one_line_model_error(lambda: make_drafter(SpecConfig("eagle3", 3, 1, 4), target, 2, 32), "draft")
 
@@ -698,3 +689,26 @@ def test_reduced_vocab_needs_d2t_and_consistent_t2d(tmp_path, tiny_model_factory
         with pytest.raises(ModelError, match=msg) as e:
             load_eagle3(head_dir, target.cfg, target.model.embed_tokens, torch.float32, torch.device("cpu"))
         assert str(head_dir) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_default_aux_layers_fit_any_depth():
+    # published (1, L//2-1, L-4) wherever those ids exist; out-of-range ids clamped into 0..L-1
+    for L in range(1, 65):
+        ids = default_aux_layers(L)
+        assert len(ids) == 3 and all(0 <= i < L for i in ids), (L, ids)
+        if L >= 4:
+            assert ids == (1, L // 2 - 1, L - 4)
+    assert [default_aux_layers(L) for L in (1, 2, 3)] == [(0, 0, 0), (1, 0, 0), (1, 0, 0)]
+    with pytest.raises(ValueError):
+        default_aux_layers(0)
+
+
+def test_factory_default_aux_ids_on_a_shallow_target(tmp_path, tiny_model_factory):
+    # replaces test_factory_default_aux_ids_too_shallow: the default is now valid for any depth
+    t3_dir = tiny_model_factory("llama3")          # 3 layers: (1, 0, -1) clamped to (1, 0, 0)
+    t3, _ = load_target(t3_dir, "float32", "cpu")
+    d = make_eagle3_head(tmp_path / "h", t3_dir)
+    assert make_drafter(SpecConfig("eagle3", 3, 1, 4, draft=str(d)), t3, 2, 32).capture_layers == (1, 0, 0)
+    bad = make_eagle3_head(tmp_path / "bad", t3_dir, aux_ids=[0, 1, 3])   # named ids are not clamped
+    one_line_model_error(lambda: make_drafter(SpecConfig("eagle3", 3, 1, 4, draft=str(bad)), t3, 2, 32),
+                         bad, "eagle_aux_hidden_state_layer_ids", "3 layers", "[0, 1, 3]")

@@ -11,6 +11,18 @@ from typer.testing import CliRunner
 from specbatch.cli import app
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # toy shapes: a second thread only adds OpenMP waits, which on a busy 2-core box (CI) cost
+    # far more than the work itself (the pipeline itself runs its smoke stages on one thread)
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     work = tmp_path_factory.mktemp("demo")

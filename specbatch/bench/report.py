@@ -51,6 +51,11 @@ def markdown(result: dict[str, Any]) -> str:
     head, rows = table(result)
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    failed = [p for p in result["points"] if p.get("failed")]
+    if failed:
+        lines += ["", f"**{len(failed)} point(s) failed** (no figures; the sweep went on with the next):", ""]
+        lines += [f"- {p['recipe']}, batch {p['batch_size']}: {' '.join(str(p.get('error')).split())}"
+                  for p in failed]
     lines += ["", "tok/s: output tokens per second of the decode phase (cycles with every row active). "
               "Step ms: median cycle wall time; host = wall - (draft + verify + extend). Floor: the bytes "
               "a cycle must read (weights, embeddings excluded, plus the KV of the committed tokens; "
@@ -73,6 +78,10 @@ def table(result: dict[str, Any], short: bool = False) -> tuple[list[str], list[
     for p in result["points"]:
         peer = p["peer"]
         rate = p.get("tokens_per_s")
+        if p.get("failed"):
+            rows.append([p["recipe"], str(p["batch_size"]), _failed_cell(p.get("error"), short),
+                         *["-"] * (len(head) - 3)])
+            continue
         rows.append([
             p["recipe"], str(p["batch_size"]),
             _f(rate, ".1f") if rate is not None else p.get("error", "-"),
@@ -85,6 +94,14 @@ def table(result: dict[str, Any], short: bool = False) -> tuple[list[str], list[
             "-" if peer else _f(p["capture_s"], ".1f"),
         ])
     return head, rows
+
+
+def _failed_cell(error: str | None, short: bool) -> str:
+    """'failed: <error>' on one line: cut for a terminal (`short`), '|' escaped for markdown."""
+    text = " ".join(str(error or "error").split())
+    if short:
+        return "failed: " + (text[:57] + "..." if len(text) > 60 else text)
+    return "failed: " + text.replace("|", "\\|")
 
 
 def _f(v: float | None, fmt: str, suffix: str = "") -> str:

@@ -3,6 +3,11 @@
 One engine per recipe, sized for the largest batch (graphs are captured once); each point
 generates exactly `bs` rows so every slot is busy during decode. Only steady-state cycles (all
 `bs` rows active) count towards tokens/s and the step breakdown.
+
+A point that raises (out of memory at one batch size, any error of one recipe) does not end the
+sweep: it is recorded as a failed point (`failed`, `error`, no figures) and the next one runs, so
+what was measured before it still reaches the reports. Simulated acceptance draws from torch's
+default generator, seeded with `seed` before every point: a run is reproducible.
 """
 from __future__ import annotations
 
@@ -150,31 +155,100 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
         runs.append((recipe, spec, head, recipe.name, None))
         if opts.separate_graphs and spec.fused:
             runs.append((recipe, spec, head, f"{recipe.name} (separate graphs)", False))
+    noted: set[str] = set()       # recipes already noted as never reaching a simulated position
     for recipe, spec, head, name, fused in runs:
         sim = opts.simulate_acceptance if recipe.algorithm != "vanilla" else None
+        labels = dict(recipe=name, algorithm=recipe.algorithm, peer=False,
+                      acceptance=label if recipe.algorithm != "vanilla" else "none (vanilla)",
+                      simulated_acceptance=list(sim) if sim else None)
         eopts = EngineOptions(batch_size=sizes[-1], max_model_len=max_len, device=str(device),
                               spec=spec, graphs=opts.graphs, fused=fused, profile=True, simulate_acceptance=sim)
         log(f"{name}: building the engine for batch {sizes[-1]} ...")
-        engine = _engine(eopts, src, head)
-        if opts.warmup:
-            # First-call costs (allocator, kernel selection); smallest batch: its prefill is cheap.
-            warm = [RowRequest(row=i, id=str(i), prompt_token_ids=p) for i, p in enumerate(prompts[:sizes[0]])]
-            list(engine.generate(warm, SamplingDefaults(max_tokens=min(WARMUP_TOKENS, opts.max_tokens),
-                                                        ignore_eos=True)))
+        engine, error = None, None
+        try:
+            engine = _engine(eopts, src, head)
+            if opts.warmup:
+                # First-call costs (allocator, kernel selection); smallest batch: its prefill is cheap.
+                warm = [RowRequest(row=i, id=str(i), prompt_token_ids=p) for i, p in enumerate(prompts[:sizes[0]])]
+                list(engine.generate(warm, SamplingDefaults(max_tokens=min(WARMUP_TOKENS, opts.max_tokens),
+                                                            ignore_eos=True)))
+        except Exception as e:                          # noqa: BLE001 - recorded, the sweep goes on
+            error = ("warm-up: " if engine is not None else "engine: ") + failure_message(e)
+            engine = None
+        if engine is None:
+            _free(device)
+            for bs in sizes:                             # every point of this recipe fails the same way
+                points.append(failed_point(bs, error, **labels))
+            log(f"{name}: FAILED ({error}); going on with the next recipe")
+            continue
         for bs in sizes:
-            p = _measure(engine, prompts[:bs], opts, sizes[-1], bandwidth)
-            p.update(recipe=name, algorithm=recipe.algorithm, peer=False, fused_graph=engine.fused,
-                     acceptance=label if recipe.algorithm != "vanilla" else "none (vanilla)",
-                     simulated_acceptance=list(sim) if sim else None)
+            try:
+                p = _measure(engine, prompts[:bs], opts, sizes[-1], bandwidth)
+            except Exception as e:                      # noqa: BLE001 - recorded, the sweep goes on
+                p = failed_point(bs, failure_message(e), **labels)
+            p.update(labels, fused_graph=engine.fused)
+            if p.get("failed"):
+                _free(device)
+                log(f"{name} bs={bs}: FAILED ({p['error']})")
+            else:
+                if sim:
+                    p["simulated_chain_accept_length"] = chain_accept_length(sim, engine.drafter.max_depth)
+                log(f"{name} bs={bs}: {p['tokens_per_s']:.1f} tok/s, accept {p['accept_length']:.2f} "
+                    f"({label if sim else 'measured'}), step {p['step_ms']:.2f} ms, floor {p['floor_ms']:.2f} ms")
+                if sim and name not in noted:
+                    note = _unreached_note(sim, p)
+                    if note:
+                        noted.add(name)
+                        log(f"note: {name}: {note}")
             points.append(p)
-            log(f"{name} bs={bs}: {p['tokens_per_s']:.1f} tok/s, accept {p['accept_length']:.2f} "
-                f"({label if sim else 'measured'}), step {p['step_ms']:.2f} ms, floor {p['floor_ms']:.2f} ms")
         del engine
         _free(device)
     if opts.hf:
         points += _hf_points(src, prompts, [b for b in sizes if b <= opts.hf_max_batch], opts, log)
     _speedups(points)
+    meta["failed_points"] = sum(1 for p in points if p.get("failed"))
     return {"meta": meta, "points": points}
+
+
+def failure_message(e: BaseException) -> str:
+    """One line for a point that raised: out-of-memory errors shortened, others as
+    `Type: message` (BenchError: just the message)."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return "out of GPU memory: " + (str(e).strip().splitlines() or [""])[0][:200]
+    text = " ".join(str(e).split())
+    if isinstance(e, BenchError):
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def failed_point(bs: int, error: str, **labels: Any) -> dict[str, Any]:
+    """The record of a (recipe, batch size) that could not be measured: its error, no figures."""
+    return {"batch_size": bs, **labels, "failed": True, "error": error, "tokens_per_s": None,
+            "speedup_vs_vanilla": None}
+
+
+def _unreached_note(sim: tuple[float, ...], p: dict[str, Any]) -> str | None:
+    """A note when no cycle accepted a draft at a position whose simulated probability is > 0
+    although the position before was reached: the proposals' trees are likely shallower there."""
+    rates = p.get("acceptance_per_position") or []
+    for d in range(1, min(len(sim), len(rates))):
+        if sim[d] > 0 and rates[d] == 0 and rates[d - 1] > 0:
+            return (f"no cycle accepted a draft at position {d + 1} although P{d + 1} = {sim[d]:g}: its "
+                    f"trees likely never reach depth {d + 1} (random drafts are near-uniform, so a top-N "
+                    f"tree is wide and shallow), so accept length {p['accept_length']:.2f} falls short of "
+                    f"{p['simulated_chain_accept_length']:.2f} (1 + P1 + P1P2 + ... over every position)")
+    return None
+
+
+def chain_accept_length(sim: tuple[float, ...], depth: int) -> float:
+    """1 + P1 + P1 P2 + ... over `depth` positions (past the profile: 0): the mean emitted tokens
+    per cycle the profile gives a proposal reaching that depth. A tree whose deepest node is
+    shallower (random-weight trees favour width) gets less: compare with accept_length."""
+    total, run = 1.0, 1.0
+    for d in range(depth):
+        run *= sim[d] if d < len(sim) else 0.0
+        total += run
+    return total
 
 
 # ---- sources and prompts ---------------------------------------------------------------------
@@ -278,6 +352,7 @@ def _measure(engine: Engine, prompts: list[list[int]], opts: BenchOptions, max_b
         torch.cuda.synchronize(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
     engine.cycle_times.clear()
+    torch.manual_seed(opts.seed)              # simulated acceptance draws from the default generator
     t0 = time.perf_counter()
     recs = list(engine.generate(rows, defaults))
     wall = time.perf_counter() - t0
@@ -355,12 +430,19 @@ def _cycle_bytes(engine: Engine, bs: int, mean_len: float) -> tuple[int, float]:
 def _hf_points(src: Source, prompts: list[list[int]], sizes: list[int], opts: BenchOptions,
                log: Log) -> list[dict[str, Any]]:
     log(f"{PEER_NAME}: batch sizes {', '.join(map(str, sizes)) or 'none'} (--hf-max-batch {opts.hf_max_batch})")
-    hf = hf_model(src.cfg_dict, src.model)
+    labels = dict(recipe=PEER_NAME, algorithm="vanilla", peer=True, acceptance="none (vanilla)",
+                  simulated_acceptance=None)
     device = src.model.lm_head.weight.device
+    try:
+        hf = hf_model(src.cfg_dict, src.model)
+    except Exception as e:                              # noqa: BLE001 - recorded, the bench goes on
+        error = "transformers model: " + failure_message(e)
+        _free(device)
+        log(f"{PEER_NAME}: FAILED ({error})")
+        return [failed_point(bs, error, **labels) for bs in sizes]
     points = []
     for bs in sizes:
-        p: dict[str, Any] = {"recipe": PEER_NAME, "algorithm": "vanilla", "peer": True, "batch_size": bs,
-                             "acceptance": "none (vanilla)", "simulated_acceptance": None}
+        p: dict[str, Any] = {**labels, "batch_size": bs}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         try:
@@ -368,7 +450,10 @@ def _hf_points(src: Source, prompts: list[list[int]], sizes: list[int], opts: Be
             if p["tokens_per_s"] is None:
                 p["error"] = "timing noise"
         except torch.cuda.OutOfMemoryError:
-            p["tokens_per_s"], p["error"] = None, "out of memory"
+            p.update(tokens_per_s=None, failed=True, error="out of memory")
+            _free(device)
+        except Exception as e:                          # noqa: BLE001 - recorded, the bench goes on
+            p.update(tokens_per_s=None, failed=True, error=failure_message(e))
             _free(device)
         if device.type == "cuda":
             p["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))

@@ -43,8 +43,16 @@ class Eagle3Config:
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """Outputs of target layers 1, L//2 - 1 and L - 4 (the layout EAGLE3 heads are trained on)."""
-    return (1, num_layers // 2 - 1, num_layers - 4)
+    """Outputs of target layers 1, L//2 - 1 and L - 4 (the layout EAGLE3 heads are trained on),
+    each clamped into 0..L-1 so that any target of L >= 1 layers gets three valid ids.
+
+    The published values are valid, and kept as they are, for L >= 4 (L = 4: (1, 1, 0)); below
+    that an out-of-range id is clamped to the nearest layer: L = 3 and L = 2: (1, 0, 0), L = 1:
+    (0, 0, 0). Only random-weight or hand-built heads on such toy targets rely on this (a trained
+    head names its layers in eagle_aux_hidden_state_layer_ids)."""
+    if num_layers < 1:
+        raise ValueError(f"a target needs at least one layer (got {num_layers})")
+    return tuple(min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4))
 
 
 class Eagle3Layer(nn.Module):

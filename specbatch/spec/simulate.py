@@ -1,10 +1,24 @@
 """Simulated acceptance, for `specbatch bench` only: step times of a draft at real shapes with
 random weights (whose drafts the target never accepts) under a chosen acceptance profile.
 
-The d-th draft along the first-child path of the tree is accepted with probability probs[d-1]
-given that the drafts before it were; the token after the last accepted draft is the target's
-greedy choice at that node. Outputs are meaningless text; cycle costs (verify width, KV
-compaction, catch-up length) are exactly those of a real run with these acceptance rates.
+The walk starts at the root and, at each node, considers ONE child: the one on the path to the
+deepest node of the tree (the first such child in node order when several subtrees are equally
+deep; for a chain, the next node). That child, the d-th draft of the walk, is accepted with
+probability probs[d-1] given that the drafts before it were; the token after the last accepted
+draft is the target's greedy choice at that node. So for a tree whose deepest node is at depth D
+the mean number of emitted tokens is exactly 1 + P1 + P1 P2 + ... + P1...PD: the chain formula
+truncated at D. Positions past D cannot be accepted because the tree verified no draft there: an
+honest property of the proposal, not of the profile. (Random-weight EAGLE3 heads draft near-uniform
+distributions, so their top-N trees favour width: eagle3_tree (k 4, S 5, N 8) proposes 4 nodes at
+depth 1 and 3 at depth 2, D = 2, and a profile's P3 never applies there.)
+
+Following the deepest path (not the first child) matters for trees whose deep branch is not the
+first one: a first-child walk would stop short of the depth the tree holds.
+
+The uniforms come from `generator` (or torch's default generator when None, which CUDA graphs
+replay correctly and the bench seeds before every point), so a seeded run is reproducible.
+Outputs are meaningless text; cycle costs (verify width, KV compaction, catch-up length) are
+exactly those of a real run with these acceptance rates.
 """
 from __future__ import annotations
 
@@ -14,24 +28,39 @@ from .accept import Acceptance
 from .drafter import Proposal
 
 
+def deepest_child(parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents / depths [B, N] -> (child [B, N], has_child [B, N]): for every node, its child whose
+    subtree reaches deepest (ties: the first in node order). Pure tensor work (graph-safe)."""
+    B, N = parents.shape
+    dev = parents.device
+    # height[n]: the greatest depth in n's subtree, pushed up one level per pass
+    height = depths.clone()
+    up = parents.clamp(min=0)                           # the root (-1) folds into itself: harmless
+    for _ in range(max_depth):
+        height = height.scatter_reduce(1, up, height, reduce="amax", include_self=True)
+    kids_of = parents[:, None, :] == torch.arange(N, device=dev)[None, :, None]        # [B, n, c]
+    score = height[:, None, :].expand(B, N, N).masked_fill(~kids_of, -1)
+    return score.argmax(dim=2), kids_of.any(dim=2)     # argmax: the first of equal maxima
+
+
 def simulate_acceptance(prop: Proposal, target_argmax: torch.Tensor, probs: torch.Tensor,
-                        max_depth: int) -> Acceptance:
-    """target_argmax [B, N], probs [max_depth] float32 (conditional per-position acceptance)."""
+                        max_depth: int, generator: torch.Generator | None = None) -> Acceptance:
+    """target_argmax [B, N], probs [<= max_depth] float32 (conditional per-position acceptance;
+    positions past the list: 0); `generator`: where the acceptance uniforms come from (None: torch's default generator)."""
     B, N = prop.tokens.shape
     dev = prop.tokens.device
     rows = torch.arange(B, device=dev)
-    kids_of = prop.parents[:, None, :] == torch.arange(N, device=dev)[None, :, None]   # [B, N, N]
-    has_child = kids_of.any(dim=2)
-    first_child = kids_of.to(torch.int8).argmax(dim=2)
-    u = torch.rand(B, max_depth + 1, device=dev)
-    accept_p = torch.cat([probs, probs.new_zeros(1)])                                   # no child past the deepest level
+    child_of, has_child = deepest_child(prop.parents, prop.depths, max_depth)
+    u = torch.rand(B, max_depth + 1, device=dev, generator=generator)
+    p = probs.float()[:max_depth]
+    accept_p = torch.cat([p, p.new_zeros(max_depth + 1 - p.numel())])     # none past the list / deepest level
     cur = torch.zeros(B, dtype=torch.int64, device=dev)
     alive = torch.ones(B, dtype=torch.bool, device=dev)
     num = torch.zeros(B, dtype=torch.int64, device=dev)
     tokens = torch.zeros(B, max_depth + 1, dtype=torch.int64, device=dev)
     path = torch.zeros(B, max_depth + 1, dtype=torch.int64, device=dev)
     for d in range(max_depth + 1):
-        child = first_child[rows, cur]
+        child = child_of[rows, cur]
         ok = has_child[rows, cur] & (u[:, d] < accept_p[d])
         tok = torch.where(ok, prop.tokens[rows, child], target_argmax[rows, cur])
         tokens[:, d] = torch.where(alive, tok, tokens[:, d])

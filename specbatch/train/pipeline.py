@@ -51,6 +51,22 @@ def build_demo(work_dir: str | Path, *, stages: tuple[str, ...] = STAGES, smoke:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     report_path = work / "pipeline.json"
     report: dict[str, Any] = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    threads = torch.get_num_threads()
+    if smoke:
+        # Toy shapes: one thread. Ops this small gain nothing from a second one, and on a busy
+        # 2-core box (CI, tests in parallel) OpenMP workers waiting on each other made a training
+        # step ~15x slower (27 ms -> 470 ms).
+        torch.set_num_threads(1)
+    try:
+        _run_stages(work, stages, smoke, device, bundle_dir, seed, log, report, report_path)
+    finally:
+        torch.set_num_threads(threads)
+    return report
+
+
+def _run_stages(work: Path, stages: tuple[str, ...], smoke: bool, device: str,
+                bundle_dir: str | Path | None, seed: int, log: Callable[[str], None],
+                report: dict[str, Any], report_path: Path) -> None:
     for stage in stages:
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r} (stages: {', '.join(STAGES)})")
@@ -69,14 +85,14 @@ def build_demo(work_dir: str | Path, *, stages: tuple[str, ...] = STAGES, smoke:
             from .eagle3 import train_eagle3
 
             kw = dict(draft_vocab=128, aux_layers=(0, 1, 3), seq_len=64, batch_size=8, steps=40, lr=3e-3,
-                      warmup=5, eval_every=20) if smoke else dict(EAGLE3_RUN)
+                      warmup=5, eval_every=20, eval_windows=32) if smoke else dict(EAGLE3_RUN)
             metrics = train_eagle3(work / "target", work / "tokens", work / "eagle3", seed=seed,
                                    device=device, log=log, **kw)
         elif stage == "mtp":
             from .mtp import train_mtp
 
             kw = dict(ttt_steps=3, seq_len=64, batch_size=8, steps=40, lr=3e-3, warmup=5,
-                      eval_every=20) if smoke else dict(MTP_RUN)
+                      eval_every=20, eval_windows=32) if smoke else dict(MTP_RUN)
             metrics = train_mtp(work / "target", work / "tokens", work / "mtp", seed=seed,
                                 device=device, log=log, **kw)
         else:
@@ -85,7 +101,6 @@ def build_demo(work_dir: str | Path, *, stages: tuple[str, ...] = STAGES, smoke:
         metrics = {**metrics, "stage_seconds": round(time.perf_counter() - t0, 2)}
         report[stage] = metrics
         report_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    return report
 
 
 def _tokenizer(work: Path, smoke: bool) -> dict[str, Any]:
