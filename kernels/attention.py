@@ -1,15 +1,22 @@
-"""Triton attention over the static slot KV cache: decode, chain / tree verify and draft steps.
+"""Triton attention over the slot KV cache (static or paged): prefill, decode, chain / tree verify
+and draft steps.
 
 The same operation as `specbatch.models.attention.attend` (kept import-free of it: kernels stay a
 leaf). Sequence b brings T new tokens; token t reads rows l < prefix_b + M of cache slot slots[b]:
 every committed row l < prefix_b (within a sliding window when given), and region row
 m = l - prefix_b when tree_mask[b, t, m] (tree) or m <= write_offset + t (causal).
 
-One program per (sequence, kv head, split) takes all T*G query rows of its kv head as one tile,
-so K/V are read once per kv head (GQA). A split walks its contiguous chunk of BLOCK_N-row blocks,
-computed in the kernel from the slot's own row count: short sequences never loop over the host
-bound. With several splits, partial (acc, max, sum) go to fp32 scratch and a second kernel merges
-them (log-sum-exp). No host sync and no device-dependent allocation: capturable in a CUDA graph.
+One program per (sequence, kv head, query tile, split) takes up to BLOCK_M of the T*G query rows
+of its kv head as one tile, so K/V are read once per kv head and tile (GQA). Few new tokens
+(decode, verify, draft steps) fit one tile; a prefill's T tokens span T*G / BLOCK_M tiles, each
+reading only the rows its causal mask reaches (flash attention: no mask is materialised). A
+split walks its contiguous chunk of BLOCK_N-row blocks, computed in the kernel from the slot's
+own row count: short sequences never loop over the host bound. With several splits, partial
+(acc, max, sum) go to fp32 scratch and a second kernel merges them (log-sum-exp). No host sync
+and no device-dependent allocation: capturable in a CUDA graph.
+
+Paged caches: k_cache / v_cache are [pages, P, Hkv, D] and cache row l of slot s lives at row
+l % P of page page_table[s, l // P]; without a page table they are [slots, L, Hkv, D].
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_QUERY_ROWS = 128    # T * G per program; larger T goes to SDPA (the caller dispatches)
+MAX_QUERY_ROWS = 128    # T * G rows per query tile
 MAX_HEAD_DIM = 256
 _WAVES = 2              # aim for >= this many programs per SM before splitting stops
 _MIN_BLOCKS_PER_SPLIT = 2
@@ -32,30 +39,30 @@ _NUM_STAGES = 3         # K/V tiles in flight: 2 prefetched (~70 KB shared at bf
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
 
-@triton.jit(do_not_specialize=["region", "write_offset", "smb", "smt", "smm"])
+@triton.jit(do_not_specialize=["T", "n_splits", "region", "write_offset", "smb", "smt", "smm", "s_pt"])
 def _slot_attn_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, prefix_ptr, mask_ptr, pos_ptr, out_ptr, pacc_ptr, pm_ptr, pl_ptr,
-    region, write_offset, window, qk_scale,
-    s_slot, s_pre,
+    pt_ptr, T, n_splits, region, write_offset, window, qk_scale,
+    s_slot, s_pre, s_pt,
     sqb, sqt, sqh, sqd,
     sks, skl, skh, skd,
     svs, svl, svh, svd,
     smb, smt, smm,
     spb, spt,
     sob, sot, soh, sod,
-    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     TREE: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.program_id(2)
+    tile = tl.program_id(2) // n_splits
+    s = tl.program_id(2) % n_splits
     n_heads = tl.num_programs(1)
-    n_splits = tl.num_programs(2)
 
     # Query row r = t * G + g: new token t, query head h * G + g (the GQA group of kv head h).
-    rows = tl.arange(0, BLOCK_M)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     t = rows // G
     row_ok = rows < T * G
     qh = h * G + rows % G
@@ -69,6 +76,10 @@ def _slot_attn_kernel(
     slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)      # int64: slot * stride can pass 2**31 elements
     prefix = tl.load(prefix_ptr + b * s_pre).to(tl.int32)
     n_rows = prefix + region                         # rows this slot reads (device value)
+    if not TREE:
+        # causal: the tile's last token reads up to its own row
+        t_last = (tl.minimum(tile * BLOCK_M + BLOCK_M, T * G) - 1) // G
+        n_rows = tl.minimum(n_rows, prefix + write_offset + t_last + 1)
 
     lo = prefix * 0
     if WINDOW:
@@ -85,8 +96,11 @@ def _slot_attn_kernel(
     end = tl.minimum(start + per_split, blk_lo + n_blk)
 
     p_dtype = v_ptr.dtype.element_ty                 # p meets V rounded to the cache dtype
-    k_base = k_ptr + slot * sks + h * skh
-    v_base = v_ptr + slot * svs + h * svh
+    k_base = k_ptr + h * skh
+    v_base = v_ptr + h * svh
+    if not PAGED:
+        k_base += slot * sks
+        v_base += slot * svs
     # Finite start: a row that has seen nothing keeps alpha = 1 and p = 0 (no inf - inf).
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)    # running max, log2 domain
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -96,8 +110,15 @@ def _slot_attn_kernel(
         col_ok = cols < n_rows
         kv_ok = col_ok[:, None] & d_ok[None, :]
         # Unread rows may hold anything (NaN): masked loads give 0 there.
-        k = tl.load(k_base + cols[:, None] * skl + dd[None, :] * skd, mask=kv_ok, other=0.0)
-        v = tl.load(v_base + cols[:, None] * svl + dd[None, :] * svd, mask=kv_ok, other=0.0)
+        if PAGED:
+            page = tl.load(pt_ptr + slot * s_pt + cols // PAGE, mask=col_ok, other=0).to(tl.int64)
+            k_rows = page * sks + (cols % PAGE) * skl
+            v_rows = page * svs + (cols % PAGE) * svl
+        else:
+            k_rows = cols * skl
+            v_rows = cols * svl
+        k = tl.load(k_base + k_rows[:, None] + dd[None, :] * skd, mask=kv_ok, other=0.0)
+        v = tl.load(v_base + v_rows[:, None] + dd[None, :] * svd, mask=kv_ok, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -200,12 +221,14 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    prefix_lens: torch.Tensor, scale: float, *, tree_mask: torch.Tensor | None = None,
                    write_offset: int = 0, positions: torch.Tensor | None = None,
                    sliding_window: int | None = None, max_rows: int | None = None,
-                   num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                   num_splits: int | None = None, out: torch.Tensor | None = None,
+                   page_table: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, T, Hq, D] over caches [S, L, Hkv, D] -> out [B, T, Hq, D] (q's dtype).
 
     slots, prefix_lens [B] int64; tree_mask [B, T, M] bool (None = causal over write_offset + T
     region rows); positions [B, T] (only read with sliding_window); max_rows: host bound on
-    prefix_b + M, for the split choice only (default: the cache length).
+    prefix_b + M, for the split choice only (default: the cache length). page_table [S, pages
+    per slot] (int): the caches are paged, [pages, P, Hkv, D].
     """
     B, T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -215,14 +238,14 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             or v_cache.dtype != q.dtype:
         raise ValueError(f"dtypes q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}: need one of bf16/fp16/fp32")
     G = Hq // Hkv
-    if T * G > MAX_QUERY_ROWS:
-        raise ValueError(f"T * G = {T * G} query rows per kv head > {MAX_QUERY_ROWS}: use SDPA")
     if D > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {D} > {MAX_HEAD_DIM}")
     tree = tree_mask is not None
     region = tree_mask.shape[2] if tree else write_offset + T
     if tree and tuple(tree_mask.shape[:2]) != (B, T):
         raise ValueError(f"tree_mask {tuple(tree_mask.shape)} does not match q {tuple(q.shape)}")
+    if tree and T * G > MAX_QUERY_ROWS:
+        raise ValueError(f"tree verify with T * G = {T * G} query rows > {MAX_QUERY_ROWS}")
     if sliding_window is not None:
         if positions is None:
             raise ValueError("sliding_window needs positions")
@@ -230,15 +253,19 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             raise ValueError(f"sliding window {sliding_window} not wider than the region ({region} rows)")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if B == 0:
+    if B == 0 or T == 0:
         return out
 
-    BLOCK_M = max(16, triton.next_power_of_2(T * G))
+    BLOCK_M = min(MAX_QUERY_ROWS, max(16, triton.next_power_of_2(T * G)))
+    n_tiles = triton.cdiv(T * G, BLOCK_M)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_N, warps, stages = _config(BLOCK_M, BLOCK_D, q.element_size())
     if num_splits is None:
-        num_splits = choose_splits(B * Hkv, max_rows if max_rows is not None else k_cache.shape[1],
-                                   BLOCK_N, q.device)
+        rows_bound = max_rows if max_rows is not None else (
+            page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1])
+        num_splits = 1 if n_tiles > 1 else choose_splits(B * Hkv, rows_bound, BLOCK_N, q.device)
+    if n_tiles > 1 and num_splits > 1:
+        raise ValueError("splits are for one query tile (decode / verify), not prefills")
     split = num_splits > 1
     if split:
         pacc = torch.empty(B, Hkv, num_splits, T * G, D, dtype=torch.float32, device=q.device)
@@ -252,16 +279,19 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     pos = positions if positions is not None else slots
     spos = positions.stride() if positions is not None else (0, 0)
     window = sliding_window if sliding_window is not None else 0
+    paged = page_table is not None
+    pt = page_table if paged else slots
 
-    _slot_attn_kernel[(B, Hkv, num_splits)](
+    _slot_attn_kernel[(B, Hkv, n_tiles * num_splits)](
         q, k_cache, v_cache, slots, prefix_lens, mask, pos, out, pacc, pm, pl,
-        region, write_offset, window, scale * 1.4426950408889634,      # log2(e): exp2 domain
-        slots.stride(0), prefix_lens.stride(0),
+        pt, T, num_splits, region, write_offset, window, scale * 1.4426950408889634,      # log2(e): exp2 domain
+        slots.stride(0), prefix_lens.stride(0), pt.stride(0) if paged else 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *smask, *spos, *out.stride(),
-        T=T, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         TREE=tree, WINDOW=sliding_window is not None, SPLIT=split,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",      # fp32: exact, like the torch path
-        UPCAST=_INTERPRET and q.dtype == torch.bfloat16, num_warps=warps, num_stages=stages,
+        UPCAST=_INTERPRET and q.dtype == torch.bfloat16, PAGED=paged,
+        PAGE=k_cache.shape[1] if paged else 1, num_warps=warps, num_stages=stages,
     )
     if split:
         _combine_kernel[(B, Hkv)](

@@ -25,9 +25,10 @@ import triton.language as tl
 TILE = 4096          # elements a program holds: (rows of the path) x (chunk of one Hkv * D row)
 
 
-@triton.jit(do_not_specialize=["W"])
+@triton.jit(do_not_specialize=["W", "s_pt"])
 def _compact_kernel(kv_ptr, s_plane, s_slot, s_row, slots_ptr, start_ptr, path_ptr, s_path,
-                    num_ptr, W, E, WB: tl.constexpr, BLOCK: tl.constexpr):
+                    num_ptr, W, E, pt_ptr, s_pt, WB: tl.constexpr, BLOCK: tl.constexpr,
+                    PAGED: tl.constexpr, PAGE: tl.constexpr):
     b = tl.program_id(0)
     plane = tl.program_id(1).to(tl.int64)
     offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)             # [BLOCK] within the row
@@ -38,15 +39,26 @@ def _compact_kernel(kv_ptr, s_plane, s_slot, s_row, slots_ptr, start_ptr, path_p
     src = tl.load(path_ptr + b * s_path + j, mask=j < W, other=0)
     move = (j < W) & (j < n) & (src != j)                             # rows past num stay put
     mask = move[:, None] & (offs < E)[None, :]                        # [WB, BLOCK]
-    base = kv_ptr + plane * s_plane + slot * s_slot
-    rows = tl.load(base + (start + src)[:, None] * s_row + offs[None, :], mask=mask)
+    base = kv_ptr + plane * s_plane
+    src_row = start + src
+    dst_row = start + j
+    if PAGED:                                      # slot rows -> (page, row in page)
+        src_at = tl.load(pt_ptr + slot * s_pt + src_row // PAGE, mask=j < W, other=0).to(tl.int64) * s_slot \
+            + (src_row % PAGE) * s_row
+        dst_at = tl.load(pt_ptr + slot * s_pt + dst_row // PAGE, mask=j < W, other=0).to(tl.int64) * s_slot \
+            + (dst_row % PAGE) * s_row
+    else:
+        src_at = slot * s_slot + src_row * s_row
+        dst_at = slot * s_slot + dst_row * s_row
+    rows = tl.load(base + src_at[:, None] + offs[None, :], mask=mask)
     tl.debug_barrier()                                                # every source read first
-    tl.store(base + (start + j)[:, None] * s_row + offs[None, :], rows, mask=mask)
+    tl.store(base + dst_at[:, None] + offs[None, :], rows, mask=mask)
 
 
 def compact_path(kv: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, path: torch.Tensor,
-                 num: torch.Tensor, *, block: int | None = None) -> None:
+                 num: torch.Tensor, *, block: int | None = None, page_table: torch.Tensor | None = None) -> None:
     """kv [P, S, rows, Hkv, D] (KVCache.data), slots / start / num [B] int64, path [B, W] int64.
+    With `page_table` [S, pages per slot], kv is paged: [P, pages, page rows, Hkv, D].
 
     In place; graph-capturable. kv's last two dims must be contiguous. block: elements of a
     Hkv * D row per program (default: TILE / path rows; a tuning knob).
@@ -63,5 +75,8 @@ def compact_path(kv: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, pat
     WB = triton.next_power_of_2(W)
     block = min(block or max(32, TILE // WB), triton.next_power_of_2(E))
     grid = (B, P, triton.cdiv(E, block))
+    paged = page_table is not None
     _compact_kernel[grid](kv, kv.stride(0), kv.stride(1), kv.stride(2), slots, start, path,
-                          path.stride(0), num, W, E, WB=WB, BLOCK=block, num_warps=4)
+                          path.stride(0), num, W, E, page_table if paged else slots,
+                          page_table.stride(0) if paged else 0, WB=WB, BLOCK=block,
+                          PAGED=paged, PAGE=kv.shape[2] if paged else 1, num_warps=4)

@@ -50,14 +50,14 @@ def _rotate(x1, x2, c, s, DT: tl.constexpr, PRECISE: tl.constexpr):
     return round_to(a1 - b1, DT, PRECISE), round_to(a2 + b2, DT, PRECISE)
 
 
-@triton.jit(do_not_specialize=["T", "spb", "spt", "ssb", "srb", "srt"])
+@triton.jit(do_not_specialize=["T", "spb", "spt", "ssb", "srb", "srt", "s_pt"])
 def _rope_kv_kernel(q_ptr, sqb, sqt, sqh, k_ptr, skb, skt, skh, v_ptr, svb, svt, svh,
                     pos_ptr, spb, spt, inv_ptr, slot_ptr, ssb, row_ptr, srb, srt,
                     kc_ptr, skc0, skc1, skc2, vc_ptr, svc0, svc1, svc2,
-                    qo_ptr, sob, sot, soh, T,
+                    qo_ptr, sob, sot, soh, T, pt_ptr, s_pt,
                     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                     HALF_BLOCK: tl.constexpr, HB: tl.constexpr, NQG: tl.constexpr,
-                    PRECISE: tl.constexpr):
+                    PRECISE: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
     tok = tl.program_id(0)
     grp = tl.program_id(1)
     b = (tok // T).to(tl.int64)
@@ -90,6 +90,9 @@ def _rope_kv_kernel(q_ptr, sqb, sqt, sqh, k_ptr, skb, skt, skh, v_ptr, svb, svt,
         m = (h < HKV)[:, None] & dm[None, :]
         slot = tl.load(slot_ptr + b * ssb)                               # int64
         row = tl.load(row_ptr + b * srb + t * srt)
+        if PAGED:                                # (page, row in page) instead of (slot, row)
+            slot = tl.load(pt_ptr + slot * s_pt + row // PAGE).to(tl.int64)
+            row = row % PAGE
         src = k_ptr + b * skb + t * skt + h[:, None] * skh + dd
         x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
@@ -115,7 +118,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
                   inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor, rows: torch.Tensor, q_out: torch.Tensor | None = None,
                   *, heads_per_program: int | None = None, num_warps: int | None = None,
-                  ) -> torch.Tensor:
+                  page_table: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate q [B, T, Hq, D] and k [B, T, Hkv, D] at `positions` [B, T] (int) with `inv_freq`
     [D/2] float32; write rotated k and v [B, T, Hkv, D] to k_cache / v_cache [S, L, Hkv, D] at
     (slots[b], rows[b, t]); -> rotated q (q_out, or a new contiguous [B, T, Hq, D]).
@@ -123,7 +126,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     q, k, v may be strided views (e.g. slices of one fused qkv GEMM output); every last dim must
     have unit stride (inputs are copied otherwise). q, k, v share one dtype, which cos / sin are
     rounded to (the model dtype, as in rope_cos_sin). Graph-capturable; one compile per head
-    shape and dtypes, none per B or T.
+    shape and dtypes, none per B or T. With `page_table` [S, pages per slot] the caches are
+    pages [pages, P, Hkv, D] and row r of slot s is row r % P of page page_table[s, r // P].
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("rope_write_kv: q, k, v must be [B, T, heads, D]")
@@ -164,6 +168,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         q_out, q_out.stride(0), q_out.stride(1), q_out.stride(2), T,
+        page_table if page_table is not None else slots, page_table.stride(0) if page_table is not None else 0,
         HQ=Hq, HKV=Hkv, HALF=D // 2, HALF_BLOCK=half_block, HB=hb, NQG=nqg, PRECISE=q.is_cuda,
+        PAGED=page_table is not None, PAGE=k_cache.shape[1] if page_table is not None else 1,
         num_warps=num_warps, enable_fp_fusion=False)
     return q_out

@@ -135,12 +135,49 @@ def test_default_splits_and_empty_splits_interpreter():
     check(case, num_splits=7)
 
 
-def test_rejects_too_many_query_rows():
+def test_rejects_a_tree_over_one_query_tile():
     q = torch.zeros(1, 33, 8, 16)
     kv = torch.zeros(2, 2, 64, 2, 16)
     lens = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="query rows"):
-        slot_attention(q, kv[0], kv[1], lens, lens, 1.0)
+        slot_attention(q, kv[0], kv[1], lens, lens, 1.0, tree_mask=torch.ones(1, 33, 33, dtype=torch.bool))
+
+
+def to_pages(kv: torch.Tensor, page: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A static cache [2, S, L, H, D] as a paged pool [2, pages, page, H, D] (pages shuffled, a
+    NaN-filled spare page 0) and its page table [S, L / page]."""
+    planes, S, L, H, D = kv.shape
+    per = -(-L // page)
+    padded = torch.full((planes, S, per * page, H, D), float("nan"), dtype=kv.dtype, device=kv.device)
+    padded[:, :, :L] = kv
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(S * per, generator=gen) + 1                  # page 0 stays spare
+    pool = torch.full((planes, S * per + 1, page, H, D), float("nan"), dtype=kv.dtype, device=kv.device)
+    pool[:, order.to(kv.device)] = padded.reshape(planes, S * per, page, H, D)
+    return pool, order.view(S, per).to(torch.int32).to(kv.device)
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,prefix,mode,off,page", [
+    (3, 1, 8, 2, [0, 37, 130], "causal", 0, 16),          # decode over pages
+    (2, 5, 4, 1, [0, 66], "tree", 0, 8),                   # tree verify over pages
+    (2, 2, 4, 2, [40, 129], "draft", 4, 16),
+    (2, 40, 8, 2, [0, 21], "causal", 0, 16),               # a prefill of 2 query tiles (160 rows)
+    (1, 70, 4, 4, [13], "causal", 0, 32),                  # G = 1: 70 rows, one tile
+])
+def test_paged_cache_and_prefill_tiles_interpreter(B, T, Hq, Hkv, prefix, mode, off, page):
+    case = build_case(B, T, Hq, Hkv, 16, torch.float32, prefix, mode, write_offset=off)
+    want = reference(case)
+    pool, table = to_pages(case["kv"], page)
+    m = case["meta"]
+    got = slot_attention(case["q"], pool[0], pool[1], m.slots, m.prefix_lens, case["scale"], tree_mask=m.tree_mask,
+                         write_offset=m.write_offset, positions=m.positions, page_table=table)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    # the torch path reads the same pool through the metadata's page table
+    ref_pool, ref_table = to_pages(case["kv_ref"], page)
+    paged = AttnMetadata(slots=m.slots, positions=m.positions, prefix_lens=m.prefix_lens, kv_len=m.kv_len,
+                         tree_mask=m.tree_mask, write_offset=m.write_offset, page_table=ref_table)
+    torch.testing.assert_close(attend(case["q"], ref_pool[0], ref_pool[1], paged, case["scale"]), want,
+                               atol=2e-5, rtol=1e-5)
 
 
 def test_choose_splits():

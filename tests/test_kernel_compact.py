@@ -131,3 +131,25 @@ def test_gpu_cuda_graph_replay():
         want = kv2.clone()
         ref_compact_path(want, slots, start, dev[3].cpu(), dev[4].cpu())
         assert torch.equal(dev[0].cpu(), want)
+
+
+def _paged(kv: torch.Tensor, page: int, seed: int = 0):
+    """[P, S, rows, H, D] -> a shuffled page pool [P, pages + 1, page, H, D] and its table."""
+    planes, S, rows, H, D = kv.shape
+    per = rows // page
+    order = torch.randperm(S * per, generator=torch.Generator().manual_seed(seed)) + 1
+    pool = torch.zeros(planes, S * per + 1, page, H, D, dtype=kv.dtype)
+    pool[:, order] = kv.reshape(planes, S * per, page, H, D)
+    return pool, order.view(S, per).to(torch.int32)
+
+
+@pytest.mark.parametrize("page", [4, 8])
+def test_paged_pool_matches_the_static_cache(page):
+    kv, slots, start, path, num = _case(seed=3)
+    want = kv.clone()
+    ref_compact_path(want, slots, start, path, num)
+    for compact in (ref_compact_path, compact_path):              # torch path and kernel, both paged
+        pool, table = _paged(kv, page)
+        compact(pool, slots, start, path, num, page_table=table)
+        back = pool[:, table.view(-1).long()].reshape(kv.shape)
+        assert torch.equal(back, want)

@@ -231,6 +231,33 @@ def test_rope_write_kv_any_rows_slots_and_out(dtype):
     assert (kv[2:][:, written] != SENTINEL).any()
 
 
+def test_rope_write_kv_into_pages():
+    """A paged pool: row r of slot s lands at row r % P of page table[s, r // P], the same values
+    the static cache gets, and the torch path's write_kv agrees."""
+    g = torch.Generator().manual_seed(7)
+    B, T, Hq, Hkv, D, S, L, P = 3, 3, 4, 2, 16, 4, 12, 4
+    q, k, v = _fused_qkv(B, T, Hq, Hkv, D, torch.float32, "cpu", g)
+    inv_freq = rope_inv_freq(_small_cfg(D))
+    positions = torch.randint(0, 1000, (B, T), generator=g)
+    slots = torch.tensor([2, 0, 3])
+    rows = torch.stack([torch.randperm(L, generator=g)[:T] for _ in range(B)])
+    k_cache = torch.full((S, L, Hkv, D), SENTINEL)
+    v_cache = torch.full((S, L, Hkv, D), SENTINEL)
+    rope_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slots, rows)
+    table = (torch.randperm(S * L // P, generator=g) + 1).view(S, L // P).to(torch.int32)
+    k_pool = torch.full((S * L // P + 1, P, Hkv, D), SENTINEL)
+    v_pool = k_pool.clone()
+    rope_write_kv(q, k, v, positions, inv_freq, k_pool, v_pool, slots, rows, page_table=table)
+    assert torch.equal(k_pool[table.view(-1).long()].view(S, L, Hkv, D), k_cache)
+    assert torch.equal(v_pool[table.view(-1).long()].view(S, L, Hkv, D), v_cache)
+    meta = AttnMetadata(slots=slots, positions=positions, prefix_lens=torch.zeros(B, dtype=torch.int64),
+                        kv_len=L, page_table=table)
+    meta.__dict__["_cache_rows"] = rows
+    k2, v2 = torch.full_like(k_pool, SENTINEL), torch.full_like(v_pool, SENTINEL)
+    write_kv(k2, v2, k.contiguous(), v.contiguous(), meta)
+    assert torch.equal(v2, v_pool)
+
+
 def test_rope_write_kv_empty_and_errors():
     D = 16
     q, k, v = _fused_qkv(2, 1, 4, 2, D, torch.float32, "cpu", torch.Generator().manual_seed(0))

@@ -1,4 +1,4 @@
-"""Attention over the static slot KV cache: metadata and the eager torch path.
+"""Attention over the slot KV cache (static or paged): metadata and the eager torch path.
 
 Every forward (prefill, decode, verify, draft steps, draft extend) is the same operation: each of
 B sequences brings T new tokens whose K/V are written at cache rows
@@ -6,6 +6,10 @@ B sequences brings T new tokens whose K/V are written at cache rows
 `< prefix_lens[b]` and, inside the region of M rows that follows, the rows its mask allows:
 causal among the new tokens by default (M = T), or an explicit tree mask (verify of a draft tree;
 draft steps whose earlier tree levels sit in the region). The model never learns which it is doing.
+
+A cache row is an address in the slot's own row space. With a page table the cache is a pool of
+pages [pages, P, Hkv, D] and row l of slot s lives at row l % P of page page_table[s, l // P];
+without one the cache is [slots, L, Hkv, D]. The model never learns which either.
 """
 from __future__ import annotations
 
@@ -21,7 +25,6 @@ from .. import kernels
 # about 116 ms each (measured on an H100: benchmarks/sdpa_shapes.py), and the key length here
 # grows every decode step. The other backends take 0.35 ms for the same call.
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-_KERNEL_QUERY_ROWS = 128     # T * (Hq / Hkv) per program of the Triton kernel
 
 
 @dataclass
@@ -32,6 +35,7 @@ class AttnMetadata:
     kv_len: int                  # cache rows read per slot, >= max(prefix_lens) + region width
     tree_mask: torch.Tensor | None = None   # [B, T, M] bool: new token t sees region row m; None = causal
     write_offset: int = 0        # new tokens are written at region rows write_offset + t
+    page_table: torch.Tensor | None = None   # [slots, pages per slot]: the cache is paged
 
     @property
     def num_new(self) -> int:
@@ -55,7 +59,16 @@ class AttnMetadata:
         the new tokens before it) are already written: it sees every row up to its own."""
         assert self.tree_mask is None, "row selection is for causal forwards"
         return AttnMetadata(slots=self.slots, positions=self.positions.gather(1, rows[:, None]),
-                            prefix_lens=self.prefix_lens + self.write_offset + rows, kv_len=self.kv_len)
+                            prefix_lens=self.prefix_lens + self.write_offset + rows, kv_len=self.kv_len,
+                            page_table=self.page_table)
+
+    def flat_rows(self, rows: torch.Tensor, rows_per_slot: int) -> torch.Tensor:
+        """Cache rows [B, R] of the sequences' slots -> row indices into the cache viewed as
+        [slots * L, ...] (static) or [pages * P, ...] (paged; rows_per_slot = P)."""
+        if self.page_table is None:
+            return self.slots[:, None] * rows_per_slot + rows
+        pages = self.page_table[self.slots[:, None], rows // rows_per_slot]
+        return pages.to(torch.int64) * rows_per_slot + rows % rows_per_slot
 
     def visibility(self, sliding_window: int | None = None) -> torch.Tensor:
         """[B, T, kv_len] bool: may new token t read cache row l."""
@@ -81,28 +94,28 @@ class AttnMetadata:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttnMetadata) -> None:
-    """k, v: [B, T, Hkv, D] into caches [slots + 1, max_len, Hkv, D]."""
-    rows = meta.cache_rows()
-    slots = meta.slots[:, None].expand_as(rows)
-    k_cache[slots, rows] = k.to(k_cache.dtype)
-    v_cache[slots, rows] = v.to(v_cache.dtype)
+    """k, v: [B, T, Hkv, D] into caches [slots + 1, max_len, Hkv, D] or pages [pages, P, Hkv, D]."""
+    rows = meta.flat_rows(meta.cache_rows(), k_cache.shape[1])
+    k_cache.view(-1, *k_cache.shape[2:])[rows] = k.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[rows] = v.to(v_cache.dtype)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
            scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """q: [B, T, Hq, D] -> [B, T, Hq, D], reading the slots' first kv_len cache rows.
 
-    On CUDA, few new tokens per sequence (decode, verify, draft steps) go to the Triton kernel,
-    which reads each slot's own length from the device; long prefills stay with SDPA."""
-    if kernels.active(q) and q.shape[1] * (q.shape[2] // k_cache.shape[2]) <= _KERNEL_QUERY_ROWS:
+    On CUDA the Triton kernel serves every forward (prefill in query tiles, decode, verify,
+    draft steps), reading each slot's own length from the device."""
+    if kernels.active(q):
         from ..kernels.attention import slot_attention
 
         return slot_attention(q, k_cache, v_cache, meta.slots, meta.prefix_lens, scale,
                               tree_mask=meta.tree_mask, write_offset=meta.write_offset,
                               positions=meta.positions, sliding_window=sliding_window,
-                              max_rows=meta.kv_len)
-    keys = k_cache[meta.slots, : meta.kv_len].transpose(1, 2)      # [B, Hkv, L, D]
-    values = v_cache[meta.slots, : meta.kv_len].transpose(1, 2)
+                              max_rows=meta.kv_len, page_table=meta.page_table)
+    rows = meta.flat_rows(torch.arange(meta.kv_len, device=q.device).expand(q.shape[0], -1), k_cache.shape[1])
+    keys = k_cache.view(-1, *k_cache.shape[2:])[rows].transpose(1, 2)       # [B, Hkv, L, D]
+    values = v_cache.view(-1, *v_cache.shape[2:])[rows].transpose(1, 2)
     mask = meta.visibility(sliding_window)[:, None]                  # [B, 1, T, L]
     with sdpa_kernel(_BACKENDS):
         out = F.scaled_dot_product_attention(

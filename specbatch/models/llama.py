@@ -96,7 +96,7 @@ def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Ro
         from ..kernels.rope import rope_write_kv
 
         return rope_write_kv(q, k, v, rope.positions, rope.inv_freq, k_cache, v_cache, meta.slots,
-                             meta.cache_rows())
+                             meta.cache_rows(), page_table=meta.page_table)
     cos, sin = rope.cos_sin
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin

@@ -1,5 +1,9 @@
-"""The static slot KV cache: one row of `max_len` positions per slot, plus a dummy slot for pad rows."""
+"""KV caches: the static slot cache (one row of `max_len` positions per slot, tests and tools),
+the paged pool the engine runs on (pages shared by every slot through a page table), and the
+accepted-path compaction over either."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +29,31 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
+
+
+@dataclass
+class PageLayout:
+    """How a paged pool is addressed: `page_table` [slots + 1, pages per slot] (int32, device)
+    maps row l of slot s to row l % page_size of page page_table[s, l // page_size]."""
+    num_pages: int
+    page_size: int
+    page_table: torch.Tensor
+
+
+class PagedKVCache:
+    """A pool [2 * layers, pages, P, Hkv, D] (planes 2i / 2i+1 = layer i's K / V, so one kernel
+    compacts every layer) that every slot reaches through the layout's page table. Zeroed, never
+    empty: a NaN bit pattern in a row a query masks out would still poison softmax @ V."""
+
+    def __init__(self, cfg: DecoderConfig, layout: PageLayout, dtype: torch.dtype, device: torch.device):
+        self.layout = layout
+        self.data = torch.zeros(2 * cfg.num_layers, layout.num_pages, layout.page_size, cfg.num_kv_heads,
+                                cfg.head_dim, dtype=dtype, device=device)
+        self.layers = [(self.data[2 * i], self.data[2 * i + 1]) for i in range(cfg.num_layers)]
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        return self.layout.page_table
 
 
 def bytes_per_row(cfg: DecoderConfig, dtype: torch.dtype) -> int:
@@ -66,21 +95,28 @@ def plan_max_len(cfg: DecoderConfig, num_slots: int, dtype: torch.dtype, device:
 
 
 def compact_path(kv: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, path: torch.Tensor,
-                 num: torch.Tensor) -> None:
+                 num: torch.Tensor, page_table: torch.Tensor | None = None) -> None:
     """After a tree verify: move the accepted path's K/V to contiguous rows.
 
     The node emitted as row j sat at cache row start + path[:, j]; it belongs at start + j.
     path[:, j] >= j, so reading every source before writing is safe. Rows past num stay put.
-    kv: KVCache.data [planes, slots + 1, rows, Hkv, D]; on CUDA one Triton launch for every plane.
+    kv: KVCache.data [planes, slots + 1, rows, Hkv, D], or PagedKVCache.data [planes, pages, P,
+    Hkv, D] with its `page_table`; on CUDA one Triton launch for every plane.
     """
     if kernels.active(kv):
         from ..kernels.compact import compact_path as fused_compact
 
-        fused_compact(kv, slots, start, path, num)
+        fused_compact(kv, slots, start, path, num, page_table=page_table)
         return
     j = torch.arange(path.shape[1], device=path.device)
     keep = j[None, :] < num[:, None]
     src = start[:, None] + torch.where(keep, path, j[None, :])
     dst = start[:, None] + j[None, :]
-    s = slots[:, None].expand_as(dst)
-    kv[:, s, dst] = kv[:, s, src]
+    if page_table is None:
+        s = slots[:, None].expand_as(dst)
+        kv[:, s, dst] = kv[:, s, src]
+        return
+    P = kv.shape[2]
+    flat = kv.view(kv.shape[0], -1, *kv.shape[3:])
+    at = lambda rows: page_table[slots[:, None], rows // P].to(torch.int64) * P + rows % P  # noqa: E731
+    flat[:, at(dst)] = flat[:, at(src)]

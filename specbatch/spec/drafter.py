@@ -30,6 +30,7 @@ class Drafter:
     capture_layers: tuple[int, ...] = ()      # target layers whose outputs the drafter reads
     reads_final_hidden: bool = False          # ... or the target's final-normed hidden state (MTP)
     graphable: bool = True                    # propose/extend are pure tensor work (CUDA graphs)
+    scratch_rows: int = 0                     # cache rows past a slot's committed length it writes
 
     def prefill(self, slots: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
                 captured: list[torch.Tensor], first_tokens: torch.Tensor) -> None:

@@ -7,6 +7,7 @@ from ..models.config import ModelError
 from ..models.eagle3 import Eagle3Head, default_aux_layers, load_eagle3
 from ..models.llama import CausalLM
 from ..models.mtp import MTPLayer, load_mtp
+from ..runtime.kv_cache import PageLayout
 from .drafter import Drafter, NoDrafter
 from .layer_drafter import LayerDrafter
 
@@ -39,9 +40,11 @@ class SpecConfig:
 
 
 def make_drafter(spec: SpecConfig, target: CausalLM, num_slots: int, max_len: int,
-                 head: Eagle3Head | MTPLayer | None = None, target_dir: str | None = None) -> Drafter:
+                 head: Eagle3Head | MTPLayer | None = None, target_dir: str | None = None,
+                 layout: PageLayout | None = None) -> Drafter:
     """`head`: an already-built draft module instead of loading `spec.draft` (bench);
-    `target_dir`: the target's checkpoint, where an MTP layer may live."""
+    `target_dir`: the target's checkpoint, where an MTP layer may live; `layout`: the engine's
+    paged pool, whose page table the draft's own cache shares (None: a static cache)."""
     if spec.algorithm == "vanilla":
         return NoDrafter()
     if spec.algorithm not in AVAILABLE:
@@ -53,7 +56,7 @@ def make_drafter(spec: SpecConfig, target: CausalLM, num_slots: int, max_len: in
             head = load_mtp(target, target_dir, spec.draft, dtype, dev)
         if spec.topk > target.cfg.vocab_size:
             raise ModelError(f"topk {spec.topk} exceeds the vocabulary ({target.cfg.vocab_size})")
-        return LayerDrafter(head, (), spec.num_steps, spec.topk, spec.num_draft_tokens, num_slots, max_len)
+        return LayerDrafter(head, (), spec.num_steps, spec.topk, spec.num_draft_tokens, num_slots, max_len, layout)
     if head is None and not spec.draft:
         raise ModelError(f"{spec.algorithm} with the eagle3 drafter needs a draft head: pass --draft DIR "
                          "(an EAGLE3 head directory)")
@@ -64,10 +67,12 @@ def make_drafter(spec: SpecConfig, target: CausalLM, num_slots: int, max_len: in
     aux = head.cfg.aux_layer_ids or default_aux_layers(L)
     bad = [i for i in aux if not 0 <= i < L]
     if len(aux) != 3 or bad:
-        source = "eagle_aux_hidden_state_layer_ids" if head.cfg.aux_layer_ids else "the default (1, L//2-1, L-4)"
-        raise ModelError(f"{spec.draft}: aux layers {list(aux)} from {source} do not fit a target "
+        source = ("eagle_aux_hidden_state_layer_ids" if head.cfg.aux_layer_ids
+                  else "the default (1, L//2-1, L-4), clamped into 0..L-1")
+        where = spec.draft or "the random-weight EAGLE3 head (no draft directory)"
+        raise ModelError(f"{where}: aux layers {list(aux)} from {source} do not fit a target "
                          f"of {L} layers (expected three ids in 0..{L - 1})")
     if spec.topk > head.cfg.draft_vocab_size:
         raise ModelError(f"topk {spec.topk} exceeds the draft vocabulary ({head.cfg.draft_vocab_size})")
     return LayerDrafter(head, tuple(aux), spec.num_steps, spec.topk, spec.num_draft_tokens,
-                         num_slots, max_len)
+                         num_slots, max_len, layout)

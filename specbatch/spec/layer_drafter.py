@@ -15,7 +15,7 @@ from ..models.attention import AttnMetadata
 from ..models.eagle3 import Eagle3Head
 from ..models.mtp import MTPLayer
 from ..models.llama import fuse_projections
-from ..runtime.kv_cache import KVCache
+from ..runtime.kv_cache import KVCache, PagedKVCache, PageLayout
 from .accept import Acceptance
 from .drafter import Drafter, Proposal
 from .topk import topk_logprobs
@@ -29,7 +29,9 @@ class LayerDrafter(Drafter):
     final-normed hidden state (MTP)."""
 
     def __init__(self, head: Eagle3Head | MTPLayer, aux_layers: tuple[int, ...], num_steps: int, topk: int,
-                 num_draft_tokens: int, num_slots: int, max_len: int):
+                 num_draft_tokens: int, num_slots: int, max_len: int, layout: PageLayout | None = None):
+        """`layout`: the engine's paged pool (the draft layer's own pages share its page table);
+        None: a static cache of `max_len` rows (plus scratch) per slot."""
         self.head = head
         fuse_projections(head)
         self.S, self.k, self.num_draft_tokens = num_steps, topk, num_draft_tokens
@@ -40,8 +42,12 @@ class LayerDrafter(Drafter):
         dtype = head.lm_head.weight.dtype
         H = head.cfg.layer.hidden_size
         # Rows past a slot's committed length: (S-1)*k tree scratch rows, S+1 catch-up rows.
-        self.cache = KVCache(head.cfg.layer, num_slots, max_len + (num_steps - 1) * topk + num_steps + 1,
-                             dtype, dev)
+        self.scratch_rows = (num_steps - 1) * topk + num_steps + 1
+        if layout is None:
+            self.cache = KVCache(head.cfg.layer, num_slots, max_len + self.scratch_rows, dtype, dev)
+        else:
+            self.cache = PagedKVCache(head.cfg.layer, layout, dtype, dev)
+        self.page_table = None if layout is None else layout.page_table
         self.hidden = torch.zeros(num_slots + 1, H, dtype=dtype, device=dev)
         self.first_tokens = torch.zeros(num_slots + 1, topk, dtype=torch.int64, device=dev)
         self.first_logp = torch.zeros(num_slots + 1, topk, dtype=torch.float32, device=dev)
@@ -56,7 +62,7 @@ class LayerDrafter(Drafter):
         tokens = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
         tokens[torch.arange(B, device=tokens.device), lengths - 1] = first_tokens
         meta = AttnMetadata(slots=slots, positions=torch.arange(T, device=slots.device).expand(B, T),
-                            prefix_lens=torch.zeros_like(slots), kv_len=T)
+                            prefix_lens=torch.zeros_like(slots), kv_len=T, page_table=self.page_table)
         h = self.head(tokens, torch.cat(captured, dim=-1), meta, self.cache.layers[0], features=True,
                       out_rows=lengths - 1)
         self._keep(slots, h[:, 0])
@@ -68,7 +74,7 @@ class LayerDrafter(Drafter):
         feats = torch.cat(captured, dim=-1)
         feats = feats.gather(1, acc.path[:, :, None].expand(-1, -1, feats.shape[-1]))
         meta = AttnMetadata(slots=slots, positions=lens[:, None] + torch.arange(W, device=lens.device),
-                            prefix_lens=lens, kv_len=_bound(lens, kv_bound) + W)
+                            prefix_lens=lens, kv_len=_bound(lens, kv_bound) + W, page_table=self.page_table)
         h = self.head(acc.tokens, feats, meta, self.cache.layers[0], features=True, out_rows=acc.num - 1)
         self._keep(slots, h[:, 0])
 
@@ -97,7 +103,7 @@ class LayerDrafter(Drafter):
             anc[:, :, off: off + k] |= eye
             meta = AttnMetadata(slots=slots, positions=(lens + s - 1)[:, None].expand(B, k),
                                 prefix_lens=lens, kv_len=kv_base + s * k,
-                                tree_mask=anc[:, :, : s * k], write_offset=off)
+                                tree_mask=anc[:, :, : s * k], write_offset=off, page_table=self.page_table)
             h = self.head(beam_tok, beam_h, meta, self.cache.layers[0], features=False)  # [B, k, H]
             tok, logp = topk_logprobs(self.head.logits(h), k)                          # [B, k, k]
             tok = self.head.to_target(tok).flatten(1)
