@@ -233,8 +233,18 @@ def bench(
     hf_max_batch: int = typer.Option(64, help="Largest batch size the transformers peer runs."),
     out_dir: str = typer.Option("bench", "--out", help="Directory for bench.json, bench.md, bench.png."),
     max_model_len: Optional[int] = typer.Option(None, help="Context per slot (default: longest prompt + --max-tokens)."),
+    job: bool = typer.Option(False, "--job", help="Whole-job mode: every recipe runs one length mix end to end, against the job's floor."),
+    requests: int = typer.Option(1024, min=1, help="--job: rows in the mix."),
+    prompt_median: int = typer.Option(256, min=1, help="--job: median prompt tokens (lognormal)."),
+    prompt_sigma: float = typer.Option(0.8, min=0.0, help="--job: lognormal sigma of prompt lengths."),
+    prompt_max: int = typer.Option(1536, min=1, help="--job: longest prompt (clip)."),
+    output_median: int = typer.Option(200, min=1, help="--job: median output tokens (lognormal; EOS ignored)."),
+    output_sigma: float = typer.Option(0.6, min=0.0, help="--job: lognormal sigma of output lengths."),
+    output_max: int = typer.Option(768, min=1, help="--job: longest output (clip)."),
+    slots: Optional[int] = typer.Option(None, min=1, help="--job: engine slots (default: the recipe's, else from memory)."),
 ) -> None:
-    """Measure recipes over the same prompts at a sweep of batch sizes, against the memory-bandwidth floor."""
+    """Measure recipes over the same prompts at a sweep of batch sizes, against the memory-bandwidth
+    floor; with --job, whole jobs on a length mix against the job's floor."""
     import shlex
     import sys
 
@@ -255,10 +265,27 @@ def bench(
             graphs=not eager, separate_graphs=separate_graphs, hf=not no_hf, hf_max_batch=hf_max_batch, max_model_len=max_model_len,
             simulate_acceptance=parse_list(simulate_acceptance, float, "--simulate-acceptance")
             if simulate_acceptance else None)
-        result = run_bench(opts, log)
+        if job:
+            from .bench.job import JobMix, job_markdown, run_job_bench
+
+            mix = JobMix(requests=requests, prompt_median=prompt_median, prompt_sigma=prompt_sigma,
+                         prompt_max=prompt_max, output_median=output_median, output_sigma=output_sigma,
+                         output_max=output_max, slots=slots)
+            result = run_job_bench(opts, mix, log)
+        else:
+            result = run_bench(opts, log)
     except (BenchError, JobError, ModelError, RecipeError, InputError, ValueError) as e:
         _fail(str(e))
     result["meta"].update(environment(shlex.join(["specbatch", *sys.argv[1:]])))
+    if job:
+        folder = Path(out_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "job.json").write_text(json.dumps(result, indent=2) + "\n")
+        text = job_markdown(result)
+        (folder / "job.md").write_text(text)
+        typer.echo(text)
+        log(f"wrote {folder / 'job.json'}, {folder / 'job.md'}")
+        return
     paths, note = write_all(result, out_dir)
     if note:
         log(f"note: {note}")

@@ -1,10 +1,11 @@
-"""The engine: owns the target, the KV cache and the drafter, and runs the speculative cycle.
+"""The engine: owns the target, the paged KV pool and the drafter; turns rows into requests,
+admits them in waves, prefills them, runs the cycle (cycle.py) and turns requests into records.
 
-    rows -> requests -> scheduler slots -> prefill -> cycle* -> records
-    cycle: propose -> verify -> accept -> commit -> extend
+    rows -> requests -> admission (slots and pages) -> prefill -> cycle* -> records
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,68 +13,44 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from .cycle import CycleTime, SlotState, Slotted, SpecCycle, exact_acceptance
 from .data import RowError, RowRequest
 from .models.attention import AttnMetadata
-from .models.config import generation_eos_ids
+from .models.config import ModelError, generation_eos_ids
 from .models.eagle3 import Eagle3Head
 from .models.llama import CausalLM, fuse_projections
 from .models.loader import load_target
 from .models.mtp import MTPLayer
-from .prompts import PromptError, encode_row, load_tokenizer
+from .prompts import PromptError, encode_row, load_tokenizer, too_long
 from .recipe import SamplingDefaults
 from .request import Request, StopChecker
-from .runtime.graphs import GraphRunner, capture_sizes
-from .runtime.kv_cache import KVCache, compact_path, plan_max_len
+from .runtime.kv_cache import GiB, PagedKVCache, bytes_per_row, memory_budget
+from .runtime.pages import PageAllocator
 from .sampling import BatchSampling, SamplingParams, sample
 from .scheduler import SlotScheduler
-from .spec.accept import Acceptance, accept
-from .spec.drafter import Drafter, Proposal
+from .spec.drafter import Drafter
 from .spec.factory import SpecConfig, make_drafter
-from .spec.simulate import simulate_acceptance
 from .stats import error_record, spec_stats
 
-Slotted = list[tuple[int, Request]]
-_GREEDY = (True, False)       # graph variant: (all rows greedy, some row filters top-k / top-p)
+__all__ = ["CycleTime", "Engine", "EngineOptions", "resolve_device"]
 
 
 @dataclass
 class EngineOptions:
-    batch_size: int = 64
-    max_model_len: int | None = None
+    batch_size: int | None = None        # slots: sequences in flight (None: from memory)
+    max_model_len: int | None = None     # context per request (None: the model's, capped by the pool)
     dtype: str = "auto"
     device: str | None = None            # None: cuda when available, else cpu
     bucket_window: int = 0               # > 0: admit similar prompt lengths together
     prefill_tokens: int = 8192           # padded tokens per prefill forward
+    wave: float = 0.125                  # admit when this share of the slots is free (or nothing runs)
+    page_size: int | None = None         # KV rows per page (None: 64 on GPU, 16 on CPU)
+    kv_rows: int | None = None           # KV pool capacity in rows (None: what memory allows)
     spec: SpecConfig = SpecConfig()      # the drafter (vanilla: none)
     graphs: bool = True                  # CUDA graphs for the cycle on CUDA (False: --eager)
     fused: bool | None = None            # the cycle as ONE graph (None: the recipe's choice, naive_2token)
-    profile: bool = False                # record per-cycle stage timings (cycle_times)
+    profile: bool = False                # record per-cycle stage timings and prefill time
     simulate_acceptance: tuple[float, ...] | None = None   # bench only: per-position acceptance
-
-
-@dataclass
-class CycleTime:
-    batch: int                 # active rows
-    draft_ms: float
-    verify_ms: float           # verify + accept + commit (the whole cycle when fused in one graph)
-    extend_ms: float
-    wall_ms: float             # the whole cycle on the host clock, host bookkeeping included
-    tokens: int                # tokens emitted
-
-
-@dataclass
-class Batch:
-    """One cycle's inputs and the tensors its stages hand on to each other. Eager: built per
-    cycle with the active rows. Graphs: static buffers of a captured size, pad rows on the dummy
-    slot, and every attribute below is the same memory at each replay."""
-    slots: torch.Tensor                      # [B]
-    sp: BatchSampling
-    kv_bound: int                            # >= every committed length (cache rows attention may read)
-    lens: torch.Tensor | None = None         # [B] committed lengths at the start of the cycle
-    prop: Proposal | None = None
-    acc: Acceptance | None = None
-    captured: list[torch.Tensor] | None = None   # target states the drafter reads
-    out: torch.Tensor | None = None          # [B, D + 2]: emitted tokens, then their count
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -93,6 +70,16 @@ def resolve_device(name: str | None) -> torch.device:
             raise ValueError(f"--device {shown}: this machine has {count} CUDA device"
                              f"{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})")
     return dev
+
+
+def _scratch_rows(spec: SpecConfig) -> int:
+    """Cache rows past the committed length a recipe's drafter writes (LayerDrafter's scratch)."""
+    if spec.algorithm == "vanilla":
+        return 0
+    return (spec.num_steps - 1) * spec.topk + spec.num_steps + 1
+
+
+MAX_DEFAULT_SLOTS = 512
 
 
 class Engine:
@@ -117,42 +104,103 @@ class Engine:
         if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_ids = set(eos)
-        self.num_slots = opts.batch_size
+
+        # Rows a request writes past its committed length: verify's N - 1 and the draft's scratch.
         width = drafter.num_draft_tokens if drafter else opts.spec.width
-        self.max_len = plan_max_len(self.cfg, self.num_slots, self.dtype, self.device,
-                                    opts.max_model_len, headroom=width)
-        # Verify writes up to N-1 rows past the committed length: that headroom is allocated too.
-        self.cache = KVCache(self.cfg, self.num_slots, self.max_len + width, self.dtype, self.device)
+        self.headroom = max(width, drafter.scratch_rows if drafter else _scratch_rows(opts.spec))
+        self._plan_pool(drafting=drafter is not None or opts.spec.algorithm != "vanilla")
+        self.pages = PageAllocator(self.num_pages, self.page_size, self.num_slots,
+                                   math.ceil((self.max_len + self.headroom) / self.page_size),
+                                   self.device, dummy_rows=self.headroom)
+        self.cache = PagedKVCache(self.cfg, self.pages.layout, self.dtype, self.device)
         self.drafter = drafter or make_drafter(opts.spec, self.model, self.num_slots, self.max_len,
-                                               head=draft_head, target_dir=model_dir)
-        self.stops = StopChecker(self.tokenizer, self.eos_ids)
-        # Per slot (the last one is the dummy slot of pad rows): committed cache rows, and the
-        # last emitted token (not yet in the cache), on the device; the host mirrors the lengths.
-        self.lens = torch.zeros(self.num_slots + 1, dtype=torch.int64, device=self.device)
-        self.last = torch.zeros(self.num_slots + 1, dtype=torch.int64, device=self.device)
-        self.seq_lens = [0] * (self.num_slots + 1)
-        self.simulate = None
+                                               head=draft_head, target_dir=model_dir, layout=self.pages.layout)
         if opts.simulate_acceptance is not None:
-            p = list(opts.simulate_acceptance)[: self.drafter.max_depth]
-            p += [0.0] * (self.drafter.max_depth - len(p))
-            self.simulate = torch.tensor(p, dtype=torch.float32, device=self.device)
-        self.tokens_emitted = 0
-        self.target_forwards = 0                        # batched target forward calls
-        self.cycle_times: list[CycleTime] = []
-        self.graphs: GraphRunner | None = None
+            from .spec.simulate import PlantedChain
+
+            self.drafter = PlantedChain(self.drafter)       # bench: trees reach the full draft depth
+        self.stops = StopChecker(self.tokenizer, self.eos_ids)
+        self.state = SlotState(self.num_slots, self.device)
+        acceptor = exact_acceptance
+        if opts.simulate_acceptance is not None:
+            from .spec.simulate import simulated_acceptor
+
+            acceptor = simulated_acceptor(opts.simulate_acceptance, self.drafter.max_depth, self.device)
         self.fused = opts.spec.fused if opts.fused is None else opts.fused
-        if opts.graphs and self.device.type == "cuda" and self.drafter.graphable:
-            # Fused: propose, verify + accept + commit and the draft extend in one replay (no
-            # host work separates them); otherwise one graph each, so profiles split the cycle.
-            stages = [self._propose, self._verify, self._extend]
-            groups = [stages] if self.fused else [[s] for s in stages]
-            self.graphs = GraphRunner(self._static_batch, groups, capture_sizes(self.num_slots))
-            with torch.inference_mode():
-                self.graphs.capture_all(_GREEDY)
+        self.cycle = SpecCycle(self.model, self.cache, self.drafter, self.state, self.stops, self._target,
+                               acceptor=acceptor, max_len=self.max_len, graphs=opts.graphs,
+                               fused=self.fused, profile=opts.profile)
+        self.prefill_forwards = 0
+        self.prefill_s = 0.0                 # host clock (synchronised) when profiling
+        self.occupancy: list[int] = []       # active slots per cycle when profiling
+        self.waited = 0                      # admissions a request waited for pages
+
+    def _plan_pool(self, drafting: bool) -> None:
+        """Slots, context and pages: the pool takes what memory allows (on GPU 90% of what is
+        free, minus room for activations, graphs and logits), but never more than every slot
+        holding a request of the full context."""
+        cfg, opts, dev = self.cfg, self.opts, self.device
+        limit = cfg.max_position_embeddings
+        if opts.max_model_len is not None and opts.max_model_len > limit:
+            raise ModelError(f"--max-model-len {opts.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+        self.page_size = P = opts.page_size or (64 if dev.type == "cuda" else 16)
+        row_bytes = bytes_per_row(cfg, self.dtype)
+        if drafting:
+            row_bytes += row_bytes // cfg.num_layers           # the draft layer's own pages
+        slots_hint = opts.batch_size or MAX_DEFAULT_SLOTS
+        reserve = 0
+        if dev.type == "cuda":
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            act = opts.prefill_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * elem
+            logits = slots_hint * self.headroom * cfg.vocab_size * 6
+            reserve = 2 * GiB + act + logits
+        budget_pages = memory_budget(dev, reserve) // (row_bytes * P)
+        dummy = math.ceil(self.headroom / P)
+        if opts.kv_rows is not None:
+            budget_pages = min(budget_pages, math.ceil(opts.kv_rows / P) + 1 + dummy)
+        max_len = opts.max_model_len or limit
+        pool_rows = (budget_pages - 1 - dummy) * P
+        if max_len + self.headroom > pool_rows:
+            if opts.max_model_len is not None or pool_rows - self.headroom < 16:
+                raise ModelError(f"not enough {dev.type} memory for a KV pool holding one request of "
+                                 f"{max_len} tokens ({pool_rows} rows fit); set a smaller --max-model-len")
+            max_len = pool_rows - self.headroom
+        per_slot = math.ceil((max_len + self.headroom) / P)
+        if opts.batch_size is not None:
+            slots = opts.batch_size
+        elif dev.type == "cuda":
+            # as many sequences as the pool can hold at a quarter of the full context each
+            slots = max(16, min(MAX_DEFAULT_SLOTS, pool_rows // max(1, (max_len + self.headroom) // 4)))
+        else:
+            slots = 32
+        self.num_slots, self.max_len = slots, max_len
+        self.num_pages = int(min(budget_pages, slots * per_slot + dummy + 1))
 
     @property
     def capture_seconds(self) -> float:
-        return self.graphs.capture_seconds if self.graphs else 0.0
+        return self.cycle.capture_seconds
+
+    @property
+    def graphs(self):
+        return self.cycle.graphs
+
+    @property
+    def cycle_times(self) -> list[CycleTime]:
+        return self.cycle.times
+
+    @property
+    def tokens_emitted(self) -> int:
+        return self.cycle.tokens_emitted + self._prefill_tokens_emitted
+
+    @property
+    def target_forwards(self) -> int:
+        """Batched target forward calls (prefills and cycles)."""
+        return self.cycle.forwards + self.prefill_forwards
+
+    @property
+    def lens(self) -> torch.Tensor:
+        return self.state.lens
 
     # ---- rows -> requests -------------------------------------------------------------------
 
@@ -172,9 +220,7 @@ class Engine:
             return error_record(item.row, item.id, f"{where}: cannot tokenize the prompt ({exception_line(e)})",
                                 item.keep)
         if len(ids) >= self.max_len:
-            return error_record(item.row, item.id,
-                                f"{where}: prompt has {len(ids)} tokens but the context per slot is "
-                                f"{self.max_len} (set --max-model-len or lower --batch-size)",
+            return error_record(item.row, item.id, str(too_long(where, self.max_len, f"{len(ids)} tokens")),
                                 item.keep, prompt_tokens=len(ids))
         try:
             params = _params(defaults, item.overrides, item.row)
@@ -194,15 +240,23 @@ class Engine:
             "output_token_ids": list(req.output_ids), **req.keep,
         }
 
+    def _rows_needed(self, req: Request) -> int:
+        return len(req.prompt_ids) + req.max_new + self.headroom
+
     # ---- the job loop -----------------------------------------------------------------------
 
     @torch.inference_mode()
     def generate(self, items: Iterable[RowRequest | RowError],
                  defaults: SamplingDefaults = SamplingDefaults()) -> Iterator[dict[str, Any]]:
-        """Yield one record per input row, in completion order, streaming the input."""
+        """Yield one record per input row, in completion order, streaming the input.
+
+        Admission comes in waves: once a share of the slots is free (or nothing runs, or the
+        queue is that short), every queued request whose pages fit is admitted and prefilled in
+        a few large forwards, rather than a forward for each slot that frees up."""
         sched: SlotScheduler[Request] = SlotScheduler(self.num_slots, bucket_window=self.opts.bucket_window)
         source = iter(items)
         lookahead = max(2 * self.num_slots, self.opts.bucket_window)
+        wave = max(1, math.ceil(self.opts.wave * self.num_slots))
         exhausted = False
         while True:
             while not exhausted and sched.queued() < lookahead:
@@ -215,25 +269,55 @@ class Engine:
                     yield req
                 else:
                     sched.add(req)
-            admitted = sched.admit()
-            if admitted:
-                yield from self._release(sched, self._prefill(admitted))
             active = sched.active()
+            free = self.num_slots - len(active)
+            if sched.queued() and (not active or free >= min(wave, sched.queued())):
+                admitted = self._admit(sched)
+                if admitted:
+                    yield from self._release(sched, self._prefill(admitted))
+                active = sched.active()
             if not active:
                 if exhausted and sched.queued() == 0:
                     return
                 continue
+            if self.opts.profile:
+                self.occupancy.append(len(active))
             yield from self._release(sched, self.cycle(active))
+
+    def _admit(self, sched: SlotScheduler) -> Slotted:
+        """Queued requests into free slots, in order, while their pages fit (reserved here)."""
+        budget = [self.pages.free_pages]
+
+        def fits(req: Request) -> bool:
+            n = self.pages.pages_for(self._rows_needed(req))
+            if n > budget[0]:
+                return False
+            budget[0] -= n
+            return True
+
+        admitted = sched.admit(fits=fits)
+        if sched.queued() and len(admitted) < len(sched.free_slots()) + len(admitted):
+            self.waited += 1
+        self.pages.reserve([(slot, self._rows_needed(req)) for slot, req in admitted])
+        return admitted
 
     def _release(self, sched: SlotScheduler, finished: Slotted) -> Iterator[dict[str, Any]]:
         for slot, req in finished:
             sched.release(slot)
+            self.pages.release(slot)
             yield self.record(req)
 
     # ---- prefill ------------------------------------------------------------------------------
 
+    _prefill_tokens_emitted = 0
+
     def _prefill(self, admitted: Slotted) -> Slotted:
+        """Prompts in padded groups of similar length, each group one target forward (the
+        Triton kernel on CUDA attends in causal query tiles, no mask materialised), then the
+        first token and the drafter's catch-up."""
+        t0 = time.perf_counter()
         finished: Slotted = []
+        st = self.state
         for group in _prefill_groups(admitted, self.opts.prefill_tokens):
             lens = [len(r.prompt_ids) for _, r in group]
             B, T = len(group), max(lens)
@@ -244,151 +328,31 @@ class Engine:
             slots = self._tensor([s for s, _ in group])
             lengths = self._tensor(lens)
             meta = AttnMetadata(slots=slots, positions=torch.arange(T, device=self.device).expand(B, T),
-                                prefix_lens=torch.zeros_like(slots), kv_len=T)
+                                prefix_lens=torch.zeros_like(slots), kv_len=T, page_table=self.pages.layout.page_table)
             hidden, captured = self._target(ids, meta)
-            self.target_forwards += 1
+            self.prefill_forwards += 1
             last = hidden[torch.arange(B, device=self.device), lengths - 1]          # [B, H]
             sp = BatchSampling.build([r.params for _, r in group], self.device)
             first = sample(self.model.logits(last), sp, lengths)
             self.drafter.prefill(slots, ids, lengths, captured, first)
-            self.lens[slots], self.last[slots] = lengths, first
+            st.lens[slots], st.last[slots] = lengths, first
             for (slot, req), tok, n in zip(group, first.tolist(), lens):
-                self.seq_lens[slot] = n
+                st.seq_lens[slot] = n
                 req.histogram = [0] * (self.drafter.max_depth + 1)
                 req.verify_steps = 1                 # the prefill: a forward that verified no drafts
-                self.tokens_emitted += self.stops.append(req, [tok])
+                self._prefill_tokens_emitted += self.stops.append(req, [tok])
                 if req.finished:
                     finished.append((slot, req))
-        return finished
-
-    # ---- the speculative cycle ----------------------------------------------------------------
-
-    def cycle(self, active: Slotted) -> Slotted:
-        """One propose -> verify -> accept -> commit -> extend step over the active slots.
-
-        The device half is three stages (below), run eagerly or replayed as CUDA graphs; the
-        one host synchronisation is the copy of the emitted tokens and their counts.
-        """
-        t0 = time.perf_counter()
-        b, stages = self._stages(active)
-        marks = []
-        for stage in stages:
-            marks.append(self._mark())
-            stage()
-        marks.append(self._mark())
-        out = b.out[: len(active)].tolist()                          # the host copy of the results
-
-        # commit on the host: stop checks, stats; device lengths and KV were committed in _verify
-        finished: Slotted = []
-        emitted = 0
-        N = b.prop.width
-        for (slot, req), row in zip(active, out):
-            n = row[-1]
-            self.seq_lens[slot] += n
-            emitted += self.stops.append(req, row[:n])
-            req.verify_steps += 1
-            req.draft_tokens += N - 1
-            req.accepted_tokens += n - 1
-            req.histogram[n - 1] += 1
-            if req.finished:
-                finished.append((slot, req))
-        self.tokens_emitted += emitted
-        self.target_forwards += 1
         if self.opts.profile:
-            self._record_time(len(active), marks, t0, emitted)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.prefill_s += time.perf_counter() - t0
         return finished
-
-    def _stages(self, active: Slotted) -> tuple[Batch, list]:
-        """The batch of this cycle and its stages as callables: graph replays, or eager calls."""
-        slots = [s for s, _ in active]
-        params = [r.params for _, r in active]
-        greedy = all(p.greedy for p in params)
-        if self.graphs is not None:
-            variant = _GREEDY if greedy else (False, any(p.top_k > 0 or p.top_p < 1.0 for p in params))
-            cap = self.graphs.get(len(active), variant)
-            layout = tuple((s, id(r)) for s, r in active)
-            if cap.layout != layout:
-                self._fill(cap.batch, slots, params)
-                cap.layout = layout
-            return cap.batch, [g.replay for g in cap.graphs]
-        b = Batch(slots=self._tensor(slots), sp=BatchSampling.build(params, self.device),
-                  kv_bound=max(self.seq_lens[s] for s in slots))
-        return b, [lambda: self._propose(b), lambda: self._verify(b), lambda: self._extend(b)]
-
-    # Device stages: tensor work only, no host synchronisation (they are captured in graphs).
-
-    def _propose(self, b: Batch) -> None:
-        """A tree of N nodes per slot, the root being the last emitted token."""
-        b.lens = self.lens[b.slots]
-        b.prop = self.drafter.propose(b.slots, self.last[b.slots], b.lens, b.kv_bound)
-
-    def _verify(self, b: Batch) -> None:
-        """One target forward over every node (tree mask, positions = length + depth), the
-        acceptance walk, and the device half of commit: the accepted path's K/V made contiguous
-        (trees), lengths advanced, the last emitted token kept as the next root."""
-        prop, lens = b.prop, b.lens
-        meta = AttnMetadata(slots=b.slots, positions=lens[:, None] + prop.depths, prefix_lens=lens,
-                            kv_len=b.kv_bound + prop.width, tree_mask=prop.tree_mask)
-        hidden, b.captured = self._target(prop.tokens, meta)
-        logits = self.model.lm_head(hidden)                                      # [B, N, V]
-        if self.simulate is None:
-            acc = accept(prop.tokens, prop.parents, logits, b.sp, lens, self.drafter.max_depth)
-        else:
-            acc = simulate_acceptance(prop, logits.argmax(dim=-1), self.simulate, self.drafter.max_depth)
-        if prop.tree_mask is not None:
-            compact_path(self.cache.data, b.slots, lens, acc.path, acc.num)
-        self.lens[b.slots] = lens + acc.num
-        self.last[b.slots] = acc.tokens.gather(1, (acc.num - 1)[:, None])[:, 0]
-        self.lens[self.cache.dummy_slot:].zero_()       # pad rows all advanced the dummy slot
-        b.acc = acc
-        b.out = torch.cat([acc.tokens, acc.num[:, None]], dim=1)
 
     def _target(self, ids: torch.Tensor, meta: AttnMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The target forward: (final-normed hidden, the states the drafter reads)."""
         hidden, captured = self.model(ids, meta, self.cache.layers, self.drafter.capture_layers)
         return hidden, [hidden] if self.drafter.reads_final_hidden else captured
-
-    def _extend(self, b: Batch) -> None:
-        """The drafter catches up on the accepted tokens with the target's states."""
-        self.drafter.extend(b.slots, b.lens, b.acc, b.captured, b.kv_bound)
-
-    # ---- graph buffers and timing ---------------------------------------------------------------
-
-    def _static_batch(self, size: int, variant: tuple[bool, bool]) -> Batch:
-        greedy, any_filter = variant
-        pad = [SamplingParams()] * size
-        b = Batch(slots=torch.full((size,), self.cache.dummy_slot, dtype=torch.int64, device=self.device),
-                  sp=BatchSampling.build(pad, self.device), kv_bound=self.max_len)
-        b.sp.all_greedy, b.sp.any_filter = greedy, any_filter
-        return b
-
-    def _fill(self, b: Batch, slots: list[int], params: list[SamplingParams]) -> None:
-        """Lay the active rows out in a captured batch's buffers; the rest become pad rows."""
-        pad = b.slots.shape[0] - len(slots)
-        src = BatchSampling.build(params + [SamplingParams()] * pad, torch.device("cpu"))
-        b.slots.copy_(torch.tensor(slots + [self.cache.dummy_slot] * pad))
-        for name in ("temperature", "top_k", "top_p", "seed_lo", "seed_hi"):
-            getattr(b.sp, name).copy_(getattr(src, name))
-
-    def _mark(self):
-        if not self.opts.profile:
-            return None
-        if self.device.type == "cuda":
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def _record_time(self, rows: int, marks: list, t0: float, tokens: int) -> None:
-        if self.device.type == "cuda":
-            marks[-1].synchronize()
-            ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
-        else:
-            ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
-        if len(ms) == 1:                     # one fused graph: all of it counts as verify
-            ms = [0.0, ms[0], 0.0]
-        self.cycle_times.append(CycleTime(batch=rows, draft_ms=ms[0], verify_ms=ms[1], extend_ms=ms[2],
-                                          wall_ms=(time.perf_counter() - t0) * 1e3, tokens=tokens))
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -73,9 +73,10 @@ def _utf8_len(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
-def _too_long(where: str, limit: int, what: str) -> PromptError:
-    return PromptError(f"{where}: prompt has {what} but the context per slot is {limit} "
-                       "(set --max-model-len or lower --batch-size)")
+def too_long(where: str, limit: int, what: str) -> PromptError:
+    """The one message for a prompt beyond the context (what: "N tokens", "more than N tokens"...)."""
+    return PromptError(f"{where}: prompt has {what} but the context is {limit} tokens "
+                       "(the model's limit, --max-model-len, or what the KV pool holds)")
 
 
 def _encode(tokenizer: Any, text: str, where: str, limit: int | None, **kw: Any) -> list[int]:
@@ -84,7 +85,7 @@ def _encode(tokenizer: Any, text: str, where: str, limit: int | None, **kw: Any)
     if limit is not None and _utf8_len(text) > limit * 8:
         head = tokenizer(text[: limit * 8], **kw)["input_ids"]
         if len(head) > limit + 2:
-            raise _too_long(where, limit, f"more than {limit} tokens")
+            raise too_long(where, limit, f"more than {limit} tokens")
     return list(tokenizer(text, **kw)["input_ids"])
 
 
@@ -92,7 +93,7 @@ def encode_row(tokenizer: Any, row: Any, vocab_size: int, max_tokens_allowed: in
     """`prompt` as tokenizer(prompt) does (default special tokens), `messages` through the chat
     template with the generation prompt, `prompt_token_ids` as given.
 
-    `max_tokens_allowed` (the context per slot): a text prompt with more UTF-8 bytes than that
+    `max_tokens_allowed` (the context): a text prompt with more UTF-8 bytes than that
     many tokens can cover is rejected without tokenizing it, and a long one is tokenized by a
     prefix first; whether the ids fit is still the caller's check."""
     where = row.where or f"row {row.row}"

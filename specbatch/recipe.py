@@ -50,7 +50,7 @@ class Recipe:
     drafter: str | None                  # the draft module: the algorithm's own, or naive_2token's pick
     draft: str | None
     dtype: str
-    batch_size: int
+    batch_size: int | None               # slots; None: as many as memory holds (up to 512 on a GPU)
     max_model_len: int | None
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     source: str = "<memory>"
@@ -325,7 +325,7 @@ def parse_recipe(data: dict, source: str) -> Recipe:
         model=model,
         draft=_str(source, "draft", data.get("draft"), nullable=True),
         dtype=_choice(source, "dtype", data.get("dtype", "auto"), DTYPES),
-        batch_size=_int(source, "batch_size", data.get("batch_size", 64), minimum=1),
+        batch_size=_int(source, "batch_size", data.get("batch_size"), minimum=1, nullable=True),
         max_model_len=_int(source, "max_model_len", data.get("max_model_len"), minimum=1, nullable=True),
         sampling=_parse_sampling(data.get("sampling"), source),
         source=source,

@@ -61,8 +61,10 @@ class SlotScheduler(Generic[R]):
     def idle(self) -> bool:
         return not self._active and not self._queue
 
-    def admit(self, limit: int | None = None) -> list[tuple[int, R]]:
-        """Fill free slots, lowest first, from the queue; returns the new (slot, request) pairs."""
+    def admit(self, limit: int | None = None, fits: Callable[[R], bool] | None = None) -> list[tuple[int, R]]:
+        """Fill free slots, lowest first, from the queue; returns the new (slot, request) pairs.
+        `fits(req)`: whether memory holds one more request (called in admission order; the
+        first that does not fit stops the admission, so a large request is never starved)."""
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be >= 0 or None, got {limit}")
         free = self.free_slots()
@@ -71,6 +73,12 @@ class SlotScheduler(Generic[R]):
             return []
         chosen = self._take_fifo(n) if self.bucket_window == 0 else self._take_bucketed(n)
         chosen.sort(key=lambda e: e.order)
+        if fits is not None:
+            for i, e in enumerate(chosen):
+                if not fits(e.req):
+                    self._queue.extendleft(reversed(chosen[i:]))     # back at the front, in order
+                    chosen = chosen[:i]
+                    break
         pairs = list(zip(free, (e.req for e in chosen)))
         self._active.update(pairs)
         return pairs

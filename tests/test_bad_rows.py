@@ -257,8 +257,8 @@ def test_long_prompt_is_tokenized_by_a_prefix_first(engine, monkeypatch):
     t0 = time.perf_counter()
     rec = engine.make_request(RowRequest(row=0, id=0, prompt=text, where="in.jsonl:1"), SamplingDefaults())
     assert time.perf_counter() - t0 < 0.5
-    assert rec["error"] == (f"in.jsonl:1: prompt has more than {engine.max_len} tokens but the context per slot "
-                            f"is {engine.max_len} (set --max-model-len or lower --batch-size)")
+    assert rec["error"] == (f"in.jsonl:1: prompt has more than {engine.max_len} tokens but the context is "
+                            f"{engine.max_len} tokens (the model's limit, --max-model-len, or what the KV pool holds)")
     assert calls == [engine.max_len * 8]
 
 
@@ -268,7 +268,7 @@ def test_prompts_near_the_context_keep_the_usual_messages(engine):
     assert max_bytes_per_token(engine.tokenizer) >= 16
     text = "def add(a, b):\n    return a + b\n" * 6                            # > 64 tokens, < 64 * 8 bytes
     rec = engine.make_request(RowRequest(row=0, id=0, prompt=text, where="w"), SamplingDefaults())
-    assert rec["error"].startswith("w: prompt has ") and "tokens but the context per slot is 64" in rec["error"]
+    assert rec["error"].startswith("w: prompt has ") and "tokens but the context is 64 tokens" in rec["error"]
     assert rec["prompt_tokens"] > 64
     req = engine.make_request(RowRequest(row=0, id=0, prompt="def add(a, b):"), SamplingDefaults())
     assert not isinstance(req, dict)

@@ -307,3 +307,37 @@ def test_simulated_points_are_reproducible_and_carry_the_chain_formula(tiny_conf
     assert a["accept_length"] == b["accept_length"]
     assert a["acceptance_per_position"] == b["acceptance_per_position"]
     assert a["simulated_chain_accept_length"] == pytest.approx(1 + 0.8 + 0.48 + 0.216)
+
+
+def test_job_mode_runs_the_mix_end_to_end_against_its_floor(tiny_config, tmp_path):
+    out = tmp_path / "job"
+    r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "-r", "eagle3_topk1", "--requests", "24", "--prompt-median", "12",
+                                 "--prompt-max", "40", "--output-median", "8", "--output-max", "20",
+                                 "--slots", "6", "--device", "cpu", "--eager", "--simulate-acceptance",
+                                 "0.8,0.6,0.45", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "job.json").read_text())
+    assert res["meta"]["mode"] == "job" and res["meta"]["requests"] == 24
+    van, spec = res["points"]
+    assert van["recipe"] == "vanilla" and spec["recipe"] == "eagle3_topk1"
+    for p in (van, spec):
+        # every row produced exactly its sampled length (EOS ignored): the same work for both
+        assert p["output_tokens"] == van["output_tokens"] and p["slots"] == 6
+        assert p["job_tokens_per_s"] > 0 and 0 < p["floor_fraction"] and p["floor_s"] > 0
+        assert 0 < p["mean_occupancy"] <= 6 and p["prefill_forwards"] >= 1
+        assert p["prefill_s"] + p["decode_s"] == pytest.approx(p["wall_s"])
+    assert van["accept_length"] == 1.0 and spec["accept_length"] > 1.5
+    assert van["speedup_vs_vanilla"] == 1.0 and spec["speedup_vs_vanilla"] > 0
+    # waves: far fewer prefill forwards than rows
+    assert van["prefill_forwards"] < 24
+    assert "| vanilla |" in (out / "job.md").read_text()
+
+
+def test_lognormal_mix_is_seeded_and_clipped():
+    from specbatch.bench.job import lognormal_lengths
+
+    a = lognormal_lengths(2000, 256, 0.8, 1536, torch.Generator().manual_seed(0))
+    b = lognormal_lengths(2000, 256, 0.8, 1536, torch.Generator().manual_seed(0))
+    assert a == b and min(a) >= 1 and max(a) == 1536
+    assert 230 < sorted(a)[1000] < 280                      # the median

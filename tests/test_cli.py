@@ -285,7 +285,7 @@ def test_bad_rows_are_reported_on_their_rows(tiny_model, tmp_path, tokenizer):
     assert errors[5].startswith(f"{p}:7: ") and "'prompt'" in errors[5]
     assert errors[6].startswith(f"{p}:8: ") and "'prompt'" in errors[6] and "non-empty" in errors[6]
     assert errors[7].startswith(f"{p}:9: ") and "UTF-8" in errors[7]
-    assert errors[8].startswith(f"{p}:10: ") and "context per slot is 16" in errors[8]
+    assert errors[8].startswith(f"{p}:10: ") and "context is 16 tokens" in errors[8]
     assert all("\n" not in e for e in errors.values())
     by_row = {r["row"]: r for r in rows}
     for i in (1, 2, 4, 5, 6, 7, 8):

@@ -104,7 +104,7 @@ def test_graph_sizes_pad_to_the_next_capture(target, head):
     with torch.inference_mode():
         recs = list(eng.generate(_rows(), SamplingDefaults()))
     assert len(recs) == len(LENS)
-    assert int(eng.lens[eng.cache.dummy_slot]) == 0
+    assert int(eng.lens[eng.state.dummy]) == 0
 
 
 def test_profile_records_stage_times(target, head):

@@ -50,7 +50,7 @@ def test_load_builtin_vanilla():
     assert r.algorithm == "vanilla"
     assert (r.num_steps, r.topk, r.num_draft_tokens) == (None, None, None)
     assert r.model == "default" and r.draft is None and r.dtype == "auto"
-    assert r.batch_size == 64 and r.max_model_len is None
+    assert r.batch_size is None and r.max_model_len is None      # slots from memory
     assert r.sampling == SamplingDefaults()
     assert r.source == "<builtin>/vanilla.yaml"
     assert "baseline" in r.description
@@ -141,9 +141,9 @@ def test_unknown_algorithm_and_dtype():
 @pytest.mark.parametrize(
     "data, expected",
     [
-        ({"batch_size": "64"}, "batch_size: expected an integer, got str '64'"),
-        ({"batch_size": 64.0}, "batch_size: expected an integer, got float 64.0"),
-        ({"batch_size": True}, "batch_size: expected an integer, got bool True"),
+        ({"batch_size": "64"}, "batch_size: expected an integer or null, got str '64'"),
+        ({"batch_size": 64.0}, "batch_size: expected an integer or null, got float 64.0"),
+        ({"batch_size": True}, "batch_size: expected an integer or null, got bool True"),
         ({"max_model_len": "4k"}, "max_model_len: expected an integer or null, got str '4k'"),
         ({"model": 3}, "model: expected a string, got int 3"),
         ({"draft": ["a"]}, "draft: expected a string or null, got list ['a']"),
@@ -168,7 +168,7 @@ def test_wrong_types(data, expected):
 @pytest.mark.parametrize(
     "data, expected",
     [
-        ({"batch_size": 0}, "batch_size: expected an integer >= 1, got 0"),
+        ({"batch_size": 0}, "batch_size: expected an integer >= 1 or null, got 0"),
         ({"max_model_len": 0}, "max_model_len: expected an integer >= 1 or null, got 0"),
         ({"sampling": {"max_tokens": 0}}, "sampling.max_tokens: expected an integer >= 1, got 0"),
         ({"sampling": {"temperature": -0.1}}, "sampling.temperature: expected a number >= 0"),
@@ -264,7 +264,7 @@ def test_with_overrides_valid():
     assert r.sampling.max_tokens == base.sampling.max_tokens  # None is ignored
     assert r.sampling.stop == ("a", "b") and r.model == "/m"
     assert r.source == base.source
-    assert base.batch_size == 64  # frozen original untouched
+    assert base.batch_size is None  # frozen original untouched
     r = base.with_overrides(sampling={"top_k": 5})
     assert r.sampling.top_k == 5 and r.sampling.top_p == 1.0
 
@@ -283,7 +283,7 @@ def test_with_overrides_switching_algorithm():
 @pytest.mark.parametrize(
     "kw, expected",
     [
-        ({"batch_size": 0}, "batch_size: expected an integer >= 1, got 0"),
+        ({"batch_size": 0}, "batch_size: expected an integer >= 1 or null, got 0"),
         ({"temperature": -1.0}, "sampling.temperature: expected a number >= 0"),
         ({"top_p": "0.9"}, "sampling.top_p: expected a number, got str '0.9'"),
         ({"num_steps": 3}, "num_steps: algorithm vanilla takes none"),

@@ -139,3 +139,30 @@ def test_uniforms_are_reproducible():
     torch.manual_seed(3)
     d = simulate_acceptance(prop, target, probs, 5)
     assert torch.equal(c.num, d.num) and not torch.equal(a.num, c.num)
+
+
+# ---------------------------------------------------------------- a planted chain (the bench's trees)
+
+class _Shallow:
+    """A drafter whose trees are wide and shallow, like random-weight eagle3_tree proposals."""
+    num_draft_tokens, max_depth, capture_layers, reads_final_hidden, graphable, scratch_rows = 8, 5, (), False, True, 0
+
+    def propose(self, slots, last_tokens, lens, kv_bound=None):
+        return _tree([-1, 0, 0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 2, 2, 2], slots.shape[0])
+
+
+def test_a_planted_chain_reaches_the_full_depth():
+    """eagle3_tree's random-weight trees stop at depth 2 (P3 never applied: 2.28, not 2.50); the
+    bench's PlantedChain keeps the N tokens but lays them out with a chain of depth S."""
+    from specbatch.spec.simulate import PlantedChain
+
+    B = 100_000
+    shallow = _Shallow().propose(torch.zeros(B, dtype=torch.int64), None, None)
+    _check(shallow, 5, 2, B)                                       # 1 + 0.8 + 0.48 = 2.28
+    planted = PlantedChain(_Shallow())
+    prop = planted.propose(torch.zeros(B, dtype=torch.int64), None, None)
+    assert prop.width == 8 and torch.equal(prop.tokens, shallow.tokens)
+    assert prop.depths[0].tolist() == [0, 1, 2, 3, 4, 5, 1, 1]
+    acc = _check(prop, 5, 5, B)                                    # 2.496: P1..P3 apply, P4 = P5 = 0
+    assert abs(float(acc.num.double().mean()) - 2.496) < 0.01
+    assert planted.max_depth == 5 and planted.num_draft_tokens == 8

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from .accept import Acceptance
-from .drafter import Proposal
+from .drafter import Drafter, Proposal
+from .tree import ancestor_mask
 
 
 def deepest_child(parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,3 +71,60 @@ def simulate_acceptance(prop: Proposal, target_argmax: torch.Tensor, probs: torc
         if d < max_depth:
             path[:, d + 1] = cur
     return Acceptance(tokens=tokens, num=num, path=path)
+
+
+def simulated_acceptor(probs: tuple[float, ...], max_depth: int, device: torch.device):
+    """An acceptor for the cycle (cycle.Acceptor) drawing acceptance from `probs` instead of the
+    target's distribution: the bench's stand-in for trained drafts at random weights."""
+    p = list(probs)[:max_depth]
+    p += [0.0] * (max_depth - len(p))
+    table = torch.tensor(p, dtype=torch.float32, device=device)
+
+    def acceptor(prop: Proposal, logits: torch.Tensor, sp, lens: torch.Tensor, depth: int) -> Acceptance:
+        return simulate_acceptance(prop, logits.argmax(dim=-1), table, depth)
+
+    return acceptor
+
+
+class PlantedChain(Drafter):
+    """A drafter whose trees always hold a chain of the full draft depth S (bench only).
+
+    Random-weight drafts are near-uniform, so the beam's top-N trees come out wide and shallow
+    (eagle3_tree at random weights never reaches depth 3) and a profile's later positions would
+    never apply. This wrapper keeps the drafter's N tokens (verify, compaction and catch-up cost
+    what they cost) but lays them out as a chain of min(S, N - 1) nodes from the root, the other
+    nodes hanging off the root: the simulated walk then reaches depth S, so the accept length is
+    1 + P1 + P1 P2 + ... as for a chain. Chains (topk 1) are left alone."""
+
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+        for name in ("num_draft_tokens", "max_depth", "capture_layers", "reads_final_hidden", "graphable",
+                     "scratch_rows"):
+            setattr(self, name, getattr(inner, name))
+        self._shape: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)            # the draft module (head), its caches, ...
+
+    def prefill(self, *args, **kw):
+        return self.inner.prefill(*args, **kw)
+
+    def extend(self, *args, **kw):
+        return self.inner.extend(*args, **kw)
+
+    def propose(self, slots, last_tokens, lens, kv_bound=None) -> Proposal:
+        prop = self.inner.propose(slots, last_tokens, lens, kv_bound)
+        if prop.tree_mask is None:
+            return prop
+        B, N = prop.tokens.shape
+        key = (N, prop.tokens.device)
+        if key not in self._shape:
+            depth = min(self.max_depth, N - 1)
+            parents = [-1] + list(range(depth)) + [0] * (N - 1 - depth)
+            depths = list(range(depth + 1)) + [1] * (N - 1 - depth)
+            par = torch.tensor([parents], device=prop.tokens.device)
+            self._shape[key] = (par, torch.tensor([depths], device=prop.tokens.device),
+                                ancestor_mask(par, depth))
+        par, dep, mask = self._shape[key]
+        return Proposal(tokens=prop.tokens, parents=par.expand(B, N), depths=dep.expand(B, N),
+                        tree_mask=mask.expand(B, N, N))

@@ -1,0 +1,240 @@
+"""Whole-job benchmark (`specbatch bench --job`): every recipe runs the same length mix, through the
+engine's own job loop (`Engine.generate`, what `specbatch run` drives), and is timed end to end
+against the job's floor.
+
+The mix: lognormal prompt and output lengths (median, sigma, clipped to a maximum), or a
+`--prompts` file whose rows may carry their own `max_tokens`. Outputs are exactly their
+`max_tokens` long (EOS ignored), so every recipe produces the same tokens to produce.
+
+The floor is that of plain decoding at the engine's slot count, from the measured machine:
+prefill = 2 x non-embedding parameters FLOPs per prompt token at the measured matmul rate;
+decode = the larger of its bytes at the measured copy bandwidth (the weights once per batch of
+`slots` output tokens, and every output token's context of K/V) and its FLOPs (2 x parameters per
+output token) at the matmul rate. A speculative recipe reads the context once per cycle for
+several tokens, so it can pass 100% of this floor; plain decoding cannot.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..data import RowError, RowRequest, open_rows
+from ..engine import Engine, EngineOptions, resolve_device
+from ..recipe import SamplingDefaults, load_recipe
+from ..prompts import PromptError, encode_row
+from .floor import copy_bandwidth, kv_bytes, weight_bytes
+from .sweep import BenchError, BenchOptions, Source, _engine, _free, _load_source, _spec, acceptance_label, failure_message
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class JobMix:
+    requests: int = 1024
+    prompt_median: int = 256
+    prompt_sigma: float = 0.8
+    prompt_max: int = 1536
+    output_median: int = 200
+    output_sigma: float = 0.6
+    output_max: int = 768
+    slots: int | None = None          # engine slots (None: the engine's default, from memory)
+
+
+def lognormal_lengths(n: int, median: int, sigma: float, most: int, gen: torch.Generator) -> list[int]:
+    """n lengths exp(N(log median, sigma)) rounded, clipped into [1, most]."""
+    x = torch.randn(n, generator=gen, dtype=torch.float64) * sigma + math.log(median)
+    return [int(v) for v in x.exp().round().clamp(1, most).tolist()]
+
+
+def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> list[RowRequest]:
+    """The job's rows: token-id prompts (random ids, or held-out text of the demo/model) with
+    per-row max_tokens; or a --prompts file."""
+    if opts.prompts:
+        rows = []
+        for item in open_rows(opts.prompts):
+            if isinstance(item, RowError):
+                raise BenchError(item.error)
+            try:
+                ids = encode_row(src.tokenizer, item, src.model.cfg.vocab_size)
+            except PromptError as e:
+                raise BenchError(str(e)) from None
+            rows.append(RowRequest(row=len(rows), id=len(rows), prompt_token_ids=ids,
+                                   overrides={"max_tokens": item.overrides.get("max_tokens", mix.output_median)}))
+            if len(rows) == mix.requests:
+                break
+        return rows
+    gen = torch.Generator().manual_seed(opts.seed)
+    p_lens = lognormal_lengths(mix.requests, mix.prompt_median, mix.prompt_sigma, mix.prompt_max, gen)
+    o_lens = lognormal_lengths(mix.requests, mix.output_median, mix.output_sigma, mix.output_max, gen)
+    vocab = src.model.cfg.vocab_size
+    if src.kind == "random":
+        prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in p_lens]
+    else:
+        from ..train.corpus import heldout_prefixes
+
+        texts = heldout_prefixes(src.tokenizer, n=mix.requests, prefix_tokens=max(p_lens), seed=1)
+        prompts = [src.tokenizer(t["prompt"])["input_ids"][:n] for t, n in zip(texts, p_lens)]
+    return [RowRequest(row=i, id=i, prompt_token_ids=p, overrides={"max_tokens": o})
+            for i, (p, o) in enumerate(zip(prompts, o_lens))]
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 8192, iters: int = 10) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (median of `iters`; CPU: n 1024, float32)."""
+    if device.type != "cuda":
+        n, dtype = 1024, torch.float32
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            a @ b
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / statistics.median(times)
+
+
+def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float, rate: float) -> dict[str, float]:
+    """Seconds the job cannot beat with plain decoding at `slots` sequences in flight."""
+    model = src.model
+    dtype = model.lm_head.weight.dtype
+    elem = torch.empty((), dtype=dtype).element_size()
+    w_bytes = weight_bytes(model)
+    params = w_bytes / elem                                       # non-embedding parameters (+ lm_head)
+    prompt = sum(len(r.prompt_token_ids) for r in rows)
+    outputs = [r.overrides["max_tokens"] for r in rows]
+    out_tokens = sum(outputs)
+    # each output token reads its whole context once: sum over t < o of (p + t)
+    ctx_rows = sum(o * len(r.prompt_token_ids) + o * (o - 1) / 2 for r, o in zip(rows, outputs))
+    decode_bytes = math.ceil(out_tokens / slots) * w_bytes + kv_bytes(model.cfg, dtype, ctx_rows)
+    prefill_s = 2 * params * prompt / rate
+    decode_s = max(decode_bytes / bandwidth, 2 * params * out_tokens / rate)
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s,
+            "prompt_tokens": prompt, "output_tokens": out_tokens}
+
+
+def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str, Any]:
+    device = resolve_device(opts.device)
+    recipes = [load_recipe(r) for r in opts.recipes]
+    src = _load_source(opts, device)
+    rows = job_rows(mix, opts, src)
+    longest = max(len(r.prompt_token_ids) + r.overrides["max_tokens"] for r in rows)
+    if longest > src.model.cfg.max_position_embeddings:
+        raise BenchError(f"the mix reaches {longest} tokens, past the model's max_position_embeddings "
+                         f"({src.model.cfg.max_position_embeddings}): lower the maxima")
+    log(f"measuring copy bandwidth and matmul rate on {device} ...")
+    bandwidth = copy_bandwidth(device)
+    rate = matmul_rate(device, src.model.lm_head.weight.dtype)
+    _free(device)
+    meta = {"mode": "job", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "model": src.name, "model_source": src.kind,
+            "dtype": str(src.model.lm_head.weight.dtype).removeprefix("torch."),
+            "requests": len(rows), "mix": vars(mix), "copy_bandwidth_bytes_per_s": bandwidth,
+            "matmul_flops_per_s": rate, "acceptance": acceptance_label(opts.simulate_acceptance),
+            "simulated_acceptance": list(opts.simulate_acceptance) if opts.simulate_acceptance else None,
+            "graphs": opts.graphs and device.type == "cuda"}
+    points = []
+    for recipe in recipes:
+        spec, head = _spec(recipe, opts, src, device)
+        sim = opts.simulate_acceptance if recipe.algorithm != "vanilla" else None
+        eopts = EngineOptions(batch_size=mix.slots or recipe.batch_size, max_model_len=longest, device=str(device),
+                              spec=spec, graphs=opts.graphs, profile=True, simulate_acceptance=sim)
+        log(f"{recipe.name}: building the engine ...")
+        try:
+            engine = _engine(eopts, src, head)
+            list(engine.generate(rows[:8], SamplingDefaults(max_tokens=4, ignore_eos=True)))     # warm-up
+            points.append(_measure_job(engine, rows, recipe.name, src, bandwidth, rate))
+        except Exception as e:                          # noqa: BLE001 - recorded, the next recipe runs
+            points.append({"recipe": recipe.name, "failed": True, "error": failure_message(e)})
+            log(f"{recipe.name}: FAILED ({points[-1]['error']})")
+            engine = None
+        else:
+            p = points[-1]
+            log(f"{recipe.name}: {p['job_tokens_per_s']:.0f} tok/s, wall {p['wall_s']:.1f} s (prefill "
+                f"{p['prefill_s']:.1f} s in {p['prefill_forwards']} forwards, decode {p['decode_s']:.1f} s), "
+                f"{100 * p['floor_fraction']:.0f}% of the floor, occupancy {p['mean_occupancy']:.0f}/{p['slots']}")
+        del engine
+        _free(device)
+    base = next((p for p in points if p["recipe"] == "vanilla" and not p.get("failed")), None)
+    for p in points:
+        if base and not p.get("failed"):
+            p["speedup_vs_vanilla"] = p["job_tokens_per_s"] / base["job_tokens_per_s"]
+    return {"meta": meta, "points": points}
+
+
+def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source, bandwidth: float,
+                 rate: float) -> dict[str, Any]:
+    cuda = engine.device.type == "cuda"
+    engine.cycle_times.clear()
+    engine.occupancy.clear()
+    engine.prefill_s, engine.waited = 0.0, 0
+    forwards0 = engine.prefill_forwards
+    if cuda:
+        torch.cuda.synchronize(engine.device)
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    recs = list(engine.generate(rows, SamplingDefaults(ignore_eos=True)))
+    if cuda:
+        torch.cuda.synchronize(engine.device)
+    wall = time.perf_counter() - t0
+    errors = [r["error"] for r in recs if r["error"]]
+    if errors:
+        raise BenchError(f"{len(errors)} rows failed, first: {errors[0]}")
+    out = sum(r["completion_tokens"] for r in recs)
+    floor = job_floor(src, rows, engine.num_slots, bandwidth, rate)
+    steps = sum(r["spec"]["verify_steps"] - 1 for r in recs)
+    return {
+        "recipe": name, "slots": engine.num_slots, "pages": engine.num_pages, "page_size": engine.page_size,
+        "wall_s": wall, "job_tokens_per_s": out / wall, "output_tokens": out,
+        "prompt_tokens": floor["prompt_tokens"],
+        "prefill_s": engine.prefill_s, "prefill_forwards": engine.prefill_forwards - forwards0,
+        "decode_s": wall - engine.prefill_s, "cycles": len(engine.cycle_times),
+        "mean_occupancy": statistics.fmean(engine.occupancy) if engine.occupancy else 0.0,
+        "admissions_waiting_for_pages": engine.waited,
+        "accept_length": out / max(steps + len(recs), 1) if steps else 1.0,
+        "floor_s": floor["total_s"], "floor_prefill_s": floor["prefill_s"], "floor_decode_s": floor["decode_s"],
+        "floor_tokens_per_s": out / floor["total_s"], "floor_fraction": floor["total_s"] / wall,
+        "peak_memory_bytes": int(torch.cuda.max_memory_allocated(engine.device)) if cuda else None,
+        "capture_s": engine.capture_seconds,
+    }
+
+
+def job_markdown(result: dict[str, Any]) -> str:
+    meta, mix = result["meta"], result["meta"]["mix"]
+    lines = [f"# specbatch bench --job: {meta['model']} on {meta['device']}, {meta['acceptance']}", "",
+             f"{meta.get('date', '')} · {meta['dtype']} · {meta['requests']} requests · prompts lognormal "
+             f"median {mix['prompt_median']} sigma {mix['prompt_sigma']} max {mix['prompt_max']} · outputs "
+             f"median {mix['output_median']} sigma {mix['output_sigma']} max {mix['output_max']} (EOS ignored) · "
+             f"copy {meta['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s · matmul "
+             f"{meta['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", ""]
+    if meta.get("command"):
+        lines += [f"`{meta['command']}`", ""]
+    lines += ["| recipe | job tok/s | vs vanilla | wall s | prefill s (forwards) | decode s | floor s | "
+              "of floor | occupancy | accept len | peak GiB |", "|" + "---|" * 11]
+    for p in result["points"]:
+        if p.get("failed"):
+            lines.append(f"| {p['recipe']} | failed: {p['error']} |" + " |" * 10)
+            continue
+        mem = f"{p['peak_memory_bytes'] / 2**30:.1f}" if p.get("peak_memory_bytes") else "-"
+        lines.append(f"| {p['recipe']} | {p['job_tokens_per_s']:,.0f} | {p.get('speedup_vs_vanilla', 0):.2f}x | "
+                     f"{p['wall_s']:.1f} | {p['prefill_s']:.1f} ({p['prefill_forwards']}) | {p['decode_s']:.1f} | "
+                     f"{p['floor_s']:.1f} | {100 * p['floor_fraction']:.0f}% | "
+                     f"{p['mean_occupancy']:.0f}/{p['slots']} | {p['accept_length']:.2f} | {mem} |")
+    lines += ["", "Floor: plain decoding of this mix at the engine's slot count on this machine (prefill "
+              "FLOPs at the matmul rate + decode bytes at the copy bandwidth, or decode FLOPs if larger). "
+              "Occupancy: mean active sequences per cycle / slots. Prefill s: host clock around the "
+              "prefill forwards (synchronised); decode s: the rest of the wall time."]
+    return "\n".join(lines) + "\n"
