@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .data import InputChanged, OutputWriter, StdoutWriter, check_input, open_rows
+from .data import InputChanged, OutputError, OutputWriter, StdoutWriter, check_input, open_rows
 from .data.reader import Row
 from .recipe import Recipe
 from .resolve import DEMO_DIR, JobError, describe_draft, resolve_draft, resolve_model, spec_config
@@ -170,6 +170,8 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
             stats.add(rec)
             notify("record", {"record": rec, "tokens": engine.tokens_emitted, "errors": stats.errors})
     except BaseException as e:
+        if isinstance(e, OutputError):
+            raise                # the output itself failed (disk full...): committed parts stay as they are
         try:
             writer.commit()      # what finished is kept; a rerun resumes after it
             if opts.fail_fast and isinstance(e, JobError):

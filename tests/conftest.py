@@ -22,6 +22,17 @@ from tiny_models import make_checkpoint  # noqa: E402
 ARCHS = ("llama3", "qwen2", "qwen3", "mistral")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls: one thread is faster and immune to other processes competing for the cores
+    (a second thread only adds OpenMP waits on a busy 2-core box). Modules opt in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """tiny_model_factory(arch, tag=None, **kw) -> directory of a random HF checkpoint, cached per

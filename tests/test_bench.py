@@ -31,12 +31,7 @@ META_FIELDS = ("device", "date", "versions", "command", "copy_bandwidth_bytes_pe
                "simulated", "simulated_acceptance", "acceptance")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import re
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from specbatch.cli import EXIT_FAILED, EXIT_USAGE, app
@@ -21,12 +20,7 @@ PROMPTS = ["def add(a, b):", "for i in range(10):", "class Point:", "import os",
            "while True:", "print(i * i)", "Hello world!"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cli(*args, input=None):
@@ -224,3 +218,26 @@ def test_bad_flags_are_named_as_flags(tmp_path, base, flag, value, expect):
     inp = write(tmp_path / "in.jsonl", ROWS)
     line = one_line_cli_error(cli("run", inp, *base, flag, value), EXIT_USAGE)
     assert expect in line and "sampling." not in line.split(":")[0]
+
+
+def test_disk_full_is_one_line_and_keeps_the_committed_rows(tmp_path, base, monkeypatch):
+    import errno
+
+    from specbatch.data import writer as writer_mod
+
+    inp, out = write(tmp_path / "in.jsonl", ROWS * 30), tmp_path / "full.parquet"
+    real, calls = writer_mod.pq.write_table, []
+
+    def full_after_one(*a, **k):
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(writer_mod.pq, "write_table", full_after_one)
+    line = one_line_cli_error(cli("run", inp, "-o", out, *base), EXIT_USAGE)
+    assert "ENOSPC" in line and ".parts" in line
+    monkeypatch.setattr(writer_mod.pq, "write_table", real)
+    stats = tmp_path / "s.json"
+    ok("run", inp, "-o", out, *base, "--stats-json", stats)        # after freeing space: resumes
+    assert json.loads(stats.read_text())["resumed"] == 256 and len(read(out)) == 360

@@ -36,13 +36,7 @@ LENS = (1, 9, 4, 14, 6, 11, 3)
 MAXES = (12, 6, 1, 12, 3, 9, 12)                     # requests finish at different cycles
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: one thread is faster and immune to other processes competing for the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- fixtures: targets with an MTP layer, built once per module ------------------------------

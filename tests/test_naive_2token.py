@@ -35,14 +35,7 @@ CPU = torch.device("cpu")
 
 # ------------------------------------------------------------------------------------ fixtures
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine two threads
-    per op made these tests ~10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

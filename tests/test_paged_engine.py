@@ -12,12 +12,7 @@ from specbatch.recipe import SamplingDefaults
 from specbatch.spec.factory import SpecConfig
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rows(n, seed=0):

@@ -11,16 +11,7 @@ from typer.testing import CliRunner
 from specbatch.cli import app
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # toy shapes: a second thread only adds OpenMP waits, which on a busy 2-core box (CI) cost
-    # far more than the work itself (the pipeline itself runs its smoke stages on one thread)
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
