@@ -19,7 +19,7 @@ from specbatch.bench.floor import copy_bandwidth, kv_bytes, weight_bytes
 from specbatch.data import RowRequest
 from specbatch.engine import Engine, EngineOptions
 from specbatch.recipe import SamplingDefaults, load_recipe
-from specbatch.spec.factory import SpecConfig
+from specbatch.speculative.factory import SpecConfig
 
 
 class _Tok:

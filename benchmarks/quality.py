@@ -22,7 +22,7 @@ from specbatch.data import RowRequest
 from specbatch.engine import Engine, EngineOptions
 from specbatch.job import DEMO_DIR
 from specbatch.recipe import SamplingDefaults, load_recipe
-from specbatch.spec.factory import SpecConfig
+from specbatch.speculative.factory import SpecConfig
 from specbatch.stats import RunStats
 from specbatch.train.corpus import heldout_prefixes, iter_corpus
 

@@ -20,7 +20,7 @@ from specbatch.bench.timing import graph_us as _graph_us
 from specbatch.bench.floor import copy_bandwidth
 from specbatch.kernels.top1 import plan, top1
 from specbatch import kernels
-from specbatch.spec.topk import top1 as _dispatch_top1
+from specbatch.speculative.topk import top1 as _dispatch_top1
 
 
 def torch_top1(x):

@@ -343,7 +343,7 @@ def _builtin_files() -> dict[str, Any]:
 
         root: Any = files("specbatch.recipes")
     except (ImportError, TypeError):
-        root = Path(__file__).resolve().parent.parent / "recipes"
+        root = Path(__file__).resolve().parent / "recipes"
     if not root.is_dir():
         return {}
     out = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .recipe import Recipe
-from .spec.factory import AVAILABLE, SpecConfig
+from .speculative.factory import AVAILABLE, SpecConfig
 
 DEMO_DIR = Path(__file__).parent / "assets" / "demo"
 

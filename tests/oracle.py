@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
-from specbatch.spec.accept import Acceptance
-from specbatch.spec.drafter import Drafter, Proposal
-from specbatch.spec.tree import ancestor_mask, chain
+from specbatch.speculative.accept import Acceptance
+from specbatch.speculative.drafter import Drafter, Proposal
+from specbatch.speculative.tree import ancestor_mask, chain
 
 
 class OracleDrafter(Drafter):

@@ -30,7 +30,7 @@ from ..models.llama import CausalLM
 from ..models.loader import load_target, resolve_dtype
 from ..prompts import PromptError, encode_row, load_tokenizer
 from ..recipe import SamplingDefaults, load_recipe
-from ..spec.factory import AVAILABLE, SpecConfig
+from ..speculative.factory import AVAILABLE, SpecConfig
 from ..stats import RunStats
 from . import configs
 from .floor import copy_bandwidth, draft_bytes, kv_bytes, step_floor_ms, weight_bytes

@@ -2,7 +2,7 @@
 unrolled over whole windows exactly as ``LayerDrafter`` runs it at inference, and the distillation
 loss.
 
-Alignment (the drafter in ``specbatch/spec/layer_drafter.py``, the same for both modules): row p
+Alignment (the drafter in ``specbatch/speculative/layer_drafter.py``, the same for both modules): row p
 holds the token at position p+1 and the feature of position p; its output predicts the token at
 position p+2, i.e. it is scored against the target's distribution at position p+1. Training-time
 test unrolls ``ttt_steps`` steps over every row of a window at once:

@@ -1,1 +1,0 @@
-"""Built-in recipe presets (YAML), installed as package data of specbatch.recipes."""

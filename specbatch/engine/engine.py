@@ -1,0 +1,391 @@
+"""The engine: owns the target, the paged KV pool and the drafter; turns rows into requests,
+admits them in waves, prefills them, runs the cycle (cycle.py) and turns requests into records.
+
+    rows -> requests -> admission (slots and pages) -> prefill -> cycle* -> records
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from .cycle import SlotState, Slotted, SpecCycle, exact_acceptance
+from .profile import CycleTime
+from ..data import RowError, RowRequest
+from ..models.attention import AttnMetadata
+from ..models.config import ModelError, generation_eos_ids
+from ..models.eagle3 import Eagle3Head
+from ..models.llama import CausalLM, fuse_projections
+from ..models.loader import load_target
+from ..models.mtp import MTPLayer
+from ..prompts import PromptError, encode_row, load_tokenizer, too_long
+from ..recipe import SamplingDefaults
+from ..request import Request, StopChecker
+from ..runtime.kv_cache import GiB, PagedKVCache, bytes_per_row, memory_budget
+from ..runtime.pages import PageAllocator
+from ..sampling import BatchSampling, SamplingParams, sample
+from ..scheduler import SlotScheduler
+from ..speculative.drafter import Drafter
+from ..speculative.factory import SpecConfig, make_drafter
+from ..stats import error_record, spec_stats
+
+@dataclass
+class EngineOptions:
+    batch_size: int | None = None        # slots: sequences in flight (None: from memory)
+    max_model_len: int | None = None     # context per request (None: the model's, capped by the pool)
+    dtype: str = "auto"
+    device: str | None = None            # None: cuda when available, else cpu
+    bucket_window: int = 0               # > 0: admit similar prompt lengths together
+    prefill_tokens: int = 8192           # padded tokens per prefill forward
+    wave: float = 0.125                  # admit when this share of the slots is free (or nothing runs)
+    page_size: int | None = None         # KV rows per page (None: 64 on GPU, 16 on CPU)
+    kv_rows: int | None = None           # KV pool capacity in rows (None: what memory allows)
+    spec: SpecConfig = SpecConfig()      # the drafter (vanilla: none)
+    graphs: bool = True                  # CUDA graphs for the cycle on CUDA (False: --eager)
+    fused: bool | None = None            # the cycle as ONE graph (None: the recipe's choice, naive_2token)
+    profile: bool = False                # record per-cycle stage timings and prefill time
+    simulate_acceptance: tuple[float, ...] | None = None   # bench only: per-position acceptance
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    import re
+
+    shown = name if name.isprintable() and name.strip() == name and name else repr(name)
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", name):
+        raise ValueError(f"--device {shown}: expected cpu, cuda or cuda:N")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {shown}: no CUDA device is available (use --device cpu)")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"--device {shown}: this machine has {count} CUDA device"
+                             f"{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})")
+    return dev
+
+
+def _scratch_rows(spec: SpecConfig) -> int:
+    """Cache rows past the committed length a recipe's drafter writes (LayerDrafter's scratch)."""
+    if spec.algorithm == "vanilla":
+        return 0
+    return (spec.num_steps - 1) * spec.topk + spec.num_steps + 1
+
+
+MAX_DEFAULT_SLOTS = 512
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path | None, opts: EngineOptions | None = None,
+                 drafter: Drafter | None = None, *, model: CausalLM | None = None,
+                 tokenizer: Any = None, draft_head: Eagle3Head | MTPLayer | None = None):
+        """`drafter` replaces the one `opts.spec` describes (tests plug in their own); `model`
+        and `tokenizer` replace loading from `model_dir` (bench: random weights), `draft_head`
+        replaces loading `opts.spec.draft`."""
+        self.opts = opts = opts or EngineOptions()
+        if model is None:
+            self.device = resolve_device(opts.device)
+            self.model, _ = load_target(model_dir, opts.dtype, self.device)
+            self.tokenizer = load_tokenizer(model_dir)
+            eos = generation_eos_ids(model_dir) or self.model.cfg.eos_token_ids
+        else:
+            self.model, self.device, self.tokenizer = model, model.lm_head.weight.device, tokenizer
+            eos = model.cfg.eos_token_ids
+        fuse_projections(self.model)
+        self.cfg = self.model.cfg
+        self.dtype = self.model.lm_head.weight.dtype
+        if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos = (self.tokenizer.eos_token_id,)
+        self.eos_ids = set(eos)
+
+        # Rows a request writes past its committed length: verify's N - 1 and the draft's scratch.
+        width = drafter.num_draft_tokens if drafter else opts.spec.width
+        self.headroom = max(width, drafter.scratch_rows if drafter else _scratch_rows(opts.spec))
+        self._plan_pool(drafting=drafter is not None or opts.spec.algorithm != "vanilla")
+        self.pages = PageAllocator(self.num_pages, self.page_size, self.num_slots,
+                                   math.ceil((self.max_len + self.headroom) / self.page_size),
+                                   self.device, dummy_rows=self.headroom)
+        self.cache = PagedKVCache(self.cfg, self.pages.layout, self.dtype, self.device)
+        self.drafter = drafter or make_drafter(opts.spec, self.model, self.num_slots, self.max_len,
+                                               head=draft_head, target_dir=model_dir, layout=self.pages.layout)
+        if opts.simulate_acceptance is not None:
+            from ..speculative.simulate import PlantedChain
+
+            self.drafter = PlantedChain(self.drafter)       # bench: trees reach the full draft depth
+        self.stops = StopChecker(self.tokenizer, self.eos_ids)
+        self.state = SlotState(self.num_slots, self.device)
+        acceptor = exact_acceptance
+        if opts.simulate_acceptance is not None:
+            from ..speculative.simulate import simulated_acceptor
+
+            acceptor = simulated_acceptor(opts.simulate_acceptance, self.drafter.max_depth, self.device)
+        self.fused = opts.spec.fused if opts.fused is None else opts.fused
+        self.cycle = SpecCycle(self.model, self.cache, self.drafter, self.state, self.stops, self._target,
+                               acceptor=acceptor, max_len=self.max_len, graphs=opts.graphs,
+                               fused=self.fused, profile=opts.profile)
+        self.prefill_forwards = 0
+        self.prefill_s = 0.0                 # host clock (synchronised) when profiling
+        self.occupancy: list[int] = []       # active slots per cycle when profiling
+        self.waited = 0                      # admissions a request waited for pages
+
+    def _plan_pool(self, drafting: bool) -> None:
+        """Slots, context and pages: the pool takes what memory allows (on GPU 90% of what is
+        free, minus room for activations, graphs and logits), but never more than every slot
+        holding a request of the full context."""
+        cfg, opts, dev = self.cfg, self.opts, self.device
+        limit = cfg.max_position_embeddings
+        if opts.max_model_len is not None and opts.max_model_len > limit:
+            raise ModelError(f"--max-model-len {opts.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+        self.page_size = P = opts.page_size or (64 if dev.type == "cuda" else 16)
+        row_bytes = bytes_per_row(cfg, self.dtype)
+        if drafting:
+            row_bytes += row_bytes // cfg.num_layers           # the draft layer's own pages
+        slots_hint = opts.batch_size or MAX_DEFAULT_SLOTS
+        reserve = 0
+        if dev.type == "cuda":
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            act = opts.prefill_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * elem
+            logits = slots_hint * self.headroom * cfg.vocab_size * 6
+            reserve = 2 * GiB + act + logits
+        budget_pages = memory_budget(dev, reserve) // (row_bytes * P)
+        dummy = math.ceil(self.headroom / P)
+        if opts.kv_rows is not None:
+            budget_pages = min(budget_pages, math.ceil(opts.kv_rows / P) + 1 + dummy)
+        max_len = opts.max_model_len or limit
+        pool_rows = (budget_pages - 1 - dummy) * P
+        if max_len + self.headroom > pool_rows:
+            if opts.max_model_len is not None or pool_rows - self.headroom < 16:
+                raise ModelError(f"not enough {dev.type} memory for a KV pool holding one request of "
+                                 f"{max_len} tokens ({pool_rows} rows fit); set a smaller --max-model-len")
+            max_len = pool_rows - self.headroom
+        per_slot = math.ceil((max_len + self.headroom) / P)
+        if opts.batch_size is not None:
+            slots = opts.batch_size
+        elif dev.type == "cuda":
+            # as many sequences as the pool can hold at a quarter of the full context each
+            slots = max(16, min(MAX_DEFAULT_SLOTS, pool_rows // max(1, (max_len + self.headroom) // 4)))
+        else:
+            slots = 32
+        self.num_slots, self.max_len = slots, max_len
+        self.num_pages = int(min(budget_pages, slots * per_slot + dummy + 1))
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.cycle.capture_seconds
+
+    @property
+    def graphs(self):
+        return self.cycle.graphs
+
+    @property
+    def cycle_times(self) -> list[CycleTime]:
+        return self.cycle.times
+
+    @property
+    def tokens_emitted(self) -> int:
+        return self.cycle.tokens_emitted + self._prefill_tokens_emitted
+
+    @property
+    def target_forwards(self) -> int:
+        """Batched target forward calls (prefills and cycles)."""
+        return self.cycle.forwards + self.prefill_forwards
+
+    @property
+    def lens(self) -> torch.Tensor:
+        return self.state.lens
+
+    # ---- rows -> requests -------------------------------------------------------------------
+
+    def make_request(self, item: RowRequest | RowError, defaults: SamplingDefaults) -> Request | dict:
+        """A Request ready to schedule, or an error record for a row that cannot run."""
+        if isinstance(item, RowError):
+            return error_record(item.row, item.id, item.error, item.keep)
+        # Whatever goes wrong with one row is that row's error record, never the job's end.
+        where = item.where or f"row {item.row}"
+        try:
+            ids = encode_row(self.tokenizer, item, self.cfg.vocab_size, max_tokens_allowed=self.max_len)
+        except PromptError as e:
+            return error_record(item.row, item.id, str(e), item.keep)
+        except Exception as e:
+            from ..prompts import exception_line
+
+            return error_record(item.row, item.id, f"{where}: cannot tokenize the prompt ({exception_line(e)})",
+                                item.keep)
+        if len(ids) >= self.max_len:
+            return error_record(item.row, item.id, str(too_long(where, self.max_len, f"{len(ids)} tokens")),
+                                item.keep, prompt_tokens=len(ids))
+        try:
+            params = _params(defaults, item.overrides, item.row)
+        except Exception as e:
+            from ..prompts import exception_line
+
+            return error_record(item.row, item.id, f"{where}: invalid sampling parameters ({exception_line(e)})",
+                                item.keep, prompt_tokens=len(ids))
+        return Request(row=item.row, id=item.id, prompt_ids=ids, params=params,
+                       max_new=min(params.max_tokens, self.max_len - len(ids)), keep=item.keep)
+
+    def record(self, req: Request) -> dict[str, Any]:
+        return {
+            "row": req.row, "id": req.id, "completion": self.stops.completion_text(req),
+            "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
+            "finish_reason": req.finish_reason, "error": None, "spec": spec_stats(req),
+            "output_token_ids": list(req.output_ids), **req.keep,
+        }
+
+    def _rows_needed(self, req: Request) -> int:
+        return len(req.prompt_ids) + req.max_new + self.headroom
+
+    # ---- the job loop -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, items: Iterable[RowRequest | RowError],
+                 defaults: SamplingDefaults = SamplingDefaults()) -> Iterator[dict[str, Any]]:
+        """Yield one record per input row, in completion order, streaming the input.
+
+        Admission comes in waves: once a share of the slots is free (or nothing runs, or the
+        queue is that short), every queued request whose pages fit is admitted and prefilled in
+        a few large forwards, rather than a forward for each slot that frees up."""
+        sched: SlotScheduler[Request] = SlotScheduler(self.num_slots, bucket_window=self.opts.bucket_window)
+        source = iter(items)
+        lookahead = max(2 * self.num_slots, self.opts.bucket_window)
+        wave = max(1, math.ceil(self.opts.wave * self.num_slots))
+        exhausted = False
+        while True:
+            while not exhausted and sched.queued() < lookahead:
+                item = next(source, None)
+                if item is None:
+                    exhausted = True
+                    break
+                req = self.make_request(item, defaults)
+                if isinstance(req, dict):
+                    yield req
+                else:
+                    sched.add(req)
+            active = sched.active()
+            free = self.num_slots - len(active)
+            if sched.queued() and (not active or free >= min(wave, sched.queued())):
+                admitted = self._admit(sched)
+                if admitted:
+                    yield from self._release(sched, self._prefill(admitted))
+                active = sched.active()
+            if not active:
+                if exhausted and sched.queued() == 0:
+                    return
+                continue
+            if self.opts.profile:
+                self.occupancy.append(len(active))
+            yield from self._release(sched, self.cycle(active))
+
+    def _admit(self, sched: SlotScheduler) -> Slotted:
+        """Queued requests into free slots, in order, while their pages fit (reserved here)."""
+        budget = [self.pages.free_pages]
+
+        def fits(req: Request) -> bool:
+            n = self.pages.pages_for(self._rows_needed(req))
+            if n > budget[0]:
+                return False
+            budget[0] -= n
+            return True
+
+        admitted = sched.admit(fits=fits)
+        if sched.queued() and len(admitted) < len(sched.free_slots()) + len(admitted):
+            self.waited += 1
+        self.pages.reserve([(slot, self._rows_needed(req)) for slot, req in admitted])
+        return admitted
+
+    def _release(self, sched: SlotScheduler, finished: Slotted) -> Iterator[dict[str, Any]]:
+        for slot, req in finished:
+            sched.release(slot)
+            self.pages.release(slot)
+            yield self.record(req)
+
+    # ---- prefill ------------------------------------------------------------------------------
+
+    _prefill_tokens_emitted = 0
+
+    def _prefill(self, admitted: Slotted) -> Slotted:
+        """Prompts in padded groups of similar length, each group one target forward (the
+        Triton kernel on CUDA attends in causal query tiles, no mask materialised), then the
+        first token and the drafter's catch-up."""
+        t0 = time.perf_counter()
+        finished: Slotted = []
+        st = self.state
+        for group in _prefill_groups(admitted, self.opts.prefill_tokens):
+            lens = [len(r.prompt_ids) for _, r in group]
+            B, T = len(group), max(lens)
+            ids = torch.zeros(B, T, dtype=torch.int64)
+            for i, (_, r) in enumerate(group):
+                ids[i, : lens[i]] = torch.tensor(r.prompt_ids)
+            ids = ids.to(self.device)
+            slots = self._tensor([s for s, _ in group])
+            lengths = self._tensor(lens)
+            meta = AttnMetadata(slots=slots, positions=torch.arange(T, device=self.device).expand(B, T),
+                                prefix_lens=torch.zeros_like(slots), kv_len=T, page_table=self.pages.layout.page_table)
+            hidden, captured = self._target(ids, meta)
+            self.prefill_forwards += 1
+            last = hidden[torch.arange(B, device=self.device), lengths - 1]          # [B, H]
+            sp = BatchSampling.build([r.params for _, r in group], self.device)
+            first = sample(self.model.logits(last), sp, lengths)
+            self.drafter.prefill(slots, ids, lengths, captured, first)
+            st.lens[slots], st.last[slots] = lengths, first
+            for (slot, req), tok, n in zip(group, first.tolist(), lens):
+                st.seq_lens[slot] = n
+                req.histogram = [0] * (self.drafter.max_depth + 1)
+                req.verify_steps = 1                 # the prefill: a forward that verified no drafts
+                self._prefill_tokens_emitted += self.stops.append(req, [tok])
+                if req.finished:
+                    finished.append((slot, req))
+        if self.opts.profile:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.prefill_s += time.perf_counter() - t0
+        return finished
+
+    def _target(self, ids: torch.Tensor, meta: AttnMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The target forward: (final-normed hidden, the states the drafter reads)."""
+        hidden, captured = self.model(ids, meta, self.cache.layers, self.drafter.capture_layers)
+        return hidden, [hidden] if self.drafter.reads_final_hidden else captured
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def _params(d: SamplingDefaults, o: dict[str, Any], row: int) -> SamplingParams:
+    seed = o.get("seed")
+    if seed is None:
+        # From the run seed (--seed, default 0) and the row: reruns and resumes draw the same tokens.
+        run_seed = d.seed or 0
+        seed = ((run_seed * 0x9E3779B97F4A7C15) ^ (row * 0xBF58476D1CE4E5B9)) % (1 << 64)
+    temperature = float(o.get("temperature", d.temperature))
+    if temperature < 1e-5:
+        # Greedy, as vLLM does below its _SAMPLING_EPS: dividing logits by a tiny temperature
+        # overflows (1e-40 emitted only EOS) or acts greedy anyway. Every temperature (row
+        # overrides, recipe, CLI) passes here.
+        temperature = 0.0
+    return SamplingParams(
+        max_tokens=o.get("max_tokens", d.max_tokens),
+        temperature=temperature,
+        top_p=float(o.get("top_p", d.top_p)),
+        top_k=min(int(o.get("top_k", d.top_k)), 2**31 - 1),   # >= the vocabulary: no filter either way
+        seed=int(seed),
+        stop=tuple(o.get("stop", d.stop)),
+        stop_token_ids=tuple(o.get("stop_token_ids", d.stop_token_ids)),
+        ignore_eos=bool(o.get("ignore_eos", d.ignore_eos)),
+    )
+
+
+def _prefill_groups(admitted: Slotted, budget: int) -> list[Slotted]:
+    """Split by prompt length so each padded prefill forward stays within `budget` tokens."""
+    groups: list[Slotted] = []
+    for item in sorted(admitted, key=lambda sr: len(sr[1].prompt_ids)):
+        if groups and len(item[1].prompt_ids) * (len(groups[-1]) + 1) <= budget:
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    return groups

@@ -1,0 +1,25 @@
+"""Triton kernels (GPU fast path), under the specbatch namespace (never a top-level `kernels`:
+Hugging Face publishes a package of that name, which transformers probes for).
+
+`active(t)` is the switch every caller asks: CUDA, triton installed, not inside `torch_only()`."""
+import contextlib as _contextlib
+import importlib.util as _importlib_util
+
+_HAVE_TRITON = _importlib_util.find_spec("triton") is not None
+_enabled = True
+
+
+def active(t) -> bool:
+    """Whether the Triton path serves tensor `t`: CUDA, triton installed, not switched off."""
+    return _enabled and _HAVE_TRITON and t.is_cuda
+
+
+@_contextlib.contextmanager
+def torch_only():
+    """Run the torch reference path everywhere inside the block (GPU tests compare the two)."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before

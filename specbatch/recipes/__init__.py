@@ -1,0 +1,1 @@
+"""Builtin recipes (YAML) and their schema, shipped as package data."""

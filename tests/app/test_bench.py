@@ -1,0 +1,338 @@
+"""`specbatch bench` on CPU: a tiny random-weight config end to end, simulated acceptance, the
+floor's byte counts, builtin configs at real shape (on the meta device), the transformers peer."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from specbatch.bench import configs
+from specbatch.bench.floor import copy_bandwidth, draft_bytes, kv_bytes, step_floor_ms, weight_bytes
+from specbatch.bench.hf_peer import PEER_NAME, hf_generate, hf_model
+from specbatch.bench.sweep import BenchOptions, run_bench
+from specbatch.cli import EXIT_USAGE, app
+from specbatch.data import RowRequest
+from specbatch.engine import Engine, EngineOptions
+from specbatch.models.config import ModelError
+from specbatch.recipe import SamplingDefaults
+from specbatch.runtime.kv_cache import bytes_per_row
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 320, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6, "eos_token_id": 0, "tie_word_embeddings": False}
+POINT_FIELDS = ("recipe", "batch_size", "tokens_per_s", "speedup_vs_vanilla", "accept_length", "draft_ms",
+                "verify_ms", "extend_ms", "host_ms", "step_ms", "floor_ms", "floor_fraction",
+                "peak_memory_bytes", "capture_s", "acceptance", "simulated_acceptance")
+META_FIELDS = ("device", "date", "versions", "command", "copy_bandwidth_bytes_per_s", "dtype", "model_source",
+               "simulated", "simulated_acceptance", "acceptance")
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "config.json"
+    path.write_text(json.dumps(TINY))
+    return path
+
+
+def _tiny_opts(cfg, **kw) -> BenchOptions:
+    base = dict(random_weights=str(cfg), batch_sizes=(1, 2), prompt_len=16, max_tokens=8, device="cpu",
+                graphs=False, hf=False)
+    return BenchOptions(**{**base, **kw})
+
+
+def test_bench_cli_writes_labelled_reports(tiny_config, tmp_path):
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["bench", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "-r", "eagle3_topk1", "--batch-sizes", "1,2", "--max-tokens", "8",
+                                 "--prompt-len", "16", "--device", "cpu", "--eager",
+                                 "--simulate-acceptance", "1,1,1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "bench.json").read_text())
+    assert all(k in res["meta"] for k in META_FIELDS)
+    assert res["meta"]["simulated"] and res["meta"]["acceptance"] == "simulated acceptance 1/1/1"
+    ours = [p for p in res["points"] if not p["peer"]]
+    assert [(p["recipe"], p["batch_size"]) for p in ours] == [
+        ("vanilla", 1), ("vanilla", 2), ("eagle3_topk1", 1), ("eagle3_topk1", 2)]
+    for p in ours:
+        assert all(k in p for k in POINT_FIELDS), p
+        assert p["tokens_per_s"] > 0 and 0 < p["floor_ms"] and p["steady_cycles"] > 0
+    for p in ours[2:]:
+        assert p["accept_length"] == 4.0                   # S + 1 on every decode cycle
+        assert p["acceptance_per_position"] == [1.0, 1.0, 1.0]
+        assert p["simulated_acceptance"] == [1.0, 1.0, 1.0]
+        assert p["speedup_vs_vanilla"] is not None
+    assert [p["accept_length"] for p in ours[:2]] == [1.0, 1.0]
+    assert [p["batch_size"] for p in res["points"] if p["recipe"] == PEER_NAME] == [1, 2]
+    md = (out / "bench.md").read_text()
+    assert md.splitlines()[0].startswith("# ") and "simulated acceptance 1/1/1" in md.splitlines()[0]
+    assert "| accept length (simulated acceptance 1/1/1) |" in md
+    assert md.count("| eagle3_topk1 |") == 2 and md.count(f"| {PEER_NAME} |") == 2
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "bench.png").stat().st_size > 0
+    else:
+        assert not (out / "bench.png").exists() and "matplotlib is not installed" in r.stderr
+    assert "simulated" in r.stdout
+
+
+def test_zero_simulated_acceptance_accepts_nothing(tiny_config):
+    res = run_bench(_tiny_opts(tiny_config, recipes=("eagle3_topk1",), batch_sizes=(2,),
+                               simulate_acceptance=(0.0,)), log=lambda m: None)
+    (p,) = res["points"]
+    assert p["accept_length"] == 1.0 and p["acceptance_per_position"] == [0.0, 0.0, 0.0]
+    assert p["speedup_vs_vanilla"] is None and res["meta"]["acceptance"] == "simulated acceptance 0"
+
+
+def test_random_drafts_without_simulation_warn(tiny_config):
+    logs: list[str] = []
+    res = run_bench(_tiny_opts(tiny_config, recipes=("eagle3_topk1",), batch_sizes=(1,), max_tokens=4),
+                    log=logs.append)
+    assert any("warning" in m and "~1" in m for m in logs)
+    assert not res["meta"]["simulated"] and res["meta"]["acceptance"] == "measured acceptance"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--random-weights", "no-such-model"], "llama-3.1-8b"),
+    (["--simulate-acceptance", "1.5"], "[0, 1]"),
+    (["--batch-sizes", "1,x"], "--batch-sizes"),
+    (["--random-weights", "llama-3.1-8b", "--model", "somewhere"], "--random-weights"),
+    (["-r", "no_such_recipe"], "no_such_recipe"),
+])
+def test_bench_usage_errors(args, says, tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--device", "cpu", "--out", str(tmp_path), *args])
+    assert r.exit_code == EXIT_USAGE, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], r.stderr
+
+
+def test_run_rejects_simulated_acceptance(tmp_path):
+    rows = tmp_path / "x.jsonl"
+    rows.write_text('{"prompt": "hi"}\n')
+    r = CliRunner().invoke(app, ["run", str(rows), "--simulate-acceptance", "0.5"])
+    assert r.exit_code == 2 and "--simulate-acceptance" in r.output
+    assert not (tmp_path / "x.completions.parquet").exists()
+
+
+# ---------------------------------------------------------------- floor helpers
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_weight_bytes_counts_storage_once_without_embeddings(tie):
+    m = configs.random_target({**TINY, "tie_word_embeddings": tie}, torch.float32, "cpu")
+    emb = m.model.embed_tokens.weight.numel() * 4
+    every = sum(p.numel() for p in m.parameters()) * 4       # parameters() yields a tied weight once
+    if tie:
+        assert m.lm_head.weight is m.model.embed_tokens.weight
+        assert weight_bytes(m) == weight_bytes(m, exclude_embeddings=False) == every   # the head reads it all
+    else:
+        assert weight_bytes(m) == every - emb
+        assert weight_bytes(m, exclude_embeddings=False) == every
+    head = configs.random_eagle3(configs.head_config(TINY), m, torch.float32, "cpu")
+    assert head.embed_tokens is m.model.embed_tokens               # shared, as load_eagle3 does
+    h_all = sum(p.numel() for n, p in head.named_parameters() if not n.startswith("embed_tokens")) * 4
+    assert weight_bytes(head) == h_all
+    fc = head.fc.weight.numel() * 4
+    assert draft_bytes(head, 3) == 2 * (h_all - fc) + h_all
+    # a second Parameter object over the same storage is still one read
+    twin = torch.nn.Module()
+    twin.a = torch.nn.Linear(64, 64, bias=False)
+    twin.b = torch.nn.Linear(64, 64, bias=False)
+    twin.b.weight = torch.nn.Parameter(twin.a.weight.detach())
+    assert weight_bytes(twin) == 64 * 64 * 4
+
+
+def test_kv_and_floor_arithmetic():
+    from specbatch.models.config import DecoderConfig
+
+    cfg = DecoderConfig.from_dict(TINY)
+    assert bytes_per_row(cfg, torch.bfloat16) == 2 * 4 * 2 * 16 * 2
+    assert kv_bytes(cfg, torch.bfloat16, 10) == 10 * bytes_per_row(cfg, torch.bfloat16)
+    assert step_floor_ms(2e9, 1e12) == pytest.approx(2.0)
+    assert copy_bandwidth(torch.device("cpu"), nbytes=1 << 20, iters=3) > 1e6
+
+
+# ---------------------------------------------------------------- configs
+
+
+def test_builtin_configs_build_at_real_shape_on_meta():
+    cfg, name = configs.resolve_config("llama-3.1-8b")
+    assert name == "llama-3.1-8b" and cfg["rope_scaling"]["rope_type"] == "llama3"
+    m = configs.random_target(cfg, torch.bfloat16, "meta")
+    assert m.lm_head.weight.device.type == "meta" and m.lm_head.weight.dtype == torch.bfloat16
+    assert sum(p.numel() for p in m.parameters()) == 8_030_261_248
+    assert m.cfg.num_kv_heads == 8 and m.cfg.eos_token_ids == (128001, 128008, 128009)
+    assert weight_bytes(m) == (8_030_261_248 - 128256 * 4096) * 2
+    head = configs.random_eagle3(configs.head_config(cfg, name), m, torch.bfloat16, "meta")
+    assert tuple(head.lm_head.weight.shape) == (32000, 4096)
+    assert tuple(head.fc.weight.shape) == (4096, 3 * 4096)
+    assert tuple(head.d2t.shape) == (32000,) and head.embed_tokens is m.model.embed_tokens
+    with pytest.raises(ModelError, match="llama-3.1-8b"):
+        configs.resolve_config("llama-9b")
+
+
+def test_derived_head_fits_a_tiny_target_with_distinct_ids():
+    hc = configs.head_config(TINY)
+    assert hc["draft_vocab_size"] == 320 and hc["hidden_size"] == 64 and hc["target_hidden_size"] == 64
+    m = configs.random_target(TINY, torch.float32, "cpu")
+    small = configs.random_eagle3({**hc, "draft_vocab_size": 100}, m, torch.float32, "cpu")
+    mapped = torch.arange(100) + small.d2t
+    assert len(set(mapped.tolist())) == 100 and int(mapped.max()) < 320
+    assert int(small.t2d.sum()) == 100 and bool(small.t2d[mapped].all())
+
+
+# ---------------------------------------------------------------- the transformers peer
+
+
+class _NoText:
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def test_hf_peer_matches_our_greedy_on_the_same_weights():
+    m = configs.random_target(TINY, torch.float32, "cpu", seed=3)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(10)                   # decisive logits: no near-ties between the two stacks
+    hf = hf_model(TINY, m)
+    assert hf.lm_head.weight.data_ptr() == m.lm_head.weight.data_ptr()            # shared, not copied
+    assert hf.model.layers[1].mlp.up_proj.weight.data_ptr() == m.model.layers[1].mlp.up_proj.weight.data_ptr()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 320, (n,), generator=g).tolist() for n in (12, 12, 7)]
+    got = hf_generate(hf, prompts, 10).tolist()
+    eng = Engine(None, EngineOptions(batch_size=3, device="cpu", graphs=False, max_model_len=32),
+                 model=m, tokenizer=_NoText())
+    rows = [RowRequest(row=i, id=str(i), prompt_token_ids=p) for i, p in enumerate(prompts)]
+    recs = sorted(eng.generate(rows, SamplingDefaults(max_tokens=10, ignore_eos=True)), key=lambda r: r["row"])
+    assert got == [r["output_token_ids"] for r in recs]
+
+
+# ---------------------------------------------------------------- small targets, failed points
+
+
+def test_bench_runs_a_two_layer_random_config(tmp_path):
+    # the published default aux layers (1, L//2-1, L-4) are (1, 0, -2) for L = 2: clamped to (1, 0, 0)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**TINY, "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+                               "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 128}))
+    res = run_bench(_tiny_opts(cfg, recipes=("eagle3_topk1", "eagle3_tree"), batch_sizes=(2,),
+                               simulate_acceptance=(1.0, 1.0, 1.0)), log=lambda m: None)
+    assert [p["recipe"] for p in res["points"]] == ["eagle3_topk1", "eagle3_tree"]
+    assert all(not p.get("failed") and p["tokens_per_s"] > 0 for p in res["points"]), res["points"]
+    assert res["points"][0]["accept_length"] == 4.0 and res["meta"]["failed_points"] == 0
+
+
+def test_bad_aux_layers_of_a_random_head_name_it_not_none():
+    from specbatch.speculative.factory import SpecConfig, make_drafter
+
+    m = configs.random_target(TINY, torch.float32, "cpu")
+    hc = {**configs.head_config(TINY), "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}}
+    head = configs.random_eagle3(hc, m, torch.float32, "cpu")
+    with pytest.raises(ModelError) as e:
+        make_drafter(SpecConfig("eagle3", 3, 1, 4), m, 2, 32, head=head)
+    msg = str(e.value)
+    assert not msg.startswith("None") and "random-weight EAGLE3 head" in msg and "[1, 2, 9]" in msg
+
+
+def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tiny_config, tmp_path, monkeypatch):
+    from specbatch.bench import sweep
+
+    real = sweep._measure
+
+    def flaky(engine, prompts, *args):
+        if engine.opts.spec.algorithm == "eagle3" and len(prompts) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore text")
+        if engine.opts.spec.algorithm == "vanilla" and len(prompts) == 1:
+            raise RuntimeError("boom | at batch 1")
+        return real(engine, prompts, *args)
+
+    monkeypatch.setattr(sweep, "_measure", flaky)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["bench", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "-r", "eagle3_topk1", "--batch-sizes", "1,2,4", "--max-tokens", "8",
+                                 "--prompt-len", "16", "--device", "cpu", "--eager", "--no-hf",
+                                 "--simulate-acceptance", "1,1,1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "bench.json").read_text())
+    got = [(p["recipe"], p["batch_size"], bool(p.get("failed"))) for p in res["points"]]
+    assert got == [("vanilla", 1, True), ("vanilla", 2, False), ("vanilla", 4, False),
+                   ("eagle3_topk1", 1, False), ("eagle3_topk1", 2, True), ("eagle3_topk1", 4, False)]
+    assert res["meta"]["failed_points"] == 2
+    bad = {(p["recipe"], p["batch_size"]): p for p in res["points"] if p.get("failed")}
+    assert bad[("vanilla", 1)]["error"] == "RuntimeError: boom | at batch 1"
+    assert bad[("eagle3_topk1", 2)]["error"] == "out of GPU memory: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert all(p["tokens_per_s"] is None and p["speedup_vs_vanilla"] is None for p in bad.values())
+    ok = [p for p in res["points"] if not p.get("failed")]
+    assert all(p["tokens_per_s"] > 0 for p in ok)
+    assert [p["speedup_vs_vanilla"] is None for p in ok] == [False, False, True, False]   # no vanilla at 1
+    md = (out / "bench.md").read_text()
+    assert "| vanilla | 1 | failed: RuntimeError: boom \\| at batch 1 | - |" in md
+    assert "| eagle3_topk1 | 2 | failed: out of GPU memory: CUDA out of memory." in md
+    assert "2 point(s) failed" in md and md.count("| eagle3_topk1 |") == 3
+    assert "FAILED" in r.stderr
+
+
+def test_an_engine_that_cannot_be_built_fails_its_recipe_only(tiny_config, monkeypatch):
+    from specbatch.bench import sweep
+
+    real = sweep._engine
+
+    def no_tree(eopts, src, head):
+        if eopts.spec.topk == 4:
+            raise ValueError("no tree today")
+        return real(eopts, src, head)
+
+    monkeypatch.setattr(sweep, "_engine", no_tree)
+    res = run_bench(_tiny_opts(tiny_config, recipes=("eagle3_tree", "vanilla"), batch_sizes=(1, 2)),
+                    log=lambda m: None)
+    got = [(p["recipe"], p["batch_size"], p.get("error")) for p in res["points"]]
+    assert got == [("eagle3_tree", 1, "engine: ValueError: no tree today"),
+                   ("eagle3_tree", 2, "engine: ValueError: no tree today"),
+                   ("vanilla", 1, None), ("vanilla", 2, None)]
+
+
+def test_simulated_points_are_reproducible_and_carry_the_chain_formula(tiny_config):
+    opts = _tiny_opts(tiny_config, recipes=("eagle3_tree",), batch_sizes=(2,), max_tokens=24,
+                      simulate_acceptance=(0.8, 0.6, 0.45))
+    a, b = (run_bench(opts, log=lambda m: None)["points"][0] for _ in range(2))
+    assert a["accept_length"] == b["accept_length"]
+    assert a["acceptance_per_position"] == b["acceptance_per_position"]
+    assert a["simulated_chain_accept_length"] == pytest.approx(1 + 0.8 + 0.48 + 0.216)
+
+
+def test_job_mode_runs_the_mix_end_to_end_against_its_floor(tiny_config, tmp_path):
+    out = tmp_path / "job"
+    r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "-r", "eagle3_topk1", "--requests", "24", "--prompt-median", "12",
+                                 "--prompt-max", "40", "--output-median", "8", "--output-max", "20",
+                                 "--slots", "6", "--device", "cpu", "--eager", "--simulate-acceptance",
+                                 "0.8,0.6,0.45", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "job.json").read_text())
+    assert res["meta"]["mode"] == "job" and res["meta"]["requests"] == 24
+    van, spec = res["points"]
+    assert van["recipe"] == "vanilla" and spec["recipe"] == "eagle3_topk1"
+    for p in (van, spec):
+        # every row produced exactly its sampled length (EOS ignored): the same work for both
+        assert p["output_tokens"] == van["output_tokens"] and p["slots"] == 6
+        assert p["job_tokens_per_s"] > 0 and 0 < p["floor_fraction"] and p["floor_s"] > 0
+        assert 0 < p["mean_occupancy"] <= 6 and p["prefill_forwards"] >= 1
+        assert p["prefill_s"] + p["decode_s"] == pytest.approx(p["wall_s"])
+    assert van["accept_length"] == 1.0 and spec["accept_length"] > 1.5
+    assert van["speedup_vs_vanilla"] == 1.0 and spec["speedup_vs_vanilla"] > 0
+    # waves: far fewer prefill forwards than rows
+    assert van["prefill_forwards"] < 24
+    assert "| vanilla |" in (out / "job.md").read_text()
+
+
+def test_lognormal_mix_is_seeded_and_clipped():
+    from specbatch.bench.job import lognormal_lengths
+
+    a = lognormal_lengths(2000, 256, 0.8, 1536, torch.Generator().manual_seed(0))
+    b = lognormal_lengths(2000, 256, 0.8, 1536, torch.Generator().manual_seed(0))
+    assert a == b and min(a) >= 1 and max(a) == 1536
+    assert 230 < sorted(a)[1000] < 280                      # the median

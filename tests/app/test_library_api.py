@@ -1,0 +1,110 @@
+"""`specbatch.LLM`: the library entry point, and the README's / package docstring's snippets run
+exactly as written."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shutil
+
+import pytest
+
+import specbatch
+from specbatch import LLM, Completion
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def _docstring_blocks(text: str) -> list[str]:
+    """Indented example blocks of a docstring (4 spaces), dedented."""
+    blocks, cur = [], []
+    for line in text.splitlines():
+        if line.startswith("    "):
+            cur.append(line[4:])
+        elif cur and not line.strip():
+            cur.append("")
+        elif cur:
+            blocks.append("\n".join(cur).strip() + "\n")
+            cur = []
+    if cur:
+        blocks.append("\n".join(cur).strip() + "\n")
+    return blocks
+
+
+@pytest.fixture
+def in_examples_copy(tmp_path, monkeypatch):
+    shutil.copytree(os.path.join(REPO, "examples"), tmp_path / "examples")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _run(code: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "<snippet>", "exec"), {})
+    return out.getvalue()
+
+
+def test_readme_library_snippets_run_as_written(in_examples_copy):
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    blocks = _python_blocks(readme[readme.index("## Library use"):])
+    assert len(blocks) == 2
+    printed = _run(blocks[0])
+    assert len(printed.splitlines()) == 3 and printed.startswith("0 ")
+    printed = _run(blocks[1])
+    assert printed.split()[0] == "32"
+    assert (in_examples_copy / "completions.jsonl").exists()
+
+
+def test_package_docstring_snippets_run_as_written(in_examples_copy):
+    blocks = _docstring_blocks(specbatch.__doc__)
+    assert len(blocks) == 2
+    assert len(_run(blocks[0]).splitlines()) == 2
+    _run(blocks[1])
+    assert (in_examples_copy / "completions.jsonl").exists()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(recipe="eagle3_topk1", device="cpu", batch_size=3)
+
+
+def test_every_prompt_form_in_order_and_reusable(llm):
+    prompts = ["def add(a, b):", [{"role": "user", "content": "hi"}], [5, 6, 7, 8],
+               {"prompt": "import os", "max_tokens": 3}, {"prompt": ""}, "class Point:"]
+    outs = llm.generate(prompts, {"max_tokens": 6})
+    assert [c.index for c in outs] == list(range(6)) and all(isinstance(c, Completion) for c in outs)
+    assert [c.error is None for c in outs] == [True, True, True, True, False, True]
+    assert "'prompt'" in outs[4].error and outs[4].text is None
+    assert outs[3].completion_tokens <= 3 and all(c.completion_tokens <= 6 for c in outs)
+    for c in outs:
+        if c.error is None:
+            assert c.spec["verify_steps"] >= 1 and len(c.token_ids) == c.completion_tokens
+    again = llm.generate(prompts, {"max_tokens": 6})                 # same engine, same results
+    assert [c.text for c in again] == [c.text for c in outs]
+    single = llm.generate("def add(a, b):", {"max_tokens": 6})
+    assert len(single) == 1 and single[0].text == outs[0].text
+
+
+def test_generate_matches_vanilla(llm):
+    vanilla = LLM(recipe="vanilla", device="cpu")
+    prompts = ["def add(a, b):", "for i in range(10):", "import sys"]
+    a = llm.generate(prompts, {"max_tokens": 12})
+    b = vanilla.generate(prompts, {"max_tokens": 12})
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]      # lossless
+
+
+def test_bad_arguments_are_clear(llm):
+    with pytest.raises(TypeError, match="chat message"):
+        llm.generate([{"role": "user", "content": "hi"}])
+    with pytest.raises(TypeError, match="prompt 0"):
+        llm.generate([b"bytes"])
+    from specbatch.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="top_p"):
+        llm.generate(["x"], {"top_p": 3})

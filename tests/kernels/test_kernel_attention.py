@@ -1,0 +1,260 @@
+"""The Triton slot-cache attention kernel against the eager torch path (`models.attention.attend`).
+
+CPU cases run in the Triton interpreter (conftest sets TRITON_INTERPRET=1 without CUDA): small
+sizes, every mask kind, GQA, odd head_dim, splits, sliding window. GPU cases (`pytest -m gpu`):
+real head shapes, ragged contexts up to 4096, every dtype, and replay of a captured CUDA graph
+after the lengths change in place (how the engine runs it).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from specbatch.kernels.attention import choose_splits, slot_attention  # noqa: E402
+from specbatch.models.attention import AttnMetadata, attend  # noqa: E402
+from specbatch.speculative.tree import ancestor_mask  # noqa: E402
+
+TOL = {torch.float32: (2e-5, 1e-5), torch.float16: (5e-3, 5e-3), torch.bfloat16: (2e-2, 2e-2)}  # atol, rtol
+
+
+def _random_parents(B: int, T: int, gen: torch.Generator) -> torch.Tensor:
+    """[B, T] parents of random trees in depth-first-compatible order: node i's parent is < i."""
+    p = torch.full((B, T), -1, dtype=torch.int64)
+    for i in range(1, T):
+        p[:, i] = torch.randint(0, i, (B,), generator=gen)
+    return p
+
+
+def _depths(parents: torch.Tensor) -> torch.Tensor:
+    d = torch.zeros_like(parents)
+    for i in range(1, parents.shape[1]):
+        d[:, i] = d.gather(1, parents[:, i:i + 1]).squeeze(1) + 1
+    return d
+
+
+def build_case(B: int, T: int, Hq: int, Hkv: int, D: int, dtype: torch.dtype, prefix: list[int],
+               mode: str, *, write_offset: int = 0, device: str = "cpu", seed: int = 0) -> dict:
+    """A cache with random rows everywhere, NaN in every row no query may read, and the metadata.
+
+    mode: "causal" (region write_offset + T), "tree" (ancestor mask, M = T) or "draft" (an EAGLE3
+    draft step: T beams at region rows write_offset + j, each seeing one node per earlier level).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    pre = torch.tensor(prefix, dtype=torch.int64)
+    t = torch.arange(T)
+    tree_mask = None
+    if mode == "causal":
+        M = write_offset + T
+        positions = pre[:, None] + write_offset + t
+    elif mode == "tree":
+        assert write_offset == 0
+        M = T
+        parents = _random_parents(B, T, gen)
+        tree_mask = ancestor_mask(parents, T)
+        positions = pre[:, None] + _depths(parents)
+    else:
+        assert write_offset % T == 0
+        M = write_offset + T
+        level = write_offset // T
+        tree_mask = torch.zeros(B, T, M, dtype=torch.bool)
+        tree_mask[:, t, write_offset + t] = True
+        for lv in range(level):
+            pick = torch.randint(0, T, (B, T), generator=gen)
+            tree_mask.scatter_(2, lv * T + pick[:, :, None], True)
+        positions = (pre + level)[:, None].expand(B, T)
+    S = B + 2                                   # two slots nobody reads
+    L = max(prefix) + M + 7
+    kv = torch.randn(2, S, L, Hkv, D, device=device).to(dtype)
+    slots = torch.randperm(S, generator=gen)[:B]
+    poisoned = kv.clone()
+    unused = torch.ones(S, dtype=torch.bool)
+    unused[slots] = False
+    poisoned[:, unused.to(device)] = float("nan")
+    for b in range(B):
+        poisoned[:, int(slots[b]), prefix[b] + M:] = float("nan")
+    dev = torch.device(device)
+    slots, pre, positions = slots.to(dev), pre.to(dev), positions.contiguous().to(dev)
+    tree_mask = tree_mask.to(dev) if tree_mask is not None else None
+    meta = AttnMetadata(slots=slots, positions=positions, prefix_lens=pre, kv_len=max(prefix) + M,
+                        tree_mask=tree_mask, write_offset=write_offset)
+    q = torch.randn(B, T, Hq, D, device=dev).to(dtype)
+    return dict(q=q, kv=poisoned, kv_ref=kv, meta=meta, scale=D ** -0.5)
+
+
+def run_kernel(case: dict, *, window: int | None = None, out: torch.Tensor | None = None,
+               **kw) -> torch.Tensor:
+    m = case["meta"]
+    return slot_attention(case["q"], case["kv"][0], case["kv"][1], m.slots, m.prefix_lens, case["scale"],
+                          tree_mask=m.tree_mask, write_offset=m.write_offset, positions=m.positions,
+                          sliding_window=window, out=out, **kw)
+
+
+def reference(case: dict, window: int | None = None) -> torch.Tensor:
+    return attend(case["q"], case["kv_ref"][0], case["kv_ref"][1], case["meta"], case["scale"], window)
+
+
+def check(case: dict, window: int | None = None, **kw) -> None:
+    q = case["q"]
+    out = torch.full_like(q, float("nan"))               # poisoned: every element must be written
+    got = run_kernel(case, window=window, out=out, **kw)
+    assert got is out and got.dtype == q.dtype
+    atol, rtol = TOL[q.dtype]
+    torch.testing.assert_close(got.float(), reference(case, window).float(), atol=atol, rtol=rtol)
+
+
+# --------------------------------------------------------------------------- CPU (interpreter)
+
+CPU_CASES = [
+    # (B, T, Hq, Hkv, D, dtype, prefix, mode, write_offset, num_splits, window)
+    (3, 1, 8, 2, 16, torch.float32, [0, 37, 130], "causal", 0, 1, None),       # decode, G=4
+    (3, 1, 8, 2, 16, torch.float32, [0, 37, 130], "causal", 0, 3, None),
+    (2, 3, 4, 2, 24, torch.bfloat16, [70, 5], "causal", 0, 1, None),           # chain, odd D
+    (2, 3, 4, 2, 24, torch.float32, [70, 0], "causal", 2, 3, None),            # rows before the new ones
+    (2, 5, 2, 2, 16, torch.float32, [90, 3], "tree", 0, 3, None),              # G=1 tree
+    (2, 5, 4, 1, 16, torch.bfloat16, [0, 66], "tree", 0, 1, None),             # G=4 tree
+    (2, 2, 4, 2, 24, torch.float32, [40, 129], "draft", 4, 1, None),           # draft step, M > T
+    (2, 2, 4, 2, 24, torch.float16, [40, 129], "draft", 4, 3, None),
+    (2, 2, 4, 2, 16, torch.float32, [150, 20], "causal", 0, 3, 60),            # sliding window
+    (2, 3, 4, 2, 16, torch.float32, [150, 7], "tree", 0, 2, 100),
+]
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,dtype,prefix,mode,off,splits,window", CPU_CASES)
+def test_matches_torch_interpreter(B, T, Hq, Hkv, D, dtype, prefix, mode, off, splits, window):
+    case = build_case(B, T, Hq, Hkv, D, dtype, prefix, mode, write_offset=off)
+    check(case, window, num_splits=splits)
+
+
+def test_default_splits_and_empty_splits_interpreter():
+    # max_rows far above the slots' real rows: most splits get no blocks and must add nothing
+    case = build_case(2, 2, 4, 2, 16, torch.float32, [10, 100], "causal")
+    check(case, max_rows=64 * 12)                        # 6 splits, 2 blocks of rows
+    check(case, num_splits=7)
+
+
+def test_rejects_a_tree_over_one_query_tile():
+    q = torch.zeros(1, 33, 8, 16)
+    kv = torch.zeros(2, 2, 64, 2, 16)
+    lens = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="query rows"):
+        slot_attention(q, kv[0], kv[1], lens, lens, 1.0, tree_mask=torch.ones(1, 33, 33, dtype=torch.bool))
+
+
+def to_pages(kv: torch.Tensor, page: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A static cache [2, S, L, H, D] as a paged pool [2, pages, page, H, D] (pages shuffled, a
+    NaN-filled spare page 0) and its page table [S, L / page]."""
+    planes, S, L, H, D = kv.shape
+    per = -(-L // page)
+    padded = torch.full((planes, S, per * page, H, D), float("nan"), dtype=kv.dtype, device=kv.device)
+    padded[:, :, :L] = kv
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(S * per, generator=gen) + 1                  # page 0 stays spare
+    pool = torch.full((planes, S * per + 1, page, H, D), float("nan"), dtype=kv.dtype, device=kv.device)
+    pool[:, order.to(kv.device)] = padded.reshape(planes, S * per, page, H, D)
+    return pool, order.view(S, per).to(torch.int32).to(kv.device)
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,prefix,mode,off,page", [
+    (3, 1, 8, 2, [0, 37, 130], "causal", 0, 16),          # decode over pages
+    (2, 5, 4, 1, [0, 66], "tree", 0, 8),                   # tree verify over pages
+    (2, 2, 4, 2, [40, 129], "draft", 4, 16),
+    (2, 40, 8, 2, [0, 21], "causal", 0, 16),               # a prefill of 2 query tiles (160 rows)
+    (1, 70, 4, 4, [13], "causal", 0, 32),                  # G = 1: 70 rows, one tile
+])
+def test_paged_cache_and_prefill_tiles_interpreter(B, T, Hq, Hkv, prefix, mode, off, page):
+    case = build_case(B, T, Hq, Hkv, 16, torch.float32, prefix, mode, write_offset=off)
+    want = reference(case)
+    pool, table = to_pages(case["kv"], page)
+    m = case["meta"]
+    got = slot_attention(case["q"], pool[0], pool[1], m.slots, m.prefix_lens, case["scale"], tree_mask=m.tree_mask,
+                         write_offset=m.write_offset, positions=m.positions, page_table=table)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    # the torch path reads the same pool through the metadata's page table
+    ref_pool, ref_table = to_pages(case["kv_ref"], page)
+    paged = AttnMetadata(slots=m.slots, positions=m.positions, prefix_lens=m.prefix_lens, kv_len=m.kv_len,
+                         tree_mask=m.tree_mask, write_offset=m.write_offset, page_table=ref_table)
+    torch.testing.assert_close(attend(case["q"], ref_pool[0], ref_pool[1], paged, case["scale"]), want,
+                               atol=2e-5, rtol=1e-5)
+
+
+def test_choose_splits():
+    cpu = torch.device("cpu")
+    assert choose_splits(512, 4096, 64, cpu) == 1               # batch 64 x 8 kv heads: enough programs
+    assert choose_splits(8, 8192, 64, cpu) == 33                # batch 1: ~2 waves of 132 SMs
+    assert choose_splits(8, 1024, 64, cpu) == 8                 # >= 2 blocks per split
+    assert choose_splits(8, 40, 64, cpu) == 1
+
+
+# --------------------------------------------------------------------------- GPU
+
+GPU_SHAPES = [(32, 8, 128), (8, 2, 64)]       # (Hq, Hkv, D): Llama-3.1-8B and a small GQA model
+GPU_MODES = [("causal", 1, 0), ("causal", 4, 0), ("tree", 8, 0), ("draft", 4, 8)]
+
+
+def _ragged(B: int, ctx: int, seed: int) -> list[int]:
+    if B == 1:
+        return [ctx]
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, ctx + 1, (B,), generator=g).tolist()
+    lens[0], lens[-1] = 0, ctx
+    return lens
+
+
+def _gpu_matrix():
+    """(shape, mode, dtype): every mode in bf16 / fp32 at the 8B shape, fp16 for decode and tree,
+    bf16 at the small shape (each combination is a compile: keep the count down)."""
+    big, small = GPU_SHAPES
+    for mode in GPU_MODES:
+        for dtype in (torch.bfloat16, torch.float32):
+            yield big, mode, dtype
+        if mode[0] == "tree" or mode[1] == 1:
+            yield big, mode, torch.float16
+        yield small, mode, torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 7, 64])
+@pytest.mark.parametrize("shape,mode,dtype", list(_gpu_matrix()), ids=str)
+def test_matches_torch_gpu(shape, mode, dtype, B):
+    (Hq, Hkv, D), (kind, T, off) = shape, mode
+    case = build_case(B, T, Hq, Hkv, D, dtype, _ragged(B, 4096, B + T), kind, write_offset=off,
+                      device="cuda", seed=B * 10 + T)
+    check(case, max_rows=case["kv"].shape[2])            # the engine's graph-mode bound
+    check(case, num_splits=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_sliding_window_gpu(dtype):
+    case = build_case(7, 4, 32, 8, 128, dtype, _ragged(7, 4096, 3), "causal", device="cuda")
+    check(case, window=1024, max_rows=case["kv"].shape[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,T,off", [("causal", 4, 0), ("tree", 8, 0)], ids=lambda x: str(x))
+def test_cuda_graph_replay_with_new_lengths(mode, T, off):
+    B, ctx = 7, 4096
+    case = build_case(B, T, 32, 8, 128, torch.bfloat16, [ctx] * B, mode, write_offset=off, device="cuda")
+    m = case["meta"]
+    L = case["kv"].shape[2]
+    case["kv"] = case["kv_ref"]                          # lengths change: no fixed NaN pattern
+    out = torch.full_like(case["q"], float("nan"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):                      # compile outside the capture
+        run_kernel(case, out=out, max_rows=L)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_kernel(case, out=out, max_rows=L)
+    for lens in [_ragged(B, ctx, 1), [1, 2, 3, 64, 65, 129, 0], _ragged(B, ctx // 8, 2)]:
+        new = torch.tensor(lens, device="cuda")
+        m.prefix_lens.copy_(new)                         # in place, as the engine does
+        m.kv_len = max(lens) + (T if mode == "tree" else off + T)
+        case["q"].copy_(torch.randn_like(case["q"]))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(out.float(), reference(case).float(), atol=2e-2, rtol=2e-2)
