@@ -21,6 +21,7 @@ _LAZY = {
     "LLM": ".llm", "Completion": ".llm",
     "Engine": ".engine", "EngineOptions": ".engine",
     "load_recipe": ".recipe", "Recipe": ".recipe", "RecipeError": ".recipe", "SamplingDefaults": ".recipe",
+    "SamplingParams": ".params",
     "open_rows": ".data", "OutputWriter": ".data",
     "run_job": ".job", "JobOptions": ".job", "JobError": ".job",
 }

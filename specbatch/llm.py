@@ -9,12 +9,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
 from .data import RowError, RowRequest, parse_row
-from .recipe import Recipe, SamplingDefaults, load_recipe
+from .params import SamplingParams
+from .recipe import Recipe, load_recipe
 from .resolve import describe_draft, resolve_model, spec_config
 
 # A prompt: text, a chat (list of {role, content}), token ids, or a whole input row as a dict
@@ -34,13 +35,14 @@ class Completion:
     finish_reason: str | None         # "stop" | "length"
     error: str | None
     spec: dict[str, Any] | None       # verify_steps, draft_tokens, accepted_tokens, accept_length, accept_histogram
+    record: dict[str, Any] = field(default_factory=dict, repr=False)   # every column (records.py), as a file row
 
     @classmethod
     def from_record(cls, rec: Mapping[str, Any]) -> "Completion":
         return cls(index=rec["row"], id=rec.get("id"), text=rec.get("completion"),
                    token_ids=rec.get("output_token_ids"), prompt_tokens=rec.get("prompt_tokens", 0),
                    completion_tokens=rec.get("completion_tokens", 0), finish_reason=rec.get("finish_reason"),
-                   error=rec.get("error"), spec=rec.get("spec"))
+                   error=rec.get("error"), spec=rec.get("spec"), record=dict(rec))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,21 +91,21 @@ class LLM:
             batch_size=r.batch_size, max_model_len=r.max_model_len, dtype=r.dtype, device=device,
             bucket_window=bucket, spec=spec, graphs=not eager))
 
-    def sampling(self, params: SamplingDefaults | Mapping[str, Any] | None) -> SamplingDefaults:
+    def sampling(self, params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
         """The recipe's sampling defaults with `params` applied (validated as recipe keys)."""
         if params is None:
             return self.recipe.sampling
-        if isinstance(params, SamplingDefaults):
-            params = {f.name: getattr(params, f.name) for f in fields(SamplingDefaults)}
+        if isinstance(params, SamplingParams):
+            params = params.to_dict()
         return self.recipe.with_overrides(sampling=dict(params)).sampling
 
     def stream(self, rows: Iterable[RowRequest | RowError],
-               params: SamplingDefaults | Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+               params: SamplingParams | Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
         """Output records (dicts, as `specbatch run` writes them) in completion order, streaming `rows`."""
         return self.engine.generate(rows, self.sampling(params))
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingDefaults | Mapping[str, Any] | None = None) -> list[Completion]:
+                 params: SamplingParams | Mapping[str, Any] | None = None) -> list[Completion]:
         """One Completion per prompt, in the order given. A prompt that cannot run (too long,
         bad fields) comes back with `error` set; the others are unaffected."""
         if isinstance(prompts, (str, Mapping)) or (

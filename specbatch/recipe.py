@@ -10,6 +10,8 @@ from typing import Any, Callable
 
 import yaml
 
+from .params import SamplingParams
+
 ALGORITHMS = ("vanilla", "eagle3", "nextn_mtp", "naive_2token")
 DRAFTERS = ("eagle3", "nextn_mtp")        # draft modules; naive_2token runs either
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -26,16 +28,9 @@ class RecipeError(Exception):
         self.key, self.detail = key, detail or message
 
 
-@dataclass(frozen=True)
-class SamplingDefaults:
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
+# The recipe's `sampling` defaults are the one SamplingParams (params.py); this name stays for
+# code that reads it as "the defaults".
+SamplingDefaults = SamplingParams
 
 
 @dataclass(frozen=True)
@@ -106,17 +101,8 @@ _TOP_KEYS = tuple(f.name for f in fields(Recipe) if f.name != "source")
 _SAMPLING_KEYS = tuple(f.name for f in fields(SamplingDefaults))
 
 
-def _sampling_to_dict(s: SamplingDefaults) -> dict[str, Any]:
-    return {
-        "max_tokens": s.max_tokens,
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k,
-        "seed": s.seed,
-        "stop": list(s.stop),
-        "stop_token_ids": list(s.stop_token_ids),
-        "ignore_eos": s.ignore_eos,
-    }
+def _sampling_to_dict(s: SamplingParams) -> dict[str, Any]:
+    return s.to_dict()
 
 
 # ---------------------------------------------------------------------------

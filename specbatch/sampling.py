@@ -12,23 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .params import SamplingParams
+
 _MASK32 = 0xFFFFFFFF
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 0.0          # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0                    # 0 = disabled
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
@@ -96,7 +82,7 @@ class BatchSampling:
 
     @classmethod
     def build(cls, params: list[SamplingParams], device: torch.device) -> "BatchSampling":
-        lo, hi = zip(*(split_seed(p.seed) for p in params)) if params else ((), ())
+        lo, hi = zip(*(split_seed(p.seed or 0) for p in params)) if params else ((), ())
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),

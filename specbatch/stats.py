@@ -22,12 +22,6 @@ def spec_stats(req: Request) -> dict[str, Any]:
     }
 
 
-def error_record(row: int, id: str, error: str, keep: dict, prompt_tokens: int = 0) -> dict[str, Any]:
-    return {"row": row, "id": id, "completion": None, "prompt_tokens": prompt_tokens,
-            "completion_tokens": 0, "finish_reason": None, "error": error, "spec": None,
-            "output_token_ids": None, **keep}
-
-
 @dataclass
 class RunStats:
     """Totals over the records a run produced (resumed rows are not counted again)."""

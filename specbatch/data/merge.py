@@ -15,45 +15,26 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-SPEC_TYPE = pa.struct(
-    [
-        ("verify_steps", pa.int64()),
-        ("draft_tokens", pa.int64()),
-        ("accepted_tokens", pa.int64()),
-        ("accept_length", pa.float64()),
-        ("accept_histogram", pa.list_(pa.int64())),
-    ]
-)
-# `id` sits second in the output; its type follows the input (string or integer ids).
-_FIXED_FIELDS = [
-    pa.field("row", pa.int64()),
-    pa.field("completion", pa.string()),
-    pa.field("prompt_tokens", pa.int64()),
-    pa.field("completion_tokens", pa.int64()),
-    pa.field("finish_reason", pa.string()),
-    pa.field("error", pa.string()),
-    pa.field("spec", SPEC_TYPE),
-]
-_TOKEN_IDS_FIELD = pa.field("output_token_ids", pa.list_(pa.int64()))
-STANDARD_COLUMNS = ("row", "id", *(f.name for f in _FIXED_FIELDS[1:]), _TOKEN_IDS_FIELD.name)
+from .. import records
+
+STANDARD_COLUMNS = records.NAMES
 DIGEST_COLUMN = "_input_digest"      # parts only: the input row's digest (data/digests.py)
 MERGE_CHUNK_BYTES = 512 << 20        # uncompressed bytes gathered per output chunk
 JSONL_BATCH_ROWS = 4096
 
 
 def output_schema(save_token_ids: bool = False, id_type: pa.DataType = pa.string()) -> pa.Schema:
-    """Arrow schema of the standard output columns (keep columns are appended per job)."""
-    fields = [_FIXED_FIELDS[0], pa.field("id", id_type), *_FIXED_FIELDS[1:]]
-    return pa.schema(fields + ([_TOKEN_IDS_FIELD] if save_token_ids else []))
+    """Arrow schema of the standard output columns (keep columns are appended per job); columns
+    typed by the input (the id) get `id_type`."""
+    names = [c.name for c in records.columns({"save_token_ids": save_token_ids})]
+    return pa.schema(records.arrow_fields(names, id_type))
 
 
-def _spec_value(spec: object) -> dict | None:
-    if spec is None:
+def _struct_value(value: object, type_: pa.StructType) -> dict | None:
+    """A record's struct column as its declared fields (extra keys dropped)."""
+    if value is None:
         return None
-    out = {k: spec.get(k) for k in SPEC_TYPE.names}
-    if out["accept_length"] is not None:
-        out["accept_length"] = float(out["accept_length"])
-    return out
+    return {f.name: value.get(f.name) for f in type_}
 
 
 def _json_text(value: object, ascii: bool = True) -> str | None:
@@ -73,19 +54,22 @@ def _infer_array(values: list) -> pa.Array:
         return _json_strings(values)
 
 
-def part_table(records: list[dict], digests: list[bytes], *, save_token_ids: bool,
+def part_table(recs: list[dict], digests: list[bytes], *, save_token_ids: bool,
                keep_columns: Sequence[str], json_typed: bool) -> pa.Table:
     """One part: the standard columns, the typed columns, and each row's input digest."""
-    schema = output_schema(save_token_ids)
+    standard = records.columns({"save_token_ids": save_token_ids})
     arrays, names = [], []
-    for f in schema:
-        if f.name == "id":
-            continue
-        values = [_spec_value(r.get("spec")) for r in records] if f.name == "spec" else [r.get(f.name) for r in records]
-        arrays.append(pa.array(values, type=f.type))
-        names.append(f.name)
-    for c in ("id", *keep_columns):
-        values = [r.get(c) for r in records]
+    for c in standard:
+        if c.type is None:
+            continue                      # typed by the input: with the kept columns below
+        values = [r.get(c.name) for r in recs]
+        if pa.types.is_struct(c.type):
+            values = [_struct_value(v, c.type) for v in values]
+        arrays.append(pa.array(values, type=c.type))
+        names.append(c.name)
+    typed = [c.name for c in standard if c.type is None]
+    for c in (*typed, *keep_columns):
+        values = [r.get(c) for r in recs]
         arrays.append(pa.array([_json_text(v) for v in values], pa.string()) if json_typed else _infer_array(values))
         names.append(c)
     arrays.append(pa.array(digests, pa.binary()))
@@ -103,11 +87,15 @@ def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
 
 def merged_schema(part_schemas: list[pa.Schema], save_token_ids: bool,
                   keep_columns: Sequence[str]) -> tuple[pa.Schema, set[str]]:
-    """Standard schema + unified typed columns; those that cannot unify become JSON strings."""
-    typed, as_json = [], set()
-    for c in ("id", *keep_columns):
+    """Standard schema + unified typed columns (standard ones typed by the input, then the kept
+    ones); those that cannot unify become JSON strings."""
+    standard = records.columns({"save_token_ids": save_token_ids})
+    typed_standard = {c.name for c in standard if c.type is None}
+    unified_types: dict[str, pa.DataType] = {}
+    as_json: set[str] = set()
+    for c in (*(n for n in records.NAMES if n in typed_standard), *keep_columns):
         types = [s.field(c).type for s in part_schemas if c in s.names]
-        types = [t for t in types if t != pa.null()] or [pa.string() if c == "id" else pa.null()]
+        types = [t for t in types if t != pa.null()] or [pa.string() if c in typed_standard else pa.null()]
         try:
             unified = pa.unify_schemas([pa.schema([pa.field(c, t)]) for t in types],
                                        promote_options="permissive").field(c).type
@@ -116,9 +104,9 @@ def merged_schema(part_schemas: list[pa.Schema], save_token_ids: bool,
         except (pa.ArrowException, TypeError, ValueError):
             unified = pa.string()
             as_json.add(c)
-        typed.append(pa.field(c, unified))
-    base = output_schema(save_token_ids, typed[0].type)
-    return pa.schema(list(base) + typed[1:]), as_json
+        unified_types[c] = unified
+    fields = [pa.field(c.name, c.type if c.type is not None else unified_types[c.name]) for c in standard]
+    return pa.schema(fields + [pa.field(c, unified_types[c]) for c in keep_columns]), as_json
 
 
 def _conform(table: pa.Table, schema: pa.Schema, as_json: set[str]) -> pa.Table:

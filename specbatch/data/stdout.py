@@ -7,8 +7,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
+import pyarrow as pa
+
+from .. import records
 from .digests import Expected, RowSet
-from .merge import STANDARD_COLUMNS, _spec_value
+from .merge import _struct_value
 
 
 class StdoutWriter:
@@ -18,8 +21,8 @@ class StdoutWriter:
 
     def __init__(self, *, save_token_ids: bool = False, keep_columns: Sequence[str] = (),
                  stream: BinaryIO | None = None) -> None:
-        self.columns = [c for c in STANDARD_COLUMNS if save_token_ids or c != "output_token_ids"]
-        self.columns += list(keep_columns)
+        self.standard = records.columns({"save_token_ids": save_token_ids})
+        self.keep_columns = list(keep_columns)
         self.stream = stream or sys.stdout.buffer
         self.done_rows = RowSet()
         self._pending: dict[int, dict] = {}
@@ -38,7 +41,9 @@ class StdoutWriter:
             self.stream.flush()
 
     def _emit(self, rec: dict[str, Any]) -> None:
-        out = {c: _spec_value(rec.get(c)) if c == "spec" else rec.get(c) for c in self.columns}
+        out = {c.name: _struct_value(rec.get(c.name), c.type) if c.type is not None and pa.types.is_struct(c.type)
+               else rec.get(c.name) for c in self.standard}
+        out.update((c, rec.get(c)) for c in self.keep_columns)
         self.stream.write((json.dumps(out, ensure_ascii=False, default=str) + "\n").encode("utf-8"))
         self.count += 1
 

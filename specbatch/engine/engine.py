@@ -23,15 +23,16 @@ from ..models.llama import CausalLM, fuse_projections
 from ..models.loader import load_target
 from ..models.mtp import MTPLayer
 from ..prompts import PromptError, encode_row, load_tokenizer, too_long
-from ..recipe import SamplingDefaults
 from ..request import Request, StopChecker
 from ..runtime.kv_cache import GiB, PagedKVCache, bytes_per_row, memory_budget
 from ..runtime.pages import PageAllocator
-from ..sampling import BatchSampling, SamplingParams, sample
+from ..params import SamplingParams
+from ..sampling import BatchSampling, sample
 from ..scheduler import SlotScheduler
 from ..speculative.drafter import Drafter
 from ..speculative.factory import SpecConfig, make_drafter
-from ..stats import error_record, spec_stats
+from ..records import Finished, completion_record, error_record
+from ..stats import spec_stats
 
 @dataclass
 class EngineOptions:
@@ -202,7 +203,7 @@ class Engine:
 
     # ---- rows -> requests -------------------------------------------------------------------
 
-    def make_request(self, item: RowRequest | RowError, defaults: SamplingDefaults) -> Request | dict:
+    def make_request(self, item: RowRequest | RowError, defaults: SamplingParams) -> Request | dict:
         """A Request ready to schedule, or an error record for a row that cannot run."""
         if isinstance(item, RowError):
             return error_record(item.row, item.id, item.error, item.keep)
@@ -221,7 +222,7 @@ class Engine:
             return error_record(item.row, item.id, str(too_long(where, self.max_len, f"{len(ids)} tokens")),
                                 item.keep, prompt_tokens=len(ids))
         try:
-            params = _params(defaults, item.overrides, item.row)
+            params = defaults.for_row(item.overrides, item.row)
         except Exception as e:
             from ..prompts import exception_line
 
@@ -231,12 +232,9 @@ class Engine:
                        max_new=min(params.max_tokens, self.max_len - len(ids)), keep=item.keep)
 
     def record(self, req: Request) -> dict[str, Any]:
-        return {
-            "row": req.row, "id": req.id, "completion": self.stops.completion_text(req),
-            "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
-            "finish_reason": req.finish_reason, "error": None, "spec": spec_stats(req),
-            "output_token_ids": list(req.output_ids), **req.keep,
-        }
+        return completion_record(Finished(
+            row=req.row, id=req.id, text=self.stops.completion_text(req), prompt_tokens=len(req.prompt_ids),
+            output_ids=req.output_ids, finish_reason=req.finish_reason, spec=spec_stats(req)), req.keep)
 
     def _rows_needed(self, req: Request) -> int:
         return len(req.prompt_ids) + req.max_new + self.headroom
@@ -245,7 +243,7 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, items: Iterable[RowRequest | RowError],
-                 defaults: SamplingDefaults = SamplingDefaults()) -> Iterator[dict[str, Any]]:
+                 defaults: SamplingParams = SamplingParams()) -> Iterator[dict[str, Any]]:
         """Yield one record per input row, in completion order, streaming the input.
 
         Admission comes in waves: once a share of the slots is free (or nothing runs, or the
@@ -354,30 +352,6 @@ class Engine:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-
-def _params(d: SamplingDefaults, o: dict[str, Any], row: int) -> SamplingParams:
-    seed = o.get("seed")
-    if seed is None:
-        # From the run seed (--seed, default 0) and the row: reruns and resumes draw the same tokens.
-        run_seed = d.seed or 0
-        seed = ((run_seed * 0x9E3779B97F4A7C15) ^ (row * 0xBF58476D1CE4E5B9)) % (1 << 64)
-    temperature = float(o.get("temperature", d.temperature))
-    if temperature < 1e-5:
-        # Greedy, as vLLM does below its _SAMPLING_EPS: dividing logits by a tiny temperature
-        # overflows (1e-40 emitted only EOS) or acts greedy anyway. Every temperature (row
-        # overrides, recipe, CLI) passes here.
-        temperature = 0.0
-    return SamplingParams(
-        max_tokens=o.get("max_tokens", d.max_tokens),
-        temperature=temperature,
-        top_p=float(o.get("top_p", d.top_p)),
-        top_k=min(int(o.get("top_k", d.top_k)), 2**31 - 1),   # >= the vocabulary: no filter either way
-        seed=int(seed),
-        stop=tuple(o.get("stop", d.stop)),
-        stop_token_ids=tuple(o.get("stop_token_ids", d.stop_token_ids)),
-        ignore_eos=bool(o.get("ignore_eos", d.ignore_eos)),
-    )
 
 
 def _prefill_groups(admitted: Slotted, budget: int) -> list[Slotted]:

@@ -1,0 +1,86 @@
+"""The output record: every standard column of an output row, declared once.
+
+Each column names its Arrow type, how a finished request fills it, what an error row holds, and
+the option that adds it (None: always). The engine builds records from this list, the writer its
+schema, `-o -` its lines and `specbatch.LLM` its Completion fields: adding a column is one line
+here. Torch-free (the data layer imports it).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pyarrow as pa
+
+SPEC_TYPE = pa.struct(
+    [
+        ("verify_steps", pa.int64()),
+        ("draft_tokens", pa.int64()),
+        ("accepted_tokens", pa.int64()),
+        ("accept_length", pa.float64()),
+        ("accept_histogram", pa.list_(pa.int64())),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What a finished request hands to the columns (the engine fills it)."""
+    row: int
+    id: Any
+    text: str
+    prompt_tokens: int
+    output_ids: list[int]
+    finish_reason: str
+    spec: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: pa.DataType | None           # None: follows the input's type (ids, like kept columns)
+    value: Callable[[Finished], Any]   # a finished request's value
+    doc: str
+    option: str | None = None          # the job option that adds the column (None: always there)
+
+
+COLUMNS: list[Column] = [
+    Column("row", pa.int64(), lambda f: f.row, "0-based input row number"),
+    Column("id", None, lambda f: f.id, "the row id (string or integer, as in the input)"),
+    Column("completion", pa.string(), lambda f: f.text, "generated text, special tokens skipped, cut before a matched stop string"),
+    Column("prompt_tokens", pa.int64(), lambda f: f.prompt_tokens, "prompt token count"),
+    Column("completion_tokens", pa.int64(), lambda f: len(f.output_ids), "generated token count"),
+    Column("finish_reason", pa.string(), lambda f: f.finish_reason, "stop (EOS, a stop token id or string) or length"),
+    Column("error", pa.string(), lambda f: None, "null, or one line saying what was wrong with the row"),
+    Column("spec", SPEC_TYPE, lambda f: {**f.spec, "accept_length": float(f.spec["accept_length"])},
+           "speculation stats: verify_steps, draft_tokens, accepted_tokens, accept_length, accept_histogram"),
+    Column("output_token_ids", pa.list_(pa.int64()), lambda f: list(f.output_ids),
+           "the generated ids, ending with the EOS id when generation stopped on EOS", option="save_token_ids"),
+]
+NAMES: tuple[str, ...] = tuple(c.name for c in COLUMNS)
+
+
+def columns(options: Mapping[str, bool] | None = None) -> list[Column]:
+    """The columns a job writes: those always there, and those its options turn on."""
+    on = options or {}
+    return [c for c in COLUMNS if c.option is None or on.get(c.option)]
+
+
+def completion_record(f: Finished, keep: Mapping[str, Any]) -> dict[str, Any]:
+    """A finished request's record: every standard column (optional ones too; writers drop what
+    the job did not ask for), then the kept input columns."""
+    return {**{c.name: c.value(f) for c in COLUMNS}, **keep}
+
+
+def error_record(row: int, id: Any, error: str, keep: Mapping[str, Any], prompt_tokens: int = 0) -> dict[str, Any]:
+    """A row that could not run: its error, zero counts, no text or stats."""
+    rec: dict[str, Any] = {c.name: None for c in COLUMNS}
+    rec.update(row=row, id=id, error=error, prompt_tokens=prompt_tokens, completion_tokens=0)
+    return {**rec, **keep}
+
+
+def arrow_fields(names: Sequence[str] = NAMES, id_type: pa.DataType = pa.string()) -> list[pa.Field]:
+    """Arrow fields of standard columns (the id's type as the parts agreed on)."""
+    by = {c.name: c for c in COLUMNS}
+    return [pa.field(n, by[n].type if by[n].type is not None else id_type) for n in names]
