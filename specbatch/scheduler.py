@@ -58,17 +58,12 @@ class SlotScheduler(Generic[R]):
     def active(self) -> list[tuple[int, R]]:
         return sorted(self._active.items(), key=lambda item: item[0])
 
-    def idle(self) -> bool:
-        return not self._active and not self._queue
-
-    def admit(self, limit: int | None = None, fits: Callable[[R], bool] | None = None) -> list[tuple[int, R]]:
+    def admit(self, fits: Callable[[R], bool] | None = None) -> list[tuple[int, R]]:
         """Fill free slots, lowest first, from the queue; returns the new (slot, request) pairs.
         `fits(req)`: whether memory holds one more request (called in admission order; the
         first that does not fit stops the admission, so a large request is never starved)."""
-        if limit is not None and limit < 0:
-            raise ValueError(f"limit must be >= 0 or None, got {limit}")
         free = self.free_slots()
-        n = min(len(free), len(self._queue), len(free) if limit is None else limit)
+        n = min(len(free), len(self._queue))
         if n == 0:
             return []
         chosen = self._take_fifo(n) if self.bucket_window == 0 else self._take_bucketed(n)

@@ -26,10 +26,6 @@ class KVCache:
         self.dummy_slot = num_slots
         self.rows = rows
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes
-
 
 @dataclass
 class PageLayout:

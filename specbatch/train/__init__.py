@@ -1,11 +1,10 @@
 """Build pipeline for the specbatch demo model: corpus -> tokenizer -> target -> draft -> bundle.
 
-This package holds the first two stages (CPU only, deterministic for a given Python):
-
-* :mod:`specbatch.train.corpus` -- the running interpreter's stdlib source as corpus,
-  a ~5% held-out split by file, evaluation prompts and uint16 token streams.
-* :mod:`specbatch.train.tokenizer` -- byte-level BPE (HF format, chat template) and
-  :func:`build_tokenizer_and_corpus`.
+Stages (`specbatch train --stages ...`, `pipeline.py`): `corpus.py` the running interpreter's
+stdlib source as corpus (a ~5% held-out split by file, evaluation prompts, uint16 token
+streams); `tokenizer.py` byte-level BPE (HF format, chat template); `target.py` the target LM;
+`eagle3.py` and `mtp.py` the draft modules, trained by `loop.py` on `frozen.py`'s target states
+with `ttt.py`'s training-time-test forward; `pipeline.py` runs them and bundles the result.
 
 transformers / tokenizers are imported lazily, so importing this package is cheap.
 """

@@ -27,6 +27,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
 
+EOS_TOKEN = "<|endoftext|>"     # the documents' separator (the tokenizer stage adds it to the vocabulary)
+
 __all__ = [
     "HELDOUT_FRACTION",
     "MAX_FILE_BYTES",
@@ -182,8 +184,6 @@ def as_backend_tokenizer(tokenizer: Any):
 
 
 def _eos_id(backend) -> int:
-    from .tokenizer import EOS_TOKEN
-
     eid = backend.token_to_id(EOS_TOKEN)
     if eid is None:
         raise ValueError(f"tokenizer has no {EOS_TOKEN!r} token")

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from .corpus import corpus_files, corpus_stats, encode_corpus, stdlib_root
+from .corpus import EOS_TOKEN, corpus_files, corpus_stats, encode_corpus, stdlib_root
 
 __all__ = [
     "EOS_TOKEN",
@@ -27,7 +27,6 @@ __all__ = [
     "build_tokenizer_and_corpus",
 ]
 
-EOS_TOKEN = "<|endoftext|>"
 USER_TOKEN = "<|user|>"
 ASSISTANT_TOKEN = "<|assistant|>"
 SYSTEM_TOKEN = "<|system|>"

@@ -31,15 +31,24 @@ def test_refill_after_release_uses_freed_slot():
     assert s.active() == [(0, "e"), (1, "b"), (2, "f"), (3, "d")]
 
 
-def test_admit_limit():
+def test_admit_while_it_fits():
+    """`fits` bounds an admission (the engine's free pages): in order, stopping at the first
+    request that does not fit (a large one is never passed over), the rest staying queued."""
     s: SlotScheduler[str] = SlotScheduler(4)
     for r in "abcdef":
         s.add(r)
-    assert s.admit(limit=1) == [(0, "a")]
-    assert s.admit(limit=0) == []
-    assert s.admit(limit=10) == [(1, "b"), (2, "c"), (3, "d")]
-    with pytest.raises(ValueError):
-        s.admit(limit=-1)
+    budget = [1]
+
+    def fits(r):
+        if budget[0] == 0:
+            return False
+        budget[0] -= 1
+        return True
+
+    assert s.admit(fits=fits) == [(0, "a")]
+    assert s.admit(fits=lambda r: False) == [] and s.queued() == 5
+    assert s.admit(fits=lambda r: r != "d") == [(1, "b"), (2, "c")]
+    assert s.queued() == 3 and s.admit() == [(3, "d")]
 
 
 @pytest.mark.parametrize("window", [0, 5])
@@ -51,7 +60,7 @@ def test_never_more_active_than_slots_and_every_request_served(window):
         s.add(r)
     pending = reqs[50:]
     done = []
-    while not s.idle():
+    while s.queued() or s.active():
         s.admit()
         assert len(s.active()) <= 5
         assert len(s.active()) + len(s.free_slots()) == 5
@@ -79,15 +88,15 @@ def test_release_free_slot_errors():
         s.release(0)
 
 
-def test_idle():
+def test_queued_and_active_through_a_request_s_life():
     s: SlotScheduler[str] = SlotScheduler(1)
-    assert s.idle()
+    assert not s.queued() and not s.active()
     s.add("a")
-    assert not s.idle()
+    assert s.queued() or s.active()
     s.admit()
-    assert not s.idle()
+    assert s.queued() or s.active()
     s.release(0)
-    assert s.idle()
+    assert not s.queued() and not s.active()
 
 
 def test_bad_constructor_args():
@@ -103,7 +112,7 @@ def _run_static_batches(window: int, lengths: list[int], slots: int) -> tuple[in
     for i in range(len(lengths)):
         s.add(i)
     total, order = 0, []
-    while not s.idle():
+    while s.queued() or s.active():
         group = s.admit()
         assert 0 < len(group) <= slots
         total += _padding([lengths[i] for _, i in group])
@@ -131,7 +140,7 @@ def test_bucketing_reduces_padding_with_continuous_refill():
         for i in range(len(lengths)):
             s.add(i)
         total = 0
-        while not s.idle():
+        while s.queued() or s.active():
             total += _padding([lengths[i] for _, i in s.admit()])
             for slot, _ in s.active():
                 if rng.random() < 0.3:
