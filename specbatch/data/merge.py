@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator, Sequence
+from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .. import records
+from .files import HashingFile
 
 STANDARD_COLUMNS = records.NAMES
 DIGEST_COLUMN = "_input_digest"      # parts only: the input row's digest (data/digests.py)
@@ -185,3 +187,33 @@ def jsonl_lines(chunk: pa.Table, json_columns: Sequence[str]) -> Iterator[bytes]
                     r[c] = json.loads(r[c])
             lines.append(json.dumps(r, ensure_ascii=False, default=str))
         yield ("\n".join(lines) + "\n").encode("utf-8")
+
+
+def typed_columns(save_token_ids: bool) -> tuple[str, ...]:
+    """Standard columns whose type follows the input (held as JSON text in JSONL parts)."""
+    return tuple(c.name for c in records.columns({"save_token_ids": save_token_ids}) if c.type is None)
+
+
+def write_parquet(f: BinaryIO, parts: Sequence[str], schema: pa.Schema, as_json: set[str],
+                  metadata: dict[bytes, bytes]) -> int:
+    """The merged parts as one Parquet file carrying `metadata` (the manifest); -> rows written."""
+    count = 0
+    with pq.ParquetWriter(f, schema.with_metadata(metadata)) as w:
+        for chunk in merge_chunks(parts, schema, as_json):
+            w.write_table(chunk.replace_schema_metadata(metadata))
+            count += chunk.num_rows
+        if count == 0:
+            w.write_table(schema.with_metadata(metadata).empty_table())
+    return count
+
+
+def write_jsonl(f: BinaryIO, parts: Sequence[str], schema: pa.Schema, as_json: set[str],
+                json_columns: Sequence[str]) -> tuple[int, int, str]:
+    """The merged parts as JSONL; -> (rows, bytes, blake2b hex of the bytes)."""
+    out = HashingFile(f)
+    count = 0
+    for chunk in merge_chunks(parts, schema, as_json):
+        for data in jsonl_lines(chunk, json_columns):
+            out.write(data)
+        count += chunk.num_rows
+    return count, out.size, out.h.hexdigest()

@@ -13,7 +13,8 @@ from typing import BinaryIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .rows import OVERRIDE_KEYS, UNSUPPORTED_FIELDS, InputError, RowError, RowRequest, parse_row
+from .fields import OVERRIDE_KEYS, UNSUPPORTED_FIELDS
+from .rows import InputError, RowError, RowRequest, parse_row
 
 PARQUET_BATCH_ROWS = 1024
 SCAN_CHUNK_BYTES = 1 << 22

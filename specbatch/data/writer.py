@@ -10,125 +10,48 @@ What is at an output path P decides what a run does (under the lock `P.lock`):
 Anything else at P (a file specbatch did not write, a directory) is refused, and `overwrite`
 removes only what specbatch wrote. Part names carry a per-writer token, so writers that share
 an output never collide.
+
+One concept, the output's life (what is at P, parts, the final merge), hence one class of ~400
+lines; the pieces that stand alone live beside it: files.py (atomic writes, errors, hashes),
+manifest.py (the job's record and its comparison), merge.py (columns, part tables, the merge).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import manifest
 from .digests import Expected, RowSet, block_digests, block_size
+from .files import file_hash, fs_error, fsync_dir, write_atomic
 from .lock import OutputLock
 from .merge import (
     DIGEST_COLUMN,
     STANDARD_COLUMNS,
-    jsonl_lines,
-    merge_chunks,
     merged_schema,
     output_schema,
     part_rows,
     part_table,
+    typed_columns,
+    write_jsonl,
+    write_parquet,
 )
 from .rows import OutputError
 
 __all__ = ["OutputWriter", "output_schema", "STANDARD_COLUMNS"]
 
-MANIFEST = "manifest.json"
-MANIFEST_KEY = b"specbatch.manifest"     # the manifest inside a finished Parquet output
-MANIFEST_VERSION = 2
 _PART_RE = re.compile(r"^part-(?:[0-9a-f]{8}-)?(\d{6,})\.parquet$")
 _OUR_NAMES = re.compile(r"^(part-.*\.parquet(\.tmp)?|manifest\.json(\.tmp)?)$")
-_UNSET = object()
-
-
-def fs_error(path: str, e: OSError) -> OutputError:
-    """One line naming the path and the errno."""
-    name = errno.errorcode.get(e.errno or 0, str(e.errno))
-    return OutputError(f"{path}: {e.strerror or e} ({name})")
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(final: str, write: Callable[[BinaryIO], None]) -> None:
-    """Call write(file) on `<final>.tmp`, fsync, then rename over `final`."""
-    tmp = final + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException as e:
-        try:
-            if os.path.lexists(tmp):
-                os.remove(tmp)
-        except OSError:
-            pass
-        if isinstance(e, OSError):
-            raise fs_error(final, e) from None
-        raise
-    _fsync_dir(os.path.dirname(os.path.abspath(final)))
-
-
-def _jsonable(value: object) -> object:
-    return json.loads(json.dumps(value, sort_keys=True, default=str))
-
-
-def _flat(d: object, prefix: str = "") -> dict[str, object]:
-    if not isinstance(d, dict):
-        return {prefix.rstrip("."): d}
-    out: dict[str, object] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def _show(value: object) -> str:
-    return "<unset>" if value is _UNSET else json.dumps(value, default=str)
-
-
-def _file_hash(path: str) -> tuple[int, str]:
-    h = hashlib.blake2b(digest_size=16)
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
-
-
-class _HashingFile:
-    """A binary file wrapper that hashes what is written (the JSONL sidecar records it)."""
-
-    def __init__(self, f: BinaryIO):
-        self.f, self.h, self.size = f, hashlib.blake2b(digest_size=16), 0
-
-    def write(self, data: bytes) -> int:
-        self.h.update(data)
-        self.size += len(data)
-        return self.f.write(data)
 
 
 class OutputWriter:
@@ -257,35 +180,27 @@ class OutputWriter:
         """P is the JSONL output whose sidecar this job's finalize overwrote before it was cut short."""
         if parts is None or self.format != "jsonl":
             return False
-        side = self._read_json(self.sidecar)
+        side = manifest.read_json(self.sidecar)
         return isinstance(side, dict) and side.get("job") == parts.get("job")
 
     def _manifest(self) -> dict:
         return {
-            "version": MANIFEST_VERSION,
+            "version": manifest.MANIFEST_VERSION,
             "job": self.job,
-            "fingerprint": _jsonable(self.fingerprint),
+            "fingerprint": manifest.jsonable(self.fingerprint),
             "save_token_ids": self.save_token_ids,
             "keep_columns": list(self.keep_columns),
         }
-
-    @staticmethod
-    def _read_json(path: str) -> object:
-        try:
-            with open(path, "rb") as f:
-                return json.loads(f.read())
-        except (OSError, ValueError):
-            return None
 
     def _create_parts_dir(self) -> None:
         tmp_dir = self.parts_dir + ".tmp"
         try:
             os.mkdir(tmp_dir)
-            _write_atomic(os.path.join(tmp_dir, MANIFEST), lambda f: f.write(self._dump_manifest()))
+            write_atomic(os.path.join(tmp_dir, manifest.MANIFEST), lambda f: f.write(self._dump_manifest()))
             os.rename(tmp_dir, self.parts_dir)
         except OSError as e:
             raise fs_error(self.parts_dir, e) from None
-        _fsync_dir(os.path.dirname(os.path.abspath(self.parts_dir)))
+        fsync_dir(os.path.dirname(os.path.abspath(self.parts_dir)))
 
     def _dump_manifest(self, extra: dict | None = None) -> bytes:
         return json.dumps({**self._manifest(), **(extra or {})}, indent=2, sort_keys=True).encode()
@@ -294,30 +209,14 @@ class OutputWriter:
         return sorted(os.path.join(self.parts_dir, n) for n in os.listdir(self.parts_dir) if _PART_RE.match(n))
 
     def _mismatch(self, stored: dict) -> str | None:
-        """Every differing setting between the stored manifest and this job, as 'key: old -> new'."""
-        mine = self._manifest()
-        old = _flat({"settings": stored.get("fingerprint", {}), "save_token_ids": stored.get("save_token_ids", _UNSET),
-                     "keep_columns": stored.get("keep_columns", _UNSET)})
-        new = _flat({"settings": mine["fingerprint"], "save_token_ids": mine["save_token_ids"],
-                     "keep_columns": mine["keep_columns"]})
-        diffs = []
-        for key in [*new, *(k for k in old if k not in new)]:
-            a, b = old.get(key, _UNSET), new.get(key, _UNSET)
-            if a != b:
-                diffs.append(f"{key.removeprefix('settings.')}: {_show(a)} -> {_show(b)}")
-        return "; ".join(diffs) or None
+        return manifest.mismatch(stored, self._manifest())
 
     def _check_manifest(self, stored: dict, where: str, how: str) -> None:
-        if stored.get("version") != MANIFEST_VERSION:
-            raise OutputError(f"{where} was written by another version of specbatch (manifest version "
-                              f"{stored.get('version')}, this one reads {MANIFEST_VERSION}); {how}")
-        diff = self._mismatch(stored)
-        if diff is not None:
-            raise OutputError(f"{where} was written by a different job ({diff}); {how}")
+        manifest.check(stored, self._manifest(), where, how)
 
     def _read_parts_manifest(self) -> dict | None:
         """The parts dir's manifest; None for an empty dir without one (it is recreated)."""
-        stored = self._read_json(os.path.join(self.parts_dir, MANIFEST))
+        stored = manifest.read_json(os.path.join(self.parts_dir, manifest.MANIFEST))
         if isinstance(stored, dict):
             return stored
         try:
@@ -327,7 +226,7 @@ class OutputWriter:
         if not names:
             self._remove_ours(self.parts_dir)
             return None
-        raise OutputError(f"{self.parts_dir}: cannot read {MANIFEST}; pass --overwrite to start over")
+        raise OutputError(f"{self.parts_dir}: cannot read {manifest.MANIFEST}; pass --overwrite to start over")
 
     def _resume(self, stored: dict) -> None:
         for name in os.listdir(self.parts_dir):
@@ -336,7 +235,7 @@ class OutputWriter:
         parts = self._part_paths()
         if self._mismatch(stored) is not None and not parts:
             # Nothing was committed: adopt the new job instead of refusing.
-            _write_atomic(os.path.join(self.parts_dir, MANIFEST), lambda f: f.write(self._dump_manifest()))
+            write_atomic(os.path.join(self.parts_dir, manifest.MANIFEST), lambda f: f.write(self._dump_manifest()))
             return
         self._check_manifest(stored, self.parts_dir, "rerun the same command to resume, or pass --overwrite")
         self.job = stored["job"]
@@ -358,17 +257,17 @@ class OutputWriter:
                 meta = pq.read_schema(self.path).metadata or {}
             except (OSError, pa.ArrowException, ValueError):
                 return None
-            raw = meta.get(MANIFEST_KEY)
+            raw = meta.get(manifest.MANIFEST_KEY)
             try:
                 stored = json.loads(raw) if raw is not None else None
             except ValueError:
                 return None
             return stored if isinstance(stored, dict) else None
-        side = self._read_json(self.sidecar)
+        side = manifest.read_json(self.sidecar)
         if not isinstance(side, dict) or not isinstance(side.get("output"), dict):
             return None
         try:
-            size, digest = _file_hash(self.path)
+            size, digest = file_hash(self.path)
         except OSError:
             return None
         if [size, digest] != [side["output"].get("bytes"), side["output"].get("blake2b")]:
@@ -410,7 +309,7 @@ class OutputWriter:
             raise OutputError(f"{self.path}: cannot read it back ({' '.join(str(e).split())})") from None
         table = self._part_table([(r, digests.get(r["row"], b"")) for r in records])
         self._create_parts_dir()
-        _write_atomic(os.path.join(self.parts_dir, self._part_name()), lambda f: pq.write_table(table, f))
+        write_atomic(os.path.join(self.parts_dir, self._part_name()), lambda f: pq.write_table(table, f))
         self.complete = False
 
     # ---- writing parts -------------------------------------------------
@@ -448,7 +347,7 @@ class OutputWriter:
         part = os.path.join(self.parts_dir, self._part_name())
         try:
             table = self._part_table(items)
-            _write_atomic(part, lambda f: pq.write_table(table, f))
+            write_atomic(part, lambda f: pq.write_table(table, f))
         except BaseException:
             if not os.path.exists(part):
                 self._buffer = items + self._buffer         # not committed: kept for the next try
@@ -478,54 +377,42 @@ class OutputWriter:
         block = block_size(len(row_list))
         final = {"input": {"rows": len(row_list), "block": block,
                            "blocks": block_digests(zip(row_list, digests), block)}}
-        json_columns = ("id", *self.keep_columns) if self.format == "jsonl" else ()
+        json_columns = (*typed_columns(self.save_token_ids), *self.keep_columns) if self.format == "jsonl" else ()
         count = 0
 
-        def write_parquet(f: BinaryIO) -> None:
+        def parquet(f: BinaryIO) -> None:
             nonlocal count
-            meta = {MANIFEST_KEY: self._dump_manifest(final)}
-            with pq.ParquetWriter(f, schema.with_metadata(meta)) as w:
-                wrote = False
-                for chunk in merge_chunks(parts, schema, as_json):
-                    w.write_table(chunk.replace_schema_metadata(meta))
-                    count += chunk.num_rows
-                    wrote = True
-                if not wrote:
-                    w.write_table(schema.with_metadata(meta).empty_table())
+            count = write_parquet(f, parts, schema, as_json, {manifest.MANIFEST_KEY: self._dump_manifest(final)})
 
-        def write_jsonl(f: BinaryIO) -> None:
+        def jsonl(f: BinaryIO) -> None:
             nonlocal count
-            out = _HashingFile(f)
-            for chunk in merge_chunks(parts, schema, as_json):
-                for data in jsonl_lines(chunk, json_columns):
-                    out.write(data)
-                count += chunk.num_rows
-            final["output"] = {"bytes": out.size, "blake2b": out.h.hexdigest()}
+            count, size, digest = write_jsonl(f, parts, schema, as_json, json_columns)
+            final["output"] = {"bytes": size, "blake2b": digest}
 
         if self.format == "parquet":
-            _write_atomic(self.path, write_parquet)
+            write_atomic(self.path, parquet)
         else:
             # The sidecar names the merged file's hash before the file takes P's place: until both
             # are there, P does not check out as finished and the parts stay authoritative.
             tmp = self.path + ".tmp"
             try:
                 with open(tmp, "wb") as f:
-                    write_jsonl(f)
+                    jsonl(f)
                     f.flush()
                     os.fsync(f.fileno())
-                _write_atomic(self.sidecar, lambda f: f.write(self._dump_manifest(final)))
+                write_atomic(self.sidecar, lambda f: f.write(self._dump_manifest(final)))
                 os.replace(tmp, self.path)
             except OSError as e:
                 if os.path.lexists(tmp):
                     os.remove(tmp)
                 raise fs_error(self.path, e) from None
-            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         try:
             os.rename(self.parts_dir, self.parts_dir + ".done")
             self._remove_ours(self.parts_dir + ".done")
         except OSError as e:
             raise fs_error(self.parts_dir, e) from None
-        _fsync_dir(os.path.dirname(os.path.abspath(self.parts_dir)))
+        fsync_dir(os.path.dirname(os.path.abspath(self.parts_dir)))
         self.complete = True
         self._final_rows = count
         return count

@@ -302,7 +302,7 @@ DEFAULTS = {
 
 
 def test_the_table_covers_every_field():
-    from specbatch.data.rows import UNSUPPORTED_FIELDS
+    from specbatch.data.fields import UNSUPPORTED_FIELDS
 
     assert set(NON_DEFAULT) == set(UNSUPPORTED_FIELDS)
 

@@ -1,0 +1,305 @@
+"""Field-level validation of input rows: numbers in range, valid Unicode, prompt forms, stop
+strings, the per-row sampling overrides, and the one table of sampling fields specbatch does not
+implement yet. Every failure is a one-line `BadField` naming the field; rows.py turns it into the
+row's error."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+
+
+OVERRIDE_KEYS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+)
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+def _num(default: float):
+    """Null, or a number equal to `default` (not a bool)."""
+    return lambda v: v is None or (
+        not isinstance(v, bool) and isinstance(v, (int, float)) and v == default
+    )
+
+
+def _false(v: object) -> bool:
+    return v is None or v is False
+
+
+def _true(v: object) -> bool:
+    return v is None or v is True
+
+
+def _empty(v: object) -> bool:
+    return v is None or (isinstance(v, (str, list, tuple, dict)) and not v)
+
+
+# Sampling and generation fields specbatch does not implement yet, per row (top level of plain
+# rows, inside `body` for OpenAI batch lines): name -> (its default as the error shows it,
+# whether a value is that default). A row that sets one to anything else is an error row rather
+# than silently running without it. Implementing a field deletes its line here.
+UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "n": ("1", _num(1)),
+    "best_of": ("1", _num(1)),
+    "logprobs": ("false", lambda v: _false(v) or _num(0)(v)),  # chat: bool; completions: int
+    "top_logprobs": ("0", _num(0)),
+    "prompt_logprobs": ("null", _empty),
+    "presence_penalty": ("0.0", _num(0.0)),
+    "frequency_penalty": ("0.0", _num(0.0)),
+    "repetition_penalty": ("1.0", _num(1.0)),
+    "length_penalty": ("1.0", _num(1.0)),
+    "min_p": ("0.0", _num(0.0)),
+    "min_tokens": ("0", _num(0)),
+    "logit_bias": ("null", _empty),
+    "response_format": ("null", lambda v: _empty(v) or v == {"type": "text"}),
+    "guided_json": ("null", _empty),
+    "guided_regex": ("null", _empty),
+    "guided_choice": ("null", _empty),
+    "guided_grammar": ("null", _empty),
+    "structured_outputs": ("null", _empty),
+    "use_beam_search": ("false", _false),
+    "bad_words": ("null", _empty),
+    "allowed_token_ids": ("null", _empty),
+    "truncate_prompt_tokens": ("null", _empty),
+    "include_stop_str_in_output": ("false", _false),
+    "skip_special_tokens": ("true", _true),
+    "spaces_between_special_tokens": ("true", _true),
+    "tools": ("null", _empty),
+    "tool_choice": ("null", lambda v: v is None or v in ("none", "auto")),
+    "functions": ("null", _empty),
+    "function_call": ("null", lambda v: v is None or v in ("none", "auto")),
+    "parallel_tool_calls": ("null", lambda v: v is None or isinstance(v, bool)),  # no tools: no effect
+    "echo": ("false", _false),
+    "suffix": ("null", _empty),
+    "stream": ("false", _false),
+    "stream_options": ("null", _empty),
+    "prediction": ("null", _empty),
+    "audio": ("null", _empty),
+    "modalities": ("null", lambda v: _empty(v) or v == ["text"]),
+    "reasoning_effort": ("null", _empty),
+}
+
+
+class BadField(Exception):
+    """One-line reason a row is invalid, without the file/row prefix."""
+
+
+def show(value: object) -> str:
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    # One line, and always UTF-8 encodable (a lone surrogate is shown as \udXXX).
+    text = text.replace("\n", "\\n").encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def bad(name: str, expected: str, value: object) -> BadField:
+    return BadField(f"field '{name}': expected {expected}, got {show(value)}")
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Index of the first lone surrogate in `text` (JSON allows "\ud800"; UTF-8 cannot hold it)."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def check_unicode(text: str, name: str) -> str:
+    pos = lone_surrogate(text)
+    if pos is not None:
+        raise BadField(f"field '{name}': invalid Unicode (lone surrogate at character {pos})")
+    return text
+
+
+def _key_path(path: str, key: object) -> str:
+    if isinstance(key, str) and key.isidentifier() and key.isascii():
+        return f"{path}.{key}"
+    return f"{path}[{json.dumps(key if isinstance(key, str) else repr(key), ensure_ascii=True)}]"
+
+
+def nested_surrogate(value: object, name: str) -> str | None:
+    """The error for the first string (or dict key) inside `value` holding a lone surrogate."""
+    stack = [(value, name)]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            pos = lone_surrogate(v)
+            if pos is not None:
+                return f"field '{path}': invalid Unicode (lone surrogate at character {pos})"
+        elif isinstance(v, dict):
+            items = []
+            for k, x in v.items():
+                if isinstance(k, str) and (pos := lone_surrogate(k)) is not None:
+                    return f"field '{path}': invalid Unicode in a key (lone surrogate at character {pos})"
+                items.append((x, _key_path(path, k)))
+            stack.extend(reversed(items))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, f"{path}[{i}]") for i, x in reversed(list(enumerate(v))))
+    return None
+
+
+def _as_int(value: object, name: str, expected: str) -> int:
+    if isinstance(value, bool):
+        raise bad(name, expected, value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    raise bad(name, expected, value)
+
+
+def _int_in(value: object, name: str, lo: int, hi: int, expected: str) -> int:
+    n = _as_int(value, name, expected)
+    if not lo <= n <= hi:
+        raise bad(name, expected, value)
+    return n
+
+
+def _as_number(value: object, name: str, expected: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(name, expected, value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float range
+        raise bad(name, expected, value) from None
+    if not math.isfinite(number):
+        raise bad(name, expected, value)
+    return number
+
+
+def check_prompt(value: object, name: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise bad(name, "a non-empty string", value)
+    return check_unicode(value, name)
+
+
+MESSAGES_EXPECTED = "a non-empty list of {role, content} objects"
+
+
+def check_messages(value: object, name: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise bad(name, MESSAGES_EXPECTED, value)
+    out = []
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            raise bad(f"{name}[{i}]", "an object with string 'role' and 'content'", msg)
+        role, content = msg.get("role"), msg.get("content")
+        if not isinstance(role, str) or not role:
+            raise bad(f"{name}[{i}].role", "a non-empty string", role)
+        if not isinstance(content, str):
+            raise bad(f"{name}[{i}].content", "a string", content)
+        check_unicode(role, f"{name}[{i}].role")
+        check_unicode(content, f"{name}[{i}].content")
+        out.append({"role": role, "content": content})
+    return out
+
+
+TOKEN_ID_EXPECTED = f"an integer in [0, {INT64_MAX}]"
+
+
+def check_token_ids(value: object, name: str, *, non_empty: bool) -> list[int]:
+    if not isinstance(value, list) or (non_empty and not value):
+        what = "a non-empty list" if non_empty else "a list"
+        raise bad(name, f"{what} of integers >= 0", value)
+    return [_int_in(tok, f"{name}[{i}]", 0, INT64_MAX, TOKEN_ID_EXPECTED) for i, tok in enumerate(value)]
+
+
+def _check_stop(value: object, name: str) -> list[str]:
+    expected = "a non-empty string or a list of non-empty strings"
+    if isinstance(value, str):
+        if not value:
+            raise bad(name, expected, value)
+        return [check_unicode(value, name)]
+    if not isinstance(value, list):
+        raise bad(name, expected, value)
+    for i, s in enumerate(value):
+        if not isinstance(s, str) or not s:
+            raise bad(f"{name}[{i}]", "a non-empty string", s)
+        check_unicode(s, f"{name}[{i}]")
+    return list(value)
+
+
+MAX_TOKENS_EXPECTED = f"an integer in [1, {INT32_MAX}]"
+TOP_K_EXPECTED = f"an integer in [1, {INT32_MAX}] (0 or -1 to disable)"
+
+
+def parse_overrides(src: dict, prefix: str) -> dict:
+    out: dict = {}
+    get = src.get
+    max_tokens = None
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = get(key)
+        if v is None:
+            continue
+        n = _int_in(v, prefix + key, 1, INT32_MAX, MAX_TOKENS_EXPECTED)
+        if max_tokens is not None and n != max_tokens:
+            raise BadField(
+                f"fields '{prefix}max_tokens' and '{prefix}max_completion_tokens' disagree "
+                f"({max_tokens} vs {n}); give one"
+            )
+        max_tokens = n
+    if max_tokens is not None:
+        out["max_tokens"] = max_tokens
+
+    if (v := get("temperature")) is not None:
+        # Any finite value >= 0; the engine treats values below 1e-5 as greedy.
+        t = _as_number(v, prefix + "temperature", "a number >= 0")
+        if t < 0:
+            raise bad(prefix + "temperature", "a number >= 0", v)
+        out["temperature"] = t
+
+    if (v := get("top_p")) is not None:
+        p = _as_number(v, prefix + "top_p", "a number in (0, 1]")
+        if not 0 < p <= 1:
+            raise bad(prefix + "top_p", "a number in (0, 1]", v)
+        out["top_p"] = p
+
+    if (v := get("top_k")) is not None:
+        out["top_k"] = max(_int_in(v, prefix + "top_k", -1, INT32_MAX, TOP_K_EXPECTED), 0)
+
+    if (v := get("seed")) is not None:
+        # Any integer: the engine uses it mod 2**64.
+        out["seed"] = _as_int(v, prefix + "seed", "an integer")
+
+    if (v := get("stop")) is not None:
+        out["stop"] = _check_stop(v, prefix + "stop")
+
+    if (v := get("stop_token_ids")) is not None:
+        out["stop_token_ids"] = check_token_ids(v, prefix + "stop_token_ids", non_empty=False)
+
+    if (v := get("ignore_eos")) is not None:
+        if not isinstance(v, bool):
+            raise bad(prefix + "ignore_eos", "true or false", v)
+        out["ignore_eos"] = v
+    return out
+
+
+def check_unsupported(src: dict, prefix: str, exempt: Sequence[str] = ()) -> None:
+    for name, (default, is_default) in UNSUPPORTED_FIELDS.items():
+        if name not in src or name in exempt:
+            continue
+        v = src[name]
+        try:
+            ok = is_default(v)
+        except Exception:  # noqa: BLE001 - an odd value (e.g. a Parquet type) is not the default
+            ok = False
+        if not ok:
+            raise BadField(
+                f"field '{prefix}{name}': not supported by specbatch yet (got {show(v)}); "
+                f"remove it or set it to its default {default}"
+            )

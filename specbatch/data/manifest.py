@@ -1,0 +1,61 @@
+"""The job manifest: what a finished output or a parts directory records of the job that wrote it
+(a job id, every setting that changes row content), and the one-line comparison with this job."""
+from __future__ import annotations
+
+import json
+
+from .rows import OutputError
+
+MANIFEST = "manifest.json"               # inside the parts directory
+MANIFEST_KEY = b"specbatch.manifest"     # inside a finished Parquet output's footer
+MANIFEST_VERSION = 2
+_UNSET = object()
+
+
+def jsonable(value: object) -> object:
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def _flat(d: object, prefix: str = "") -> dict[str, object]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _show(value: object) -> str:
+    return "<unset>" if value is _UNSET else json.dumps(value, default=str)
+
+
+def mismatch(stored: dict, mine: dict) -> str | None:
+    """Every differing setting between a stored manifest and this job's, as 'key: old -> new'."""
+    old = _flat({"settings": stored.get("fingerprint", {}), "save_token_ids": stored.get("save_token_ids", _UNSET),
+                 "keep_columns": stored.get("keep_columns", _UNSET)})
+    new = _flat({"settings": mine["fingerprint"], "save_token_ids": mine["save_token_ids"],
+                 "keep_columns": mine["keep_columns"]})
+    diffs = []
+    for key in [*new, *(k for k in old if k not in new)]:
+        a, b = old.get(key, _UNSET), new.get(key, _UNSET)
+        if a != b:
+            diffs.append(f"{key.removeprefix('settings.')}: {_show(a)} -> {_show(b)}")
+    return "; ".join(diffs) or None
+
+
+def check(stored: dict, mine: dict, where: str, how: str) -> None:
+    """Refuse, in one line naming `where` and every differing setting, another job's output."""
+    if stored.get("version") != MANIFEST_VERSION:
+        raise OutputError(f"{where} was written by another version of specbatch (manifest version "
+                          f"{stored.get('version')}, this one reads {MANIFEST_VERSION}); {how}")
+    diff = mismatch(stored, mine)
+    if diff is not None:
+        raise OutputError(f"{where} was written by a different job ({diff}); {how}")
+
+
+def read_json(path: str) -> object:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
