@@ -13,6 +13,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from . import algorithms           # torch-free: the help strings that name algorithms and drafters
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Offline batch generation with speculative decoding.")
 err = Console(stderr=True)
@@ -74,7 +76,7 @@ def run(
     input: str = typer.Argument(..., help="Input rows: a .jsonl or .parquet file, or - for JSONL on stdin."),
     recipe: str = typer.Option("vanilla", "--recipe", "-r", help="Builtin recipe name or a recipe .yaml path."),
     model: Optional[str] = typer.Option(None, help="HF model directory (default: the recipe's model)."),
-    draft: Optional[str] = typer.Option(None, help="Draft directory: an EAGLE3 head, or an exported MTP layer (nextn_mtp reads the one inside --model without it)."),
+    draft: Optional[str] = typer.Option(None, help=algorithms.draft_help("run")),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Output .parquet or .jsonl, or - for JSONL on stdout (default: <input>.completions.parquet)."),
     batch_size: Optional[int] = typer.Option(None, help="Scheduler slots (sequences decoded together)."),
     max_tokens: Optional[int] = typer.Option(None, help="Default completion length limit."),
@@ -184,11 +186,12 @@ def recipes(name: Optional[str] = typer.Argument(None, help="Print this recipe i
 def inspect(
     recipe: str = typer.Option("vanilla", "--recipe", "-r", help="Recipe whose model to show."),
     model: Optional[str] = typer.Option(None, help="Model directory (overrides the recipe's)."),
-    draft: Optional[str] = typer.Option(None, help="Draft directory: an EAGLE3 head or an exported MTP layer (overrides the recipe's)."),
+    draft: Optional[str] = typer.Option(None, help=algorithms.draft_help("inspect")),
 ) -> None:
     """Show which model and draft a recipe resolves to, and the model's shape."""
     from .job import JobError, describe_draft, resolve_draft, resolve_model
     from .models.config import ModelError, load_config
+    from .models.registry import model_class
     from .recipe import RecipeError, load_recipe
 
     try:
@@ -198,9 +201,7 @@ def inspect(
         draft = resolve_draft(r)
     except (RecipeError, JobError, ModelError) as e:
         _fail(str(e))
-    params = (cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-              + cfg.num_layers * (cfg.hidden_size * cfg.head_dim * (cfg.num_heads * 2 + cfg.num_kv_heads * 2)
-                                  + 3 * cfg.hidden_size * cfg.intermediate_size))
+    params = model_class(cfg.architecture).num_parameters(cfg)      # counted on the meta device
     table = Table(show_header=False)
     table.add_column("key")
     table.add_column("value", overflow="fold")          # paths shown whole, wrapped
@@ -218,7 +219,7 @@ def inspect(
 def bench(
     recipe: Optional[list[str]] = typer.Option(None, "--recipe", "-r", help="Recipe to measure (repeatable; default: vanilla, eagle3_topk1, eagle3_tree)."),
     model: Optional[str] = typer.Option(None, help="HF model directory (default: the embedded demo model)."),
-    draft: Optional[str] = typer.Option(None, help="Draft directory (EAGLE3: required with --model; nextn_mtp: default the MTP inside the target; default: the demo model's)."),
+    draft: Optional[str] = typer.Option(None, help=algorithms.draft_help("bench")),
     random_weights: Optional[str] = typer.Option(None, help="Random weights at real shapes: llama-3.1-8b, or a config.json path (no download)."),
     batch_sizes: Optional[str] = typer.Option(None, help="Comma-separated batch sizes (default 1,2,...,256 on GPU; 1,2,4,8 on CPU)."),
     prompt_len: int = typer.Option(1024, help="Prompt tokens (random ids, or held-out prefixes of about this length)."),
@@ -228,7 +229,7 @@ def bench(
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs."),
     simulate_acceptance: Optional[str] = typer.Option(None, help="Per-position acceptance probabilities P1,P2,... for the drafts (random weights: step times at a chosen acceptance); every output is labelled simulated."),
-    separate_graphs: bool = typer.Option(False, "--separate-graphs", help="Also run naive_2token recipes with verify and extend as separate graphs (to time the fusion)."),
+    separate_graphs: bool = typer.Option(False, "--separate-graphs", help=algorithms.fused_help()),
     no_hf: bool = typer.Option(False, "--no-hf", help="Skip the transformers generate peer."),
     hf_max_batch: int = typer.Option(64, help="Largest batch size the transformers peer runs."),
     out_dir: str = typer.Option("bench", "--out", help="Directory for bench.json, bench.md, bench.png."),

@@ -10,12 +10,10 @@ from typing import Any, Callable
 
 import yaml
 
+from .algorithms import ALGORITHMS, SPEC_PARAMS, ParamError    # the algorithm table (torch-free)
 from .params import SamplingParams
 
-ALGORITHMS = ("vanilla", "eagle3", "nextn_mtp", "naive_2token")
-DRAFTERS = ("eagle3", "nextn_mtp")        # draft modules; naive_2token runs either
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SPEC_PARAMS = ("num_steps", "topk", "num_draft_tokens")
 BUILTIN_PREFIX = "<builtin>"
 
 
@@ -227,52 +225,21 @@ def _parse_sampling(data: Any, source: str) -> SamplingDefaults:
 
 
 def _check_algorithm_params(
-    source: str, algorithm: str, s: int | None, k: int | None, n: int | None
+    source: str, algorithm: str, s: Any, k: Any, n: Any
 ) -> tuple[int | None, int | None, int | None]:
-    given = {key: v for key, v in zip(SPEC_PARAMS, (s, k, n)) if v is not None}
-    if algorithm == "vanilla":
-        if given:
-            key = next(iter(given))
-            _fail(source, key, "algorithm vanilla takes none of num_steps, topk, num_draft_tokens; set them to null or drop them")
-        return None, None, None
-    if algorithm == "naive_2token":
-        fixed = {"num_steps": 1, "topk": 1, "num_draft_tokens": 2}
-        for key, v in given.items():
-            if not _is_int(v) or v != fixed[key]:
-                _fail(source, key, f"naive_2token is fixed at num_steps 1, topk 1, num_draft_tokens 2; got {_describe(v)}")
-        return 1, 1, 2
-    for key, v in zip(SPEC_PARAMS, (s, k, n)):
-        if v is None:
-            _fail(source, key, f"algorithm {algorithm} needs num_steps, topk and num_draft_tokens; {key} is missing")
-    s = _int(source, "num_steps", s, minimum=1)
-    k = _int(source, "topk", k, minimum=1)
-    n = _int(source, "num_draft_tokens", n, minimum=2)
-    if k == 1 and n != s + 1:
-        _fail(source, "num_draft_tokens", f"topk 1 (a chain) needs num_draft_tokens = num_steps + 1 = {s + 1}, got {n}")
-    if k > 1:
-        most = 1 + k + (s - 1) * k * k
-        if n > most:
-            _fail(
-                source,
-                "num_draft_tokens",
-                f"topk {k} over num_steps {s} yields at most {most - 1} draft tokens, "
-                f"so num_draft_tokens (incl. the root) must be <= {most}, got {n}",
-            )
-    return s, k, n
+    """S, k, N by the algorithm's own rule (algorithms.py)."""
+    try:
+        return ALGORITHMS[algorithm].check_params(s, k, n)
+    except ParamError as e:
+        _fail(source, e.key, e.message)
 
 
 def _check_drafter(source: str, algorithm: str, v: Any) -> str | None:
-    if algorithm == "vanilla":
-        if v is not None:
-            _fail(source, "drafter", "algorithm vanilla uses no draft module; set it to null or drop it")
-        return None
-    if v is None:
-        return "eagle3" if algorithm == "naive_2token" else algorithm
-    v = _choice(source, "drafter", v, DRAFTERS)
-    if algorithm != "naive_2token" and v != algorithm:
-        _fail(source, "drafter", f"algorithm {algorithm} drafts with {algorithm}, got {v!r} "
-                                 "(only naive_2token takes either)")
-    return v
+    """The `drafter:` key: one of the algorithm's drafter kinds (null: its default)."""
+    try:
+        return ALGORITHMS[algorithm].check_drafter(v)
+    except ParamError as e:
+        _fail(source, e.key, e.message)
 
 
 def parse_recipe(data: dict, source: str) -> Recipe:
@@ -285,7 +252,7 @@ def parse_recipe(data: dict, source: str) -> Recipe:
             _unknown_key(source, key, _TOP_KEYS)
     if data.get("algorithm") is None:
         _fail(source, "algorithm", f"missing (expected one of {', '.join(ALGORITHMS)})")
-    algorithm = _choice(source, "algorithm", data["algorithm"], ALGORITHMS)
+    algorithm = _choice(source, "algorithm", data["algorithm"], tuple(ALGORITHMS))
     s, k, n = _check_algorithm_params(
         source, algorithm, data.get("num_steps"), data.get("topk"), data.get("num_draft_tokens")
     )

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .algorithms import AlgorithmError, DrafterKind, get_algorithm, get_drafter
 from .recipe import Recipe
-from .speculative.factory import AVAILABLE, SpecConfig
+from .speculative.factory import SpecConfig
 
 DEMO_DIR = Path(__file__).parent / "assets" / "demo"
 
@@ -23,38 +24,49 @@ def resolve_model(name: str) -> Path:
     return Path(name).expanduser()
 
 
+def _drafter(recipe: Recipe) -> DrafterKind | None:
+    """The recipe's drafter kind from the table (None: it drafts nothing)."""
+    try:
+        name = recipe.drafter or get_algorithm(recipe.algorithm).default_drafter
+        return None if name is None else get_drafter(name)
+    except AlgorithmError as e:
+        raise JobError(f"{recipe.source}: {e}") from None
+
+
 def resolve_draft(recipe: Recipe) -> str | None:
-    """The draft directory a recipe uses; `default` = the one shipped with the demo model. For
-    nextn_mtp on another model, None: the MTP layer inside the target's own checkpoint."""
-    if recipe.algorithm == "vanilla":
+    """The draft directory a recipe uses; `default` = the one shipped with the demo model. On
+    another model, None for a drafter that reads its layer inside the target's own checkpoint
+    (nextn_mtp); None for a recipe whose drafter reads no directory (vanilla)."""
+    kind = _drafter(recipe)
+    if kind is None or kind.directory is None:
         if recipe.draft is not None:
-            raise JobError(f"--draft {recipe.draft}: recipe {recipe.name!r} (vanilla) uses no draft model")
+            raise JobError(f"--draft {recipe.draft}: recipe {recipe.name!r} ({recipe.algorithm}) uses no draft model")
         return None
     if recipe.draft not in (None, "default"):
         return str(Path(recipe.draft).expanduser())
     if recipe.model != "default":
-        if recipe.drafter == "nextn_mtp":
+        if kind.in_target:
             return None
         raise JobError(f"recipe {recipe.name!r} with --model {recipe.model}: pass --draft DIR, a "
-                       f"{recipe.drafter} draft for that model (the embedded one fits the demo model only)")
-    path = DEMO_DIR / recipe.drafter
-    if not (path / "config.json").is_file():
-        raise JobError(f"recipe {recipe.name!r}: no embedded {recipe.drafter} draft is bundled in this "
+                       f"{kind.name} draft for that model (the embedded one fits the demo model only)")
+    path = DEMO_DIR / (kind.demo or kind.name)
+    if kind.demo is None or not (path / "config.json").is_file():
+        raise JobError(f"recipe {recipe.name!r}: no embedded {kind.name} draft is bundled in this "
                        f"version ({path}); pass --model DIR --draft DIR")
     return str(path)
 
 
 def describe_draft(recipe: Recipe, draft: str | None) -> str | None:
-    """The draft for summaries: its directory, where the MTP layer is read from, or None."""
-    if draft is None and recipe.drafter == "nextn_mtp":
-        return "the MTP layer inside the target checkpoint"
+    """The draft for summaries: its directory, where the layer is read from, or None."""
+    kind = _drafter(recipe)
+    if draft is None and kind is not None and kind.in_target:
+        return kind.in_target
     return draft
 
 
-def spec_config(recipe: Recipe) -> SpecConfig:
-    if recipe.algorithm not in AVAILABLE:
-        raise JobError(f"{recipe.source}: algorithm {recipe.algorithm!r} is not available in this "
-                       f"version yet (available: {', '.join(AVAILABLE)})")
+def spec_config(recipe: Recipe, *, resolve: bool = True) -> SpecConfig:
+    """What the engine runs; `resolve=False`: no draft directory (bench's random-weight modules)."""
+    _drafter(recipe)
+    draft = resolve_draft(recipe) if resolve else None
     return SpecConfig(algorithm=recipe.algorithm, num_steps=recipe.num_steps, topk=recipe.topk,
-                      num_draft_tokens=recipe.num_draft_tokens, draft=resolve_draft(recipe),
-                      drafter=recipe.drafter)
+                      num_draft_tokens=recipe.num_draft_tokens, draft=draft, drafter=recipe.drafter)

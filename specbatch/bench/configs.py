@@ -12,6 +12,7 @@ from ..models.config import DecoderConfig, ModelError
 from ..models.eagle3 import Eagle3Config, Eagle3Head
 from ..models.llama import CausalLM, RMSNorm, rope_inv_freq
 from ..models.mtp import MTPConfig, MTPLayer
+from ..models.registry import model_class
 
 _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 8192}
@@ -82,11 +83,12 @@ def head_config(target_cfg: dict[str, Any], target_name: str | None = None) -> d
 
 def random_target(cfg_dict: dict[str, Any], dtype: torch.dtype, device: torch.device | str,
                   seed: int = 0) -> CausalLM:
-    """A CausalLM of this config with random weights, allocated once on `device` in `dtype`."""
+    """The model of this config (its registered class) with random weights, allocated once on
+    `device` in `dtype`."""
     device = torch.device(device)
     cfg = DecoderConfig.from_dict(cfg_dict, "--random-weights config")
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = model_class(cfg.architecture)(cfg)          # the class the registry names
     model = model.to(dtype).to_empty(device=device)         # meta .to() is free: allocate in dtype
     model.inv_freq = rope_inv_freq(cfg).to(device)          # float32, as the loader keeps it
     if cfg.tie_word_embeddings:
@@ -135,6 +137,18 @@ def random_mtp(target: CausalLM, dtype: torch.dtype, device: torch.device | str,
     layer.inv_freq = rope_inv_freq(target.cfg).to(device)
     _init(layer, seed)
     return layer.attach(target).eval().requires_grad_(False)
+
+
+# The drafter kinds' random-weight modules (algorithms.DrafterKind.random), one signature for all.
+
+def random_eagle3_draft(target: CausalLM, head_cfg: dict[str, Any], dtype: torch.dtype,
+                        device: torch.device | str, seed: int = 0) -> Eagle3Head:
+    return random_eagle3(head_cfg, target, dtype, device, seed=seed + 1)
+
+
+def random_mtp_draft(target: CausalLM, head_cfg: dict[str, Any], dtype: torch.dtype,
+                     device: torch.device | str, seed: int = 0) -> MTPLayer:
+    return random_mtp(target, dtype, device, seed=seed + 2)
 
 
 @torch.no_grad()

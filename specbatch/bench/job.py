@@ -148,7 +148,7 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
     points = []
     for recipe in recipes:
         spec, head = _spec(recipe, opts, src, device)
-        sim = opts.simulate_acceptance if recipe.algorithm != "vanilla" else None
+        sim = opts.simulate_acceptance if recipe.drafter is not None else None
         eopts = EngineOptions(batch_size=mix.slots or recipe.batch_size, max_model_len=longest, device=str(device),
                               spec=spec, graphs=opts.graphs, profile=True, simulate_acceptance=sim)
         log(f"{recipe.name}: building the engine ...")

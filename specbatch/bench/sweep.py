@@ -30,7 +30,8 @@ from ..models.llama import CausalLM
 from ..models.loader import load_target, resolve_dtype
 from ..prompts import PromptError, encode_row, load_tokenizer
 from ..recipe import SamplingDefaults, load_recipe
-from ..speculative.factory import AVAILABLE, SpecConfig
+from ..algorithms import AlgorithmError, get_algorithm, get_drafter
+from ..speculative.factory import SpecConfig
 from ..stats import RunStats
 from . import configs
 from .floor import copy_bandwidth, draft_bytes, kv_bytes, step_floor_ms, weight_bytes
@@ -115,11 +116,12 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
     device = resolve_device(opts.device)
     sizes = sorted(set(opts.batch_sizes or (GPU_BATCH_SIZES if device.type == "cuda" else CPU_BATCH_SIZES)))
     recipes = [load_recipe(r) for r in opts.recipes]
-    bad = [r for r in recipes if r.algorithm not in AVAILABLE]
-    if bad:
-        raise BenchError(f"--recipe {bad[0].name}: algorithm {bad[0].algorithm!r} is not available in "
-                         f"this version (available: {', '.join(AVAILABLE)})")
-    spec_recipes = [r for r in recipes if r.algorithm != "vanilla"]
+    for r in recipes:
+        try:
+            get_algorithm(r.algorithm)
+        except AlgorithmError as e:
+            raise BenchError(f"--recipe {r.name}: {e}") from None
+    spec_recipes = [r for r in recipes if r.drafter is not None]
     src = _load_source(opts, device)
     label = acceptance_label(opts.simulate_acceptance)
     if src.kind == "random" and spec_recipes and opts.simulate_acceptance is None:
@@ -157,9 +159,9 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
             runs.append((recipe, spec, head, f"{recipe.name} (separate graphs)", False))
     noted: set[str] = set()       # recipes already noted as never reaching a simulated position
     for recipe, spec, head, name, fused in runs:
-        sim = opts.simulate_acceptance if recipe.algorithm != "vanilla" else None
+        sim = opts.simulate_acceptance if recipe.drafter is not None else None
         labels = dict(recipe=name, algorithm=recipe.algorithm, peer=False,
-                      acceptance=label if recipe.algorithm != "vanilla" else "none (vanilla)",
+                      acceptance=label if recipe.drafter is not None else "none (vanilla)",
                       simulated_acceptance=list(sim) if sim else None)
         eopts = EngineOptions(batch_size=sizes[-1], max_model_len=max_len, device=str(device),
                               spec=spec, graphs=opts.graphs, fused=fused, profile=True, simulate_acceptance=sim)
@@ -284,20 +286,22 @@ def _load_source(opts: BenchOptions, device: torch.device) -> Source:
 
 def _spec(recipe: Any, opts: BenchOptions, src: Source,
           device: torch.device) -> tuple[SpecConfig, Eagle3Head | MTPLayer | None]:
-    if recipe.algorithm == "vanilla":
-        return SpecConfig(), None
-    if src.kind == "random":
-        head = src.heads.get(recipe.drafter)
-        if head is None:
-            dtype = src.model.lm_head.weight.dtype
-            head = src.heads[recipe.drafter] = (
-                configs.random_mtp(src.model, dtype, device, seed=opts.seed + 2)
-                if recipe.drafter == "nextn_mtp" else
-                configs.random_eagle3(src.head_cfg, src.model, dtype, device, seed=opts.seed + 1))
-        return SpecConfig(recipe.algorithm, recipe.num_steps, recipe.topk, recipe.num_draft_tokens,
-                          drafter=recipe.drafter), head
-    r = recipe.with_overrides(model=opts.model, draft=opts.draft)
-    return spec_config(r), None
+    """The recipe's SpecConfig and, on random weights, its drafter kind's random-weight module
+    (built on first use, shared by the recipes using that kind)."""
+    spec = spec_config(recipe, resolve=False)
+    kind = None if spec.module is None else get_drafter(spec.module)
+    if kind is None or kind.directory is None:          # vanilla: --draft is for the others
+        return spec, None
+    if src.kind != "random":
+        return spec_config(recipe.with_overrides(model=opts.model, draft=opts.draft)), None
+    build = kind.random_builder()
+    if build is None:
+        return spec, None
+    head = src.heads.get(spec.module)
+    if head is None:
+        head = src.heads[spec.module] = build(src.model, src.head_cfg, src.model.lm_head.weight.dtype,
+                                              device, seed=opts.seed)
+    return spec, head
 
 
 def _engine(eopts: EngineOptions, src: Source, head: Eagle3Head | MTPLayer | None) -> Engine:

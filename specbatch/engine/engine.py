@@ -72,10 +72,8 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 def _scratch_rows(spec: SpecConfig) -> int:
-    """Cache rows past the committed length a recipe's drafter writes (LayerDrafter's scratch)."""
-    if spec.algorithm == "vanilla":
-        return 0
-    return (spec.num_steps - 1) * spec.topk + spec.num_steps + 1
+    """Cache rows past the committed length a recipe's drafter writes (its kind's, in the table)."""
+    return spec.scratch_rows
 
 
 MAX_DEFAULT_SLOTS = 512
@@ -107,7 +105,7 @@ class Engine:
         # Rows a request writes past its committed length: verify's N - 1 and the draft's scratch.
         width = drafter.num_draft_tokens if drafter else opts.spec.width
         self.headroom = max(width, drafter.scratch_rows if drafter else _scratch_rows(opts.spec))
-        self._plan_pool(drafting=drafter is not None or opts.spec.algorithm != "vanilla")
+        self._plan_pool(drafting=drafter is not None or opts.spec.module is not None)
         self.pages = PageAllocator(self.num_pages, self.page_size, self.num_slots,
                                    math.ceil((self.max_len + self.headroom) / self.page_size),
                                    self.device, dummy_rows=self.headroom)

@@ -1,4 +1,5 @@
-"""Decoder configuration parsed from a Hugging Face `config.json` (Llama / Qwen2 / Qwen3 / Mistral)."""
+"""Decoder configuration parsed from a Hugging Face `config.json`; what differs by family
+(Llama / Mistral / Qwen2 / Qwen3, ...) comes from `registry.py`."""
 from __future__ import annotations
 
 import json
@@ -6,13 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from . import registry
+
+# The builtin families (registry.supported() also lists any registered later).
+SUPPORTED_ARCHITECTURES = registry.supported()
+SUPPORTED_ROPE_TYPES = registry.ROPE_TYPES
 
 
 class ModelError(Exception):
@@ -46,22 +45,22 @@ class DecoderConfig:
     def from_dict(cls, d: dict[str, Any], where: str = "config.json") -> "DecoderConfig":
         archs = d.get("architectures") or []
         arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
+        fam = registry.family(arch)
+        if fam is None:
             raise ModelError(
                 f"{where}: unsupported architecture {arch!r} "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"(supported: {', '.join(registry.supported())})"
             )
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ModelError(f"{where}: hidden_act {act!r} is not supported (expected 'silu')")
         hidden = _req(d, "hidden_size", where)
         heads = _req(d, "num_attention_heads", where)
-        head_dim = d.get("head_dim") or hidden // heads
-        rope_theta, scaling = _rope(d, where)
-        qwen2 = arch == "Qwen2ForCausalLM"
+        head_dim = (d.get("head_dim") if fam.head_dim else None) or hidden // heads
+        rope_theta, scaling = _rope(d, where, fam.rope_types)
         attention_bias = bool(d.get("attention_bias", False))
-        window = d.get("sliding_window") if arch == "MistralForCausalLM" else None
-        if arch.startswith("Qwen") and d.get("use_sliding_window", False):
+        window = d.get("sliding_window") if fam.sliding_window == "window" else None
+        if fam.sliding_window == "unsupported" and d.get("use_sliding_window", False):
             raise ModelError(f"{where}: use_sliding_window is not supported for {arch}")
         return cls(
             architecture=arch,
@@ -77,10 +76,10 @@ class DecoderConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=qwen2 or attention_bias,
-            o_bias=attention_bias and not qwen2,
+            qkv_bias=attention_bias if fam.qkv_bias is None else fam.qkv_bias,
+            o_bias=attention_bias if fam.o_bias is None else fam.o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=fam.qk_norm,
             sliding_window=int(window) if window else None,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             eos_token_ids=_ids(d.get("eos_token_id")),
@@ -137,15 +136,15 @@ def _req(d: dict, key: str, where: str) -> Any:
     return d[key]
 
 
-def _rope(d: dict, where: str) -> tuple[float, dict | None]:
+def _rope(d: dict, where: str, accepted: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> tuple[float, dict | None]:
     # transformers < 5 writes rope_theta + rope_scaling; >= 5 writes rope_parameters (theta inside).
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if rope_type not in accepted:
         raise ModelError(
             f"{where}: rope type {rope_type!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            f"(supported: {', '.join(accepted)})"
         )
     if rope_type == "default":
         return theta, None

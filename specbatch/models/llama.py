@@ -124,12 +124,22 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
 
 def fuse_projections(module: nn.Module) -> None:
     """Fuse q/k/v and gate/up projections of every attention and MLP block inside `module`
-    (after its weights are loaded; idempotent)."""
+    (after its weights are loaded; idempotent). Any other module is left alone, and so is a
+    subclass without those linear layers (an MoE block: its expert MLPs are fused instead)."""
     for m in module.modules():
-        if isinstance(m, Attention) and m.qkv is None:
-            m.qkv = fuse_linears(m.q_proj, m.k_proj, m.v_proj)
-        elif isinstance(m, MLP) and m.gate_up is None:
-            m.gate_up = fuse_linears(m.gate_proj, m.up_proj)
+        if isinstance(m, Attention) and getattr(m, "qkv", None) is None:
+            linears = _linears(m, "q_proj", "k_proj", "v_proj")
+            if linears:
+                m.qkv = fuse_linears(*linears)
+        elif isinstance(m, MLP) and getattr(m, "gate_up", None) is None:
+            linears = _linears(m, "gate_proj", "up_proj")
+            if linears:
+                m.gate_up = fuse_linears(*linears)
+
+
+def _linears(m: nn.Module, *names: str) -> list[nn.Linear] | None:
+    found = [getattr(m, n, None) for n in names]
+    return found if all(isinstance(lin, nn.Linear) for lin in found) else None
 
 
 class Attention(nn.Module):
@@ -226,6 +236,16 @@ class CausalLM(nn.Module):
         self.model = DecoderBody(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @classmethod
+    def num_parameters(cls, cfg: DecoderConfig) -> int:
+        """Parameters of the model `cfg` describes (tied embeddings counted once), counted on a
+        build on the meta device: no memory, and right for whatever blocks a subclass uses."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return sum(p.numel() for p in model.parameters())
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, kv: KVLayers,
                 capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:

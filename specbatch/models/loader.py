@@ -11,6 +11,7 @@ from torch import nn
 
 from .config import DecoderConfig, ModelError, load_config
 from .llama import CausalLM, rope_inv_freq
+from .registry import model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CONFIG_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
@@ -86,13 +87,14 @@ def load_weights(module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
 
 def load_target(model_dir: str | Path, dtype: str = "auto",
                 device: str | torch.device = "cpu") -> tuple[CausalLM, dict]:
-    """Build the decoder from `model_dir` on `device`; returns (model in eval mode, raw config dict)."""
+    """Build the decoder from `model_dir` on `device` (the class the registry names for its
+    architecture); returns (model in eval mode, raw config dict)."""
     device = torch.device(device)
     cfg, raw = load_config(model_dir)
     files = safetensors_files(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg, device)
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = model_class(cfg.architecture)(cfg)
     model = model.to_empty(device=device).to(torch_dtype)
     model.inv_freq = rope_inv_freq(cfg).to(device)       # float32 even when weights are not
     tie = "lm_head.weight" not in tensor_names(files)

@@ -1,8 +1,14 @@
-"""From a recipe's algorithm and parameters to a drafter attached to the loaded target."""
+"""From a recipe's algorithm and parameters to a drafter attached to the loaded target.
+
+What an algorithm is (its drafter kinds, verify width, one graph or three) is looked up in
+`specbatch.algorithms`; `make_drafter` calls the drafter kind's build function. The two builtin
+ones (an EAGLE3 head, an MTP layer; both run by `LayerDrafter`) are here.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..algorithms import Algorithm, AlgorithmError, get_algorithm, get_drafter
 from ..models.config import ModelError
 from ..models.eagle3 import Eagle3Head, default_aux_layers, load_eagle3
 from ..models.llama import CausalLM
@@ -12,9 +18,6 @@ from .drafter import Drafter, NoDrafter
 from .layer_drafter import LayerDrafter
 
 
-AVAILABLE = ("vanilla", "eagle3", "nextn_mtp", "naive_2token")   # algorithms with a drafter here
-
-
 @dataclass(frozen=True)
 class SpecConfig:
     algorithm: str = "vanilla"
@@ -22,21 +25,35 @@ class SpecConfig:
     topk: int | None = None              # k
     num_draft_tokens: int | None = None  # N, the root included
     draft: str | None = None             # draft directory (nextn_mtp: None = inside the target)
-    drafter: str | None = None           # the draft module, eagle3 | nextn_mtp (None: the algorithm's)
+    drafter: str | None = None           # the drafter kind (None: the algorithm's default)
 
     @property
-    def module(self) -> str:
-        return self.drafter or ("eagle3" if self.algorithm == "naive_2token" else self.algorithm)
+    def entry(self) -> Algorithm:
+        """The algorithm's row in the table (a one-line ModelError when it is not registered)."""
+        try:
+            return get_algorithm(self.algorithm)
+        except AlgorithmError as e:
+            raise ModelError(str(e)) from None
+
+    @property
+    def module(self) -> str | None:
+        """The drafter kind that runs (None: the algorithm drafts nothing)."""
+        return self.drafter or self.entry.default_drafter
 
     @property
     def fused(self) -> bool:
         """Verify and draft extend as one CUDA graph (naive_2token: no draft forward to separate)."""
-        return self.algorithm == "naive_2token"
+        return self.entry.fused
 
     @property
     def width(self) -> int:
         """Tokens verified per sequence per cycle."""
-        return 1 if self.algorithm == "vanilla" else int(self.num_draft_tokens)
+        return self.entry.width(self.num_steps, self.topk, self.num_draft_tokens)
+
+    @property
+    def scratch_rows(self) -> int:
+        """Cache rows past a slot's committed length the drafter writes."""
+        return self.entry.scratch_rows(self.drafter, self.num_steps, self.topk, self.num_draft_tokens)
 
 
 def make_drafter(spec: SpecConfig, target: CausalLM, num_slots: int, max_len: int,
@@ -45,18 +62,32 @@ def make_drafter(spec: SpecConfig, target: CausalLM, num_slots: int, max_len: in
     """`head`: an already-built draft module instead of loading `spec.draft` (bench);
     `target_dir`: the target's checkpoint, where an MTP layer may live; `layout`: the engine's
     paged pool, whose page table the draft's own cache shares (None: a static cache)."""
-    if spec.algorithm == "vanilla":
+    kind = spec.drafter or spec.entry.default_drafter
+    try:
+        build = None if kind is None else get_drafter(kind).builder()
+    except AlgorithmError as e:
+        raise ModelError(str(e)) from None
+    if build is None:
         return NoDrafter()
-    if spec.algorithm not in AVAILABLE:
-        raise ModelError(f"algorithm {spec.algorithm!r} is not available in this version yet "
-                         f"(available: {', '.join(AVAILABLE)})")
-    if spec.module == "nextn_mtp":
-        if head is None:
-            dev, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
-            head = load_mtp(target, target_dir, spec.draft, dtype, dev)
-        if spec.topk > target.cfg.vocab_size:
-            raise ModelError(f"topk {spec.topk} exceeds the vocabulary ({target.cfg.vocab_size})")
-        return LayerDrafter(head, (), spec.num_steps, spec.topk, spec.num_draft_tokens, num_slots, max_len, layout)
+    return build(spec, target, num_slots, max_len, head=head, target_dir=target_dir, layout=layout)
+
+
+def build_mtp(spec: SpecConfig, target: CausalLM, num_slots: int, max_len: int, *,
+              head: MTPLayer | None = None, target_dir: str | None = None,
+              layout: PageLayout | None = None) -> Drafter:
+    """A NextN/MTP layer (`spec.draft`, else the one inside `target_dir`) as a LayerDrafter."""
+    if head is None:
+        dev, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
+        head = load_mtp(target, target_dir, spec.draft, dtype, dev)
+    if spec.topk > target.cfg.vocab_size:
+        raise ModelError(f"topk {spec.topk} exceeds the vocabulary ({target.cfg.vocab_size})")
+    return LayerDrafter(head, (), spec.num_steps, spec.topk, spec.num_draft_tokens, num_slots, max_len, layout)
+
+
+def build_eagle3(spec: SpecConfig, target: CausalLM, num_slots: int, max_len: int, *,
+                 head: Eagle3Head | None = None, target_dir: str | None = None,
+                 layout: PageLayout | None = None) -> Drafter:
+    """An EAGLE3 head (`spec.draft`) reading three of the target's layers, as a LayerDrafter."""
     if head is None and not spec.draft:
         raise ModelError(f"{spec.algorithm} with the eagle3 drafter needs a draft head: pass --draft DIR "
                          "(an EAGLE3 head directory)")
