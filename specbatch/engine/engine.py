@@ -14,17 +14,18 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from .cycle import SlotState, Slotted, SpecCycle, exact_acceptance
+from .pool import plan_pool
 from .profile import CycleTime
 from ..data import RowError, RowRequest
 from ..models.attention import AttnMetadata
-from ..models.config import ModelError, generation_eos_ids
+from ..models.config import generation_eos_ids
 from ..models.eagle3 import Eagle3Head
 from ..models.llama import CausalLM, fuse_projections
 from ..models.loader import load_target
 from ..models.mtp import MTPLayer
 from ..prompts import PromptError, encode_row, load_tokenizer, too_long
 from ..request import Request, StopChecker
-from ..runtime.kv_cache import GiB, PagedKVCache, bytes_per_row, memory_budget
+from ..runtime.kv_cache import PagedKVCache
 from ..runtime.pages import PageAllocator
 from ..params import SamplingParams
 from ..sampling import BatchSampling, sample
@@ -71,14 +72,6 @@ def resolve_device(name: str | None) -> torch.device:
     return dev
 
 
-def _scratch_rows(spec: SpecConfig) -> int:
-    """Cache rows past the committed length a recipe's drafter writes (its kind's, in the table)."""
-    return spec.scratch_rows
-
-
-MAX_DEFAULT_SLOTS = 512
-
-
 class Engine:
     def __init__(self, model_dir: str | Path | None, opts: EngineOptions | None = None,
                  drafter: Drafter | None = None, *, model: CausalLM | None = None,
@@ -104,8 +97,13 @@ class Engine:
 
         # Rows a request writes past its committed length: verify's N - 1 and the draft's scratch.
         width = drafter.num_draft_tokens if drafter else opts.spec.width
-        self.headroom = max(width, drafter.scratch_rows if drafter else _scratch_rows(opts.spec))
-        self._plan_pool(drafting=drafter is not None or opts.spec.module is not None)
+        self.headroom = max(width, drafter.scratch_rows if drafter else opts.spec.scratch_rows)
+        plan = plan_pool(self.cfg, self.dtype, self.device, headroom=self.headroom,
+                         drafting=drafter is not None or opts.spec.module is not None,
+                         batch_size=opts.batch_size, max_model_len=opts.max_model_len, page_size=opts.page_size,
+                         kv_rows=opts.kv_rows, prefill_tokens=opts.prefill_tokens)
+        self.num_slots, self.max_len, self.page_size, self.num_pages = (
+            plan.num_slots, plan.max_len, plan.page_size, plan.num_pages)
         self.pages = PageAllocator(self.num_pages, self.page_size, self.num_slots,
                                    math.ceil((self.max_len + self.headroom) / self.page_size),
                                    self.device, dummy_rows=self.headroom)
@@ -131,48 +129,6 @@ class Engine:
         self.prefill_s = 0.0                 # host clock (synchronised) when profiling
         self.occupancy: list[int] = []       # active slots per cycle when profiling
         self.waited = 0                      # admissions a request waited for pages
-
-    def _plan_pool(self, drafting: bool) -> None:
-        """Slots, context and pages: the pool takes what memory allows (on GPU 90% of what is
-        free, minus room for activations, graphs and logits), but never more than every slot
-        holding a request of the full context."""
-        cfg, opts, dev = self.cfg, self.opts, self.device
-        limit = cfg.max_position_embeddings
-        if opts.max_model_len is not None and opts.max_model_len > limit:
-            raise ModelError(f"--max-model-len {opts.max_model_len} exceeds the model's "
-                             f"max_position_embeddings ({limit})")
-        self.page_size = P = opts.page_size or (64 if dev.type == "cuda" else 16)
-        row_bytes = bytes_per_row(cfg, self.dtype)
-        if drafting:
-            row_bytes += row_bytes // cfg.num_layers           # the draft layer's own pages
-        slots_hint = opts.batch_size or MAX_DEFAULT_SLOTS
-        reserve = 0
-        if dev.type == "cuda":
-            elem = torch.empty((), dtype=self.dtype).element_size()
-            act = opts.prefill_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * elem
-            logits = slots_hint * self.headroom * cfg.vocab_size * 6
-            reserve = 2 * GiB + act + logits
-        budget_pages = memory_budget(dev, reserve) // (row_bytes * P)
-        dummy = math.ceil(self.headroom / P)
-        if opts.kv_rows is not None:
-            budget_pages = min(budget_pages, math.ceil(opts.kv_rows / P) + 1 + dummy)
-        max_len = opts.max_model_len or limit
-        pool_rows = (budget_pages - 1 - dummy) * P
-        if max_len + self.headroom > pool_rows:
-            if opts.max_model_len is not None or pool_rows - self.headroom < 16:
-                raise ModelError(f"not enough {dev.type} memory for a KV pool holding one request of "
-                                 f"{max_len} tokens ({pool_rows} rows fit); set a smaller --max-model-len")
-            max_len = pool_rows - self.headroom
-        per_slot = math.ceil((max_len + self.headroom) / P)
-        if opts.batch_size is not None:
-            slots = opts.batch_size
-        elif dev.type == "cuda":
-            # as many sequences as the pool can hold at a quarter of the full context each
-            slots = max(16, min(MAX_DEFAULT_SLOTS, pool_rows // max(1, (max_len + self.headroom) // 4)))
-        else:
-            slots = 32
-        self.num_slots, self.max_len = slots, max_len
-        self.num_pages = int(min(budget_pages, slots * per_slot + dummy + 1))
 
     @property
     def capture_seconds(self) -> float:
