@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from . import algorithms           # torch-free: the help strings that name algorithms and drafters
+from . import algorithms
+from .progress import ProgressView, print_summary           # torch-free: the help strings that name algorithms and drafters
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Offline batch generation with speculative decoding.")
@@ -130,7 +129,7 @@ def run(
         keep_columns=[c.strip() for c in keep_columns.split(",") if c.strip()] if keep_columns else (),
         save_token_ids=save_token_ids, fail_fast=fail_fast, overwrite=overwrite, device=device,
         bucket_window=bucket, eager=eager)
-    view = _ProgressView(quiet=quiet, every=progress_every)
+    view = ProgressView(err, quiet=quiet, every=progress_every)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         with view:
@@ -148,7 +147,7 @@ def run(
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not quiet:
-        _print_summary(summary)
+        print_summary(err, summary)
     if stats_json:
         try:
             with open(stats_json, "w", encoding="utf-8") as f:
@@ -250,7 +249,8 @@ def bench(
     import sys
 
     from .bench.report import environment, table, title, write_all
-    from .bench.sweep import DEFAULT_RECIPES, BenchError, BenchOptions, parse_list, run_bench
+    from .bench.sources import DEFAULT_RECIPES, BenchError, BenchOptions, parse_list
+    from .bench.sweep import run_bench
     from .data import InputError
     from .job import JobError
     from .models.config import ModelError
@@ -319,110 +319,6 @@ def train(
     report = build_demo(work_dir, stages=chosen, smoke=smoke, device=device, seed=seed,
                         log=lambda m: err.print(m, highlight=False, markup=False))
     typer.echo(json.dumps({k: report[k] for k in chosen}, indent=2, default=str))
-
-
-class _ProgressView:
-    """Progress on stderr: a rich bar on a terminal; plain lines every `every` seconds otherwise
-    (a scheduler's log); nothing with --quiet."""
-
-    def __init__(self, quiet: bool, every: float):
-        self.quiet = quiet
-        self.every = every
-        self.bar = not quiet and err.is_terminal
-        self.progress: Progress | None = None
-        self.task = None
-        self.total: int | None = None
-        self.done = 0
-        self.errors = 0
-        self.tokens = 0
-        self.completion_tokens = 0
-        self.verify_steps = 0
-        self.started = time.perf_counter()
-        self.last_line = self.started
-
-    def __enter__(self) -> "_ProgressView":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-
-    def _say(self, text: str) -> None:
-        err.print(text, highlight=False, markup=False, soft_wrap=True)
-
-    def update(self, event: str, info: dict[str, Any]) -> None:
-        if event == "start":
-            self.total, self.started = info["total"], time.perf_counter()
-            self.last_line = self.started
-            if self.quiet:
-                return
-            if info["resumed"]:
-                self._say(f"resuming: {info['resumed']} rows already committed")
-            if not self.bar:
-                todo = "?" if self.total is None else f"{self.total:,}"
-                self._say(f"started: {todo} rows on {info['device']} (model loaded in {info['load_s']:.1f} s)")
-                return
-            self.progress = Progress(
-                TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[rate]:>8.1f} tok/s"), TextColumn("accept {task.fields[al]:.2f}"),
-                TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=False)
-            self.progress.start()
-            self.task = self.progress.add_task("rows", total=info["total"], rate=0.0, al=0.0)
-        elif event == "record":
-            rec = info["record"]
-            self.done += 1
-            self.errors = info.get("errors", self.errors)
-            self.tokens = info["tokens"]
-            if rec.get("spec"):
-                self.completion_tokens += rec["completion_tokens"]
-                self.verify_steps += rec["spec"]["verify_steps"]
-            now = time.perf_counter()
-            rate = self.tokens / max(now - self.started, 1e-9)
-            al = self.completion_tokens / max(self.verify_steps, 1)
-            if self.progress is not None:
-                self.progress.update(self.task, advance=1, rate=rate, al=al)
-            elif not self.quiet and not self.bar and now - self.last_line >= self.every:
-                self.last_line = now
-                self._say(self.line(now, rate, al))
-
-    def line(self, now: float, rate: float, al: float) -> str:
-        elapsed = now - self.started
-        if self.total:
-            share = f"{self.done:,}/{self.total:,} rows ({100 * self.done / self.total:.1f}%)"
-            left = (self.total - self.done) * elapsed / max(self.done, 1)
-            eta = f"ETA {_hms(left)}"
-        else:
-            share, eta = f"{self.done:,} rows", "ETA ?"
-        return (f"progress: {share}, {rate:,.0f} tok/s, {self.errors:,} errors, accept {al:.2f}, "
-                f"elapsed {_hms(elapsed)}, {eta}")
-
-
-def _hms(seconds: float) -> str:
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-def _print_summary(s: dict[str, Any]) -> None:
-    table = Table(title="specbatch run", show_header=False)
-    if s.get("complete_before"):
-        table.add_row("output", escape(f"{s['output']} is already complete ({s['resumed']} rows); pass --overwrite to redo it"))
-        err.print(table)
-        return
-    rows = [
-        ("output", s["output"]), ("recipe", s["recipe"]), ("model", s["model"]),
-        ("draft", s["draft"] or "-"), ("device", s["device"]),
-        ("requests", f"{s['requests']} ({s['resumed']} resumed from an earlier run)" if s["resumed"] else s["requests"]),
-        ("errors", s["errors"]), ("prompt tokens", s["prompt_tokens"]), ("completion tokens", s["completion_tokens"]),
-        ("output tokens/s", f"{s['output_tokens_per_s']:.1f} while generating ({s['job_output_tokens_per_s']:.1f} over the whole job)"),
-        ("mean accept length", f"{s['mean_accept_length']:.3f}"),
-        ("acceptance per draft position", " ".join(f"{r:.2f}" for r in s["acceptance_per_position"]) or "-"),
-        ("tokens per target forward", f"{s['tokens_per_target_forward']:.2f} ({s['target_forwards']} batched forwards)"),
-        ("wall time", f"{s['wall_s']:.1f} s (model load {s['load_s']:.1f} s, generation {s['generate_s']:.1f} s)"), ("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB"),
-        ("CUDA graphs", f"captured in {s['capture_s']:.2f} s" if s.get("graphs") else "off (eager)"),
-    ]
-    for k, v in rows:
-        table.add_row(k, escape(str(v)))
-    err.print(table)
 
 
 def main() -> None:

@@ -28,7 +28,8 @@ from ..engine import Engine, EngineOptions, resolve_device
 from ..recipe import SamplingDefaults, load_recipe
 from ..prompts import PromptError, encode_row
 from .floor import copy_bandwidth, kv_bytes, weight_bytes
-from .sweep import BenchError, BenchOptions, Source, _engine, _free, _load_source, _spec, acceptance_label, failure_message
+from .sources import (BenchError, BenchOptions, Source, acceptance_label, build_engine, failure_message,
+                      free_memory, load_source, recipe_spec)
 
 Log = Callable[[str], None]
 
@@ -128,7 +129,7 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
 def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str, Any]:
     device = resolve_device(opts.device)
     recipes = [load_recipe(r) for r in opts.recipes]
-    src = _load_source(opts, device)
+    src = load_source(opts, device)
     rows = job_rows(mix, opts, src)
     longest = max(len(r.prompt_token_ids) + r.overrides["max_tokens"] for r in rows)
     if longest > src.model.cfg.max_position_embeddings:
@@ -137,7 +138,7 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
     log(f"measuring copy bandwidth and matmul rate on {device} ...")
     bandwidth = copy_bandwidth(device)
     rate = matmul_rate(device, src.model.lm_head.weight.dtype)
-    _free(device)
+    free_memory(device)
     meta = {"mode": "job", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "model": src.name, "model_source": src.kind,
             "dtype": str(src.model.lm_head.weight.dtype).removeprefix("torch."),
@@ -147,13 +148,13 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
             "graphs": opts.graphs and device.type == "cuda"}
     points = []
     for recipe in recipes:
-        spec, head = _spec(recipe, opts, src, device)
+        spec, head = recipe_spec(recipe, opts, src, device)
         sim = opts.simulate_acceptance if recipe.drafter is not None else None
         eopts = EngineOptions(batch_size=mix.slots or recipe.batch_size, max_model_len=longest, device=str(device),
                               spec=spec, graphs=opts.graphs, profile=True, simulate_acceptance=sim)
         log(f"{recipe.name}: building the engine ...")
         try:
-            engine = _engine(eopts, src, head)
+            engine = build_engine(eopts, src, head)
             list(engine.generate(rows[:8], SamplingDefaults(max_tokens=4, ignore_eos=True)))     # warm-up
             points.append(_measure_job(engine, rows, recipe.name, src, bandwidth, rate))
         except Exception as e:                          # noqa: BLE001 - recorded, the next recipe runs
@@ -166,7 +167,7 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
                 f"{p['prefill_s']:.1f} s in {p['prefill_forwards']} forwards, decode {p['decode_s']:.1f} s), "
                 f"{100 * p['floor_fraction']:.0f}% of the floor, occupancy {p['mean_occupancy']:.0f}/{p['slots']}")
         del engine
-        _free(device)
+        free_memory(device)
     base = next((p for p in points if p["recipe"] == "vanilla" and not p.get("failed")), None)
     for p in points:
         if base and not p.get("failed"):

@@ -11,33 +11,23 @@ default generator, seeded with `seed` before every point: a run is reproducible.
 """
 from __future__ import annotations
 
-import gc
 import statistics
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ..data import RowError, RowRequest, open_rows
+from ..algorithms import AlgorithmError, get_algorithm
+from ..data import RowRequest
 from ..engine import CycleTime, Engine, EngineOptions, resolve_device
-from ..job import resolve_model, spec_config
-from ..models.config import DecoderConfig
-from ..models.eagle3 import Eagle3Head
-from ..models.mtp import MTPLayer
-from ..models.llama import CausalLM
-from ..models.loader import load_target, resolve_dtype
-from ..prompts import PromptError, encode_row, load_tokenizer
 from ..recipe import SamplingDefaults, load_recipe
-from ..algorithms import AlgorithmError, get_algorithm, get_drafter
-from ..speculative.factory import SpecConfig
 from ..stats import RunStats
-from . import configs
 from .floor import copy_bandwidth, draft_bytes, kv_bytes, step_floor_ms, weight_bytes
 from .hf_peer import PEER_NAME, hf_model, hf_tokens_per_s
+from .sources import (BenchError, BenchOptions, Source, acceptance_label, bench_prompts,
+                      build_engine, check_options, device_name, failure_message, free_memory, load_source,
+                      recipe_spec)
 
-DEFAULT_RECIPES = ("vanilla", "eagle3_topk1", "eagle3_tree")
 GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CPU_BATCH_SIZES = (1, 2, 4, 8)
 WARMUP_TOKENS = 8
@@ -45,74 +35,9 @@ WARMUP_TOKENS = 8
 Log = Callable[[str], None]
 
 
-class BenchError(Exception):
-    """A bench that cannot run as asked; the message is one actionable line."""
-
-
-@dataclass
-class BenchOptions:
-    recipes: tuple[str, ...] = DEFAULT_RECIPES
-    model: str | None = None                 # HF directory; None: the embedded demo model
-    draft: str | None = None                 # EAGLE3 head directory (needed with --model)
-    random_weights: str | None = None        # builtin config name or config.json path
-    batch_sizes: tuple[int, ...] | None = None   # None: GPU_BATCH_SIZES, or CPU_BATCH_SIZES on CPU
-    prompt_len: int = 1024                   # generated / held-out prompts (not --prompts files)
-    prompts: str | None = None               # .jsonl / .parquet rows instead
-    max_tokens: int = 128
-    dtype: str = "auto"
-    device: str | None = None
-    graphs: bool = True
-    separate_graphs: bool = False            # fused-graph recipes (naive_2token) also as 3 graphs
-    simulate_acceptance: tuple[float, ...] | None = None
-    hf: bool = True
-    hf_max_batch: int = 64
-    max_model_len: int | None = None         # None: longest prompt + max_tokens
-    warmup: bool = True                      # a short run on each new engine before measuring
-    seed: int = 0
-
-
-@dataclass
-class Source:
-    """The weights every recipe runs on, loaded once."""
-    name: str                                # for reports: "demo", a directory, a builtin config
-    kind: str                                # "demo" | "model" | "random"
-    cfg_dict: dict[str, Any]
-    model: CausalLM
-    tokenizer: Any
-    model_dir: Path | None = None
-    head_cfg: dict[str, Any] | None = None   # random weights: the EAGLE3 head's config
-    heads: dict[str, Eagle3Head | MTPLayer] = field(default_factory=dict)   # random weights: per
-    # algorithm, built on first use, shared by its recipes
-
-
-class _NoTokenizer:
-    """Random weights have no vocabulary: completions decode to empty text."""
-    eos_token_id = None
-
-    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
-        return ""
-
-
-def parse_list(text: str, kind: type, flag: str) -> tuple:
-    """'1,2,4' -> (1, 2, 4); a bad item is a one-line error naming the flag."""
-    try:
-        values = tuple(kind(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise BenchError(f"{flag} {text}: expected comma-separated {kind.__name__}s") from None
-    if not values:
-        raise BenchError(f"{flag}: no values given")
-    return values
-
-
-def acceptance_label(sim: tuple[float, ...] | None) -> str:
-    if sim is None:
-        return "measured acceptance"
-    return "simulated acceptance " + "/".join(f"{p:g}" for p in sim)
-
-
 def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
     """Measure every (recipe, batch size); returns {"meta": ..., "points": [...]}."""
-    _check(opts)
+    check_options(opts)
     device = resolve_device(opts.device)
     sizes = sorted(set(opts.batch_sizes or (GPU_BATCH_SIZES if device.type == "cuda" else CPU_BATCH_SIZES)))
     recipes = [load_recipe(r) for r in opts.recipes]
@@ -122,24 +47,24 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
         except AlgorithmError as e:
             raise BenchError(f"--recipe {r.name}: {e}") from None
     spec_recipes = [r for r in recipes if r.drafter is not None]
-    src = _load_source(opts, device)
+    src = load_source(opts, device)
     label = acceptance_label(opts.simulate_acceptance)
     if src.kind == "random" and spec_recipes and opts.simulate_acceptance is None:
         log("warning: random drafts are never accepted, so the accept length of "
             f"{', '.join(r.name for r in spec_recipes)} will be ~1; pass --simulate-acceptance P1,P2,... "
             "to time them under a chosen acceptance profile")
-    prompts = _prompts(opts, src, sizes[-1])
+    prompts = bench_prompts(opts, src, sizes[-1])
     max_len = opts.max_model_len or max(map(len, prompts)) + opts.max_tokens
     limit = src.model.cfg.max_position_embeddings
     if max_len > limit:
         raise BenchError(f"prompts of up to {max(map(len, prompts))} tokens + --max-tokens {opts.max_tokens} "
                          f"exceed the model's max_position_embeddings ({limit}): lower --prompt-len or --max-tokens")
-    specs = [_spec(r, opts, src, device) for r in recipes]        # a missing --draft fails before any run
+    specs = [recipe_spec(r, opts, src, device) for r in recipes]        # a missing --draft fails before any run
     log(f"measuring copy bandwidth on {device} ...")
     bandwidth = copy_bandwidth(device)
-    _free(device)
+    free_memory(device)
     meta = {
-        "device": _device_name(device), "device_type": device.type,
+        "device": device_name(device), "device_type": device.type,
         "dtype": str(src.model.lm_head.weight.dtype).removeprefix("torch."),
         "model_source": src.kind, "model": src.name,
         "copy_bandwidth_bytes_per_s": bandwidth, "batch_sizes": sizes,
@@ -168,7 +93,7 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
         log(f"{name}: building the engine for batch {sizes[-1]} ...")
         engine, error = None, None
         try:
-            engine = _engine(eopts, src, head)
+            engine = build_engine(eopts, src, head)
             if opts.warmup:
                 # First-call costs (allocator, kernel selection); smallest batch: its prefill is cheap.
                 warm = [RowRequest(row=i, id=str(i), prompt_token_ids=p) for i, p in enumerate(prompts[:sizes[0]])]
@@ -178,7 +103,7 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
             error = ("warm-up: " if engine is not None else "engine: ") + failure_message(e)
             engine = None
         if engine is None:
-            _free(device)
+            free_memory(device)
             for bs in sizes:                             # every point of this recipe fails the same way
                 points.append(failed_point(bs, error, **labels))
             log(f"{name}: FAILED ({error}); going on with the next recipe")
@@ -190,7 +115,7 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
                 p = failed_point(bs, failure_message(e), **labels)
             p.update(labels, fused_graph=engine.fused)
             if p.get("failed"):
-                _free(device)
+                free_memory(device)
                 log(f"{name} bs={bs}: FAILED ({p['error']})")
             else:
                 if sim:
@@ -204,23 +129,12 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
                         log(f"note: {name}: {note}")
             points.append(p)
         del engine
-        _free(device)
+        free_memory(device)
     if opts.hf:
         points += _hf_points(src, prompts, [b for b in sizes if b <= opts.hf_max_batch], opts, log)
     _speedups(points)
     meta["failed_points"] = sum(1 for p in points if p.get("failed"))
     return {"meta": meta, "points": points}
-
-
-def failure_message(e: BaseException) -> str:
-    """One line for a point that raised: out-of-memory errors shortened, others as
-    `Type: message` (BenchError: just the message)."""
-    if isinstance(e, torch.cuda.OutOfMemoryError):
-        return "out of GPU memory: " + (str(e).strip().splitlines() or [""])[0][:200]
-    text = " ".join(str(e).split())
-    if isinstance(e, BenchError):
-        return text
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def failed_point(bs: int, error: str, **labels: Any) -> dict[str, Any]:
@@ -251,96 +165,6 @@ def chain_accept_length(sim: tuple[float, ...], depth: int) -> float:
         run *= sim[d] if d < len(sim) else 0.0
         total += run
     return total
-
-
-# ---- sources and prompts ---------------------------------------------------------------------
-
-
-def _check(opts: BenchOptions) -> None:
-    if opts.random_weights and (opts.model or opts.draft):
-        raise BenchError("--random-weights builds the target and the draft head itself: drop --model/--draft")
-    if opts.max_tokens < 2:
-        raise BenchError("--max-tokens must be at least 2 (one prefill token, then decode)")
-    if opts.prompt_len < 1:
-        raise BenchError("--prompt-len must be positive")
-    if opts.batch_sizes and min(opts.batch_sizes) < 1:
-        raise BenchError("--batch-sizes must be positive")
-    sim = opts.simulate_acceptance
-    if sim is not None and not all(0.0 <= p <= 1.0 for p in sim):
-        raise BenchError(f"--simulate-acceptance {','.join(map(str, sim))}: probabilities must be in [0, 1]")
-
-
-def _load_source(opts: BenchOptions, device: torch.device) -> Source:
-    if opts.random_weights:
-        cfg, name = configs.resolve_config(opts.random_weights)
-        dtype = resolve_dtype(opts.dtype, DecoderConfig.from_dict(cfg, name), device)
-        model = configs.random_target(cfg, dtype, device, seed=opts.seed)
-        return Source(name=name, kind="random", cfg_dict=cfg, model=model, tokenizer=_NoTokenizer(),
-                      head_cfg=configs.head_config(cfg, name))
-    model_dir = resolve_model(opts.model or "default")
-    model, raw = load_target(model_dir, opts.dtype, device)
-    demo = opts.model is None
-    return Source(name="demo" if demo else str(model_dir), kind="demo" if demo else "model", cfg_dict=raw,
-                  model=model, tokenizer=load_tokenizer(model_dir), model_dir=model_dir)
-
-
-def _spec(recipe: Any, opts: BenchOptions, src: Source,
-          device: torch.device) -> tuple[SpecConfig, Eagle3Head | MTPLayer | None]:
-    """The recipe's SpecConfig and, on random weights, its drafter kind's random-weight module
-    (built on first use, shared by the recipes using that kind)."""
-    spec = spec_config(recipe, resolve=False)
-    kind = None if spec.module is None else get_drafter(spec.module)
-    if kind is None or kind.directory is None:          # vanilla: --draft is for the others
-        return spec, None
-    if src.kind != "random":
-        return spec_config(recipe.with_overrides(model=opts.model, draft=opts.draft)), None
-    build = kind.random_builder()
-    if build is None:
-        return spec, None
-    head = src.heads.get(spec.module)
-    if head is None:
-        head = src.heads[spec.module] = build(src.model, src.head_cfg, src.model.lm_head.weight.dtype,
-                                              device, seed=opts.seed)
-    return spec, head
-
-
-def _engine(eopts: EngineOptions, src: Source, head: Eagle3Head | MTPLayer | None) -> Engine:
-    try:
-        return Engine(src.model_dir, eopts, model=src.model, tokenizer=src.tokenizer, draft_head=head)
-    except torch.cuda.OutOfMemoryError:
-        raise BenchError(f"out of GPU memory building an engine for batch {eopts.batch_size} and "
-                         f"{eopts.max_model_len} positions: lower --batch-sizes or --max-model-len") from None
-
-
-def _prompts(opts: BenchOptions, src: Source, n: int) -> list[list[int]]:
-    """n prompts (token ids), the same for every recipe and batch size."""
-    vocab = src.model.cfg.vocab_size
-    if opts.prompts:
-        ids = []
-        for row in open_rows(opts.prompts):
-            if isinstance(row, RowError):
-                raise BenchError(row.error)
-            if src.kind == "random" and row.prompt_token_ids is None:
-                raise BenchError(f"{opts.prompts}: random weights have no tokenizer; give prompt_token_ids rows")
-            try:
-                ids.append(encode_row(src.tokenizer, row, vocab))
-            except PromptError as e:
-                raise BenchError(str(e)) from None
-            if len(ids) == n:
-                break
-        if not ids:
-            raise BenchError(f"{opts.prompts}: no rows")
-        return [ids[i % len(ids)] for i in range(n)]          # fewer rows than the largest batch: reused
-    if src.kind == "random":
-        g = torch.Generator().manual_seed(opts.seed)
-        return torch.randint(0, vocab, (n, opts.prompt_len), generator=g).tolist()
-    from ..train.corpus import heldout_prefixes
-
-    try:
-        texts = heldout_prefixes(src.tokenizer, n=n, prefix_tokens=opts.prompt_len, seed=1)
-    except ValueError as e:
-        raise BenchError(f"held-out prompts: {e} (lower --prompt-len or pass --prompts FILE)") from None
-    return [src.tokenizer(t["prompt"])["input_ids"] for t in texts]
 
 
 # ---- one point ---------------------------------------------------------------------------------
@@ -441,7 +265,7 @@ def _hf_points(src: Source, prompts: list[list[int]], sizes: list[int], opts: Be
         hf = hf_model(src.cfg_dict, src.model)
     except Exception as e:                              # noqa: BLE001 - recorded, the bench goes on
         error = "transformers model: " + failure_message(e)
-        _free(device)
+        free_memory(device)
         log(f"{PEER_NAME}: FAILED ({error})")
         return [failed_point(bs, error, **labels) for bs in sizes]
     points = []
@@ -455,17 +279,17 @@ def _hf_points(src: Source, prompts: list[list[int]], sizes: list[int], opts: Be
                 p["error"] = "timing noise"
         except torch.cuda.OutOfMemoryError:
             p.update(tokens_per_s=None, failed=True, error="out of memory")
-            _free(device)
+            free_memory(device)
         except Exception as e:                          # noqa: BLE001 - recorded, the bench goes on
             p.update(tokens_per_s=None, failed=True, error=failure_message(e))
-            _free(device)
+            free_memory(device)
         if device.type == "cuda":
             p["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
         points.append(p)
         rate = p["error"] if p["tokens_per_s"] is None else f"{p['tokens_per_s']:.1f} tok/s"
         log(f"{PEER_NAME} bs={bs}: {rate}")
     del hf
-    _free(device)
+    free_memory(device)
     return points
 
 
@@ -477,15 +301,3 @@ def _speedups(points: list[dict[str, Any]]) -> None:
         p["speedup_vs_vanilla"] = rate / ref if ref and rate is not None else None
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import platform
-
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

@@ -279,14 +279,14 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tiny_config, tmp_path
 def test_an_engine_that_cannot_be_built_fails_its_recipe_only(tiny_config, monkeypatch):
     from specbatch.bench import sweep
 
-    real = sweep._engine
+    real = sweep.build_engine
 
     def no_tree(eopts, src, head):
         if eopts.spec.topk == 4:
             raise ValueError("no tree today")
         return real(eopts, src, head)
 
-    monkeypatch.setattr(sweep, "_engine", no_tree)
+    monkeypatch.setattr(sweep, "build_engine", no_tree)
     res = run_bench(_tiny_opts(tiny_config, recipes=("eagle3_tree", "vanilla"), batch_sizes=(1, 2)),
                     log=lambda m: None)
     got = [(p["recipe"], p["batch_size"], p.get("error")) for p in res["points"]]

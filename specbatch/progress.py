@@ -1,0 +1,116 @@
+"""What `specbatch run` shows on stderr: a progress bar on a terminal, plain progress lines in a
+scheduler's log, nothing with --quiet; and the summary table at the end."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+class ProgressView:
+    """Progress on stderr: a rich bar on a terminal; plain lines every `every` seconds otherwise
+    (a scheduler's log); nothing with --quiet."""
+
+    def __init__(self, err: Console, quiet: bool, every: float):
+        self.err = err
+        self.quiet = quiet
+        self.every = every
+        self.bar = not quiet and self.err.is_terminal
+        self.progress: Progress | None = None
+        self.task = None
+        self.total: int | None = None
+        self.done = 0
+        self.errors = 0
+        self.tokens = 0
+        self.completion_tokens = 0
+        self.verify_steps = 0
+        self.started = time.perf_counter()
+        self.last_line = self.started
+
+    def __enter__(self) -> "ProgressView":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def _say(self, text: str) -> None:
+        self.err.print(text, highlight=False, markup=False, soft_wrap=True)
+
+    def update(self, event: str, info: dict[str, Any]) -> None:
+        if event == "start":
+            self.total, self.started = info["total"], time.perf_counter()
+            self.last_line = self.started
+            if self.quiet:
+                return
+            if info["resumed"]:
+                self._say(f"resuming: {info['resumed']} rows already committed")
+            if not self.bar:
+                todo = "?" if self.total is None else f"{self.total:,}"
+                self._say(f"started: {todo} rows on {info['device']} (model loaded in {info['load_s']:.1f} s)")
+                return
+            self.progress = Progress(
+                TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]:>8.1f} tok/s"), TextColumn("accept {task.fields[al]:.2f}"),
+                TimeElapsedColumn(), TimeRemainingColumn(), console=self.err, transient=False)
+            self.progress.start()
+            self.task = self.progress.add_task("rows", total=info["total"], rate=0.0, al=0.0)
+        elif event == "record":
+            rec = info["record"]
+            self.done += 1
+            self.errors = info.get("errors", self.errors)
+            self.tokens = info["tokens"]
+            if rec.get("spec"):
+                self.completion_tokens += rec["completion_tokens"]
+                self.verify_steps += rec["spec"]["verify_steps"]
+            now = time.perf_counter()
+            rate = self.tokens / max(now - self.started, 1e-9)
+            al = self.completion_tokens / max(self.verify_steps, 1)
+            if self.progress is not None:
+                self.progress.update(self.task, advance=1, rate=rate, al=al)
+            elif not self.quiet and not self.bar and now - self.last_line >= self.every:
+                self.last_line = now
+                self._say(self.line(now, rate, al))
+
+    def line(self, now: float, rate: float, al: float) -> str:
+        elapsed = now - self.started
+        if self.total:
+            share = f"{self.done:,}/{self.total:,} rows ({100 * self.done / self.total:.1f}%)"
+            left = (self.total - self.done) * elapsed / max(self.done, 1)
+            eta = f"ETA {hms(left)}"
+        else:
+            share, eta = f"{self.done:,} rows", "ETA ?"
+        return (f"progress: {share}, {rate:,.0f} tok/s, {self.errors:,} errors, accept {al:.2f}, "
+                f"elapsed {hms(elapsed)}, {eta}")
+
+
+def hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def print_summary(err: Console, s: dict[str, Any]) -> None:
+    table = Table(title="specbatch run", show_header=False)
+    if s.get("complete_before"):
+        table.add_row("output", escape(f"{s['output']} is already complete ({s['resumed']} rows); pass --overwrite to redo it"))
+        err.print(table)
+        return
+    rows = [
+        ("output", s["output"]), ("recipe", s["recipe"]), ("model", s["model"]),
+        ("draft", s["draft"] or "-"), ("device", s["device"]),
+        ("requests", f"{s['requests']} ({s['resumed']} resumed from an earlier run)" if s["resumed"] else s["requests"]),
+        ("errors", s["errors"]), ("prompt tokens", s["prompt_tokens"]), ("completion tokens", s["completion_tokens"]),
+        ("output tokens/s", f"{s['output_tokens_per_s']:.1f} while generating ({s['job_output_tokens_per_s']:.1f} over the whole job)"),
+        ("mean accept length", f"{s['mean_accept_length']:.3f}"),
+        ("acceptance per draft position", " ".join(f"{r:.2f}" for r in s["acceptance_per_position"]) or "-"),
+        ("tokens per target forward", f"{s['tokens_per_target_forward']:.2f} ({s['target_forwards']} batched forwards)"),
+        ("wall time", f"{s['wall_s']:.1f} s (model load {s['load_s']:.1f} s, generation {s['generate_s']:.1f} s)"), ("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB"),
+        ("CUDA graphs", f"captured in {s['capture_s']:.2f} s" if s.get("graphs") else "off (eager)"),
+    ]
+    for k, v in rows:
+        table.add_row(k, escape(str(v)))
+    err.print(table)
