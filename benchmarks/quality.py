@@ -24,7 +24,8 @@ from specbatch.job import DEMO_DIR
 from specbatch.recipe import SamplingDefaults, load_recipe
 from specbatch.speculative.factory import SpecConfig
 from specbatch.stats import RunStats
-from specbatch.train.corpus import heldout_prefixes, iter_corpus
+from specbatch.train.corpus import iter_corpus
+from specbatch.train.heldout import heldout_prefixes
 
 RECIPES = ("eagle3_topk1", "eagle3_deep", "eagle3_tree", "nextn_mtp", "nextn_mtp_1", "naive_2token",
            "naive_2token_mtp")

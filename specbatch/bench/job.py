@@ -76,7 +76,7 @@ def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> list[RowRequest]:
     if src.kind == "random":
         prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in p_lens]
     else:
-        from ..train.corpus import heldout_prefixes
+        from ..train.heldout import heldout_prefixes
 
         texts = heldout_prefixes(src.tokenizer, n=mix.requests, prefix_tokens=max(p_lens), seed=1)
         prompts = [src.tokenizer(t["prompt"])["input_ids"][:n] for t, n in zip(texts, p_lens)]

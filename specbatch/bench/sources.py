@@ -180,7 +180,7 @@ def bench_prompts(opts: BenchOptions, src: Source, n: int) -> list[list[int]]:
     if src.kind == "random":
         g = torch.Generator().manual_seed(opts.seed)
         return torch.randint(0, vocab, (n, opts.prompt_len), generator=g).tolist()
-    from ..train.corpus import heldout_prefixes
+    from ..train.heldout import heldout_prefixes
 
     try:
         texts = heldout_prefixes(src.tokenizer, n=n, prefix_tokens=opts.prompt_len, seed=1)

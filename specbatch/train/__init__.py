@@ -13,12 +13,12 @@ from .corpus import (
     corpus_files,
     corpus_stats,
     encode_corpus,
-    heldout_prefixes,
     iter_corpus,
     load_tokens,
     load_tokens_header,
     split_of,
 )
+from .heldout import heldout_prefixes
 from .tokenizer import (
     CHAT_TEMPLATE,
     EOS_TOKEN,

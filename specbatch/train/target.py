@@ -199,7 +199,7 @@ def train_target(tokens_dir: str | Path, tokenizer_dir: str | Path, out_dir: str
 def write_examples(path: str | Path, tokenizer_dir: str | Path, n: int = 32, prefix_tokens: int = 64,
                    seed: int = 0) -> None:
     """examples/prompts.jsonl: held-out stdlib code prefixes."""
-    from .corpus import heldout_prefixes
+    from .heldout import heldout_prefixes
 
     rows = heldout_prefixes(str(tokenizer_dir), n=n, prefix_tokens=prefix_tokens, seed=seed)
     with open(path, "w", encoding="utf-8") as f:

@@ -15,7 +15,6 @@ from specbatch.train.corpus import (  # noqa: E402
     corpus_files,
     corpus_stats,
     encode_corpus,
-    heldout_prefixes,
     is_excluded,
     iter_corpus,
     load_tokens,
@@ -23,6 +22,7 @@ from specbatch.train.corpus import (  # noqa: E402
     split_of,
     stdlib_root,
 )
+from specbatch.train.heldout import heldout_prefixes  # noqa: E402
 from specbatch.train.tokenizer import (  # noqa: E402
     ASSISTANT_TOKEN,
     EOS_TOKEN,
