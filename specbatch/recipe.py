@@ -10,10 +10,11 @@ from typing import Any, Callable
 
 import yaml
 
-from .algorithms import ALGORITHMS, SPEC_PARAMS, ParamError    # the algorithm table (torch-free)
+from .algorithms import ALGORITHMS, SPEC_PARAMS, ParamError, describe    # the algorithm table (torch-free)
+from .models.config import DTYPE_NAMES
 from .params import SamplingParams
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", *DTYPE_NAMES)
 BUILTIN_PREFIX = "<builtin>"
 
 
@@ -64,7 +65,7 @@ class Recipe:
         for key, value in kw.items():
             if key == "sampling":
                 if not isinstance(value, (dict, SamplingDefaults)):
-                    _fail(label, key, f"expected a mapping, got {_describe(value)}")
+                    _fail(label, key, f"expected a mapping, got {describe(value)}")
                 items = _sampling_to_dict(value) if isinstance(value, SamplingDefaults) else value
                 sampling.update(items)
             elif key in _TOP_KEYS:
@@ -111,15 +112,6 @@ def _fail(source: str, key: str, message: str) -> None:
     raise RecipeError(f"{source}: {key}: {message}", key=key, detail=message)
 
 
-def _describe(value: Any) -> str:
-    if value is None:
-        return "null"
-    text = repr(value)
-    if len(text) > 40:
-        text = text[:37] + "..."
-    return f"{type(value).__name__} {text}"
-
-
 def _unknown_key(source: str, key: Any, known: tuple[str, ...], prefix: str = "") -> None:
     hint = ""
     if isinstance(key, str):
@@ -140,7 +132,7 @@ def _int(source: str, key: str, v: Any, *, minimum: int | None = None, nullable:
     if v is None and nullable:
         return None
     if not _is_int(v):
-        _fail(source, key, f"expected an integer{' or null' if nullable else ''}, got {_describe(v)}")
+        _fail(source, key, f"expected an integer{' or null' if nullable else ''}, got {describe(v)}")
     if minimum is not None and v < minimum:
         _fail(source, key, f"expected an integer >= {minimum}{' or null' if nullable else ''}, got {v}")
     return v
@@ -148,7 +140,7 @@ def _int(source: str, key: str, v: Any, *, minimum: int | None = None, nullable:
 
 def _float(source: str, key: str, v: Any) -> float:
     if not (_is_int(v) or isinstance(v, float)):
-        _fail(source, key, f"expected a number, got {_describe(v)}")
+        _fail(source, key, f"expected a number, got {describe(v)}")
     return float(v)
 
 
@@ -156,13 +148,13 @@ def _str(source: str, key: str, v: Any, *, nullable: bool = False) -> str | None
     if v is None and nullable:
         return None
     if not isinstance(v, str):
-        _fail(source, key, f"expected a string{' or null' if nullable else ''}, got {_describe(v)}")
+        _fail(source, key, f"expected a string{' or null' if nullable else ''}, got {describe(v)}")
     return v
 
 
 def _choice(source: str, key: str, v: Any, choices: tuple[str, ...]) -> str:
     if not isinstance(v, str) or v not in choices:
-        _fail(source, key, f"expected one of {', '.join(choices)}, got {_describe(v)}")
+        _fail(source, key, f"expected one of {', '.join(choices)}, got {describe(v)}")
     return v
 
 
@@ -172,10 +164,10 @@ def _str_list(source: str, key: str, v: Any) -> tuple[str, ...]:
     if v is None:
         return ()
     if not isinstance(v, (list, tuple)):
-        _fail(source, key, f"expected a string or a list of strings, got {_describe(v)}")
+        _fail(source, key, f"expected a string or a list of strings, got {describe(v)}")
     for i, item in enumerate(v):
         if not isinstance(item, str) or not item:
-            _fail(source, f"{key}[{i}]", f"expected a non-empty string, got {_describe(item)}")
+            _fail(source, f"{key}[{i}]", f"expected a non-empty string, got {describe(item)}")
     return tuple(v)
 
 
@@ -183,7 +175,7 @@ def _int_list(source: str, key: str, v: Any) -> tuple[int, ...]:
     if v is None:
         return ()
     if not isinstance(v, (list, tuple)):
-        _fail(source, key, f"expected a list of integers, got {_describe(v)}")
+        _fail(source, key, f"expected a list of integers, got {describe(v)}")
     for i, item in enumerate(v):
         _int(source, f"{key}[{i}]", item, minimum=0)
     return tuple(v)
@@ -197,7 +189,7 @@ def _parse_sampling(data: Any, source: str) -> SamplingDefaults:
     if data is None:
         return SamplingDefaults()
     if not isinstance(data, dict):
-        _fail(source, "sampling", f"expected a mapping, got {_describe(data)}")
+        _fail(source, "sampling", f"expected a mapping, got {describe(data)}")
     for key in data:
         if key not in _SAMPLING_KEYS:
             _unknown_key(source, key, _SAMPLING_KEYS, prefix="sampling.")
@@ -211,7 +203,7 @@ def _parse_sampling(data: Any, source: str) -> SamplingDefaults:
         _fail(source, "sampling.temperature", f"expected a number >= 0 (0 = greedy), got {temperature}")
     ignore_eos = get("ignore_eos")
     if not isinstance(ignore_eos, bool):
-        _fail(source, "sampling.ignore_eos", f"expected true or false, got {_describe(ignore_eos)}")
+        _fail(source, "sampling.ignore_eos", f"expected true or false, got {describe(ignore_eos)}")
     return SamplingDefaults(
         max_tokens=_int(source, "sampling.max_tokens", get("max_tokens"), minimum=1),
         temperature=temperature,
@@ -245,7 +237,7 @@ def _check_drafter(source: str, algorithm: str, v: Any) -> str | None:
 def parse_recipe(data: dict, source: str) -> Recipe:
     """Validate a mapping in the schema's shape; `source` names the file in errors."""
     if not isinstance(data, dict):
-        got = "an empty document" if data is None else _describe(data)
+        got = "an empty document" if data is None else describe(data)
         raise RecipeError(f"{source}: the top level must be a mapping of keys to values, got {got}")
     for key in data:
         if key not in _TOP_KEYS:

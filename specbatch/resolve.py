@@ -5,7 +5,7 @@ from pathlib import Path
 
 from .algorithms import AlgorithmError, DrafterKind, get_algorithm, get_drafter
 from .recipe import Recipe
-from .speculative.factory import SpecConfig
+from .speculative.spec_config import SpecConfig
 
 DEMO_DIR = Path(__file__).parent / "assets" / "demo"
 

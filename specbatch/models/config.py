@@ -9,6 +9,8 @@ from typing import Any
 
 from . import registry
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16")     # weights and KV cache; "auto" picks one
+
 # The builtin families (registry.supported() also lists any registered later).
 SUPPORTED_ARCHITECTURES = registry.supported()
 SUPPORTED_ROPE_TYPES = registry.ROPE_TYPES

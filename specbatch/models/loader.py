@@ -9,11 +9,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .config import DecoderConfig, ModelError, load_config
+from .config import DTYPE_NAMES, DecoderConfig, ModelError, load_config
 from .llama import CausalLM, rope_inv_freq
 from .registry import model_class
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _CONFIG_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                   "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 

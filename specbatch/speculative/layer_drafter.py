@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..algorithms import one_layer_scratch
 from ..models.attention import AttnMetadata
 from ..models.eagle3 import Eagle3Head
 from ..models.mtp import MTPLayer
@@ -42,7 +43,7 @@ class LayerDrafter(Drafter):
         dtype = head.lm_head.weight.dtype
         H = head.cfg.layer.hidden_size
         # Rows past a slot's committed length: (S-1)*k tree scratch rows, S+1 catch-up rows.
-        self.scratch_rows = (num_steps - 1) * topk + num_steps + 1
+        self.scratch_rows = one_layer_scratch(num_steps, topk, num_draft_tokens)
         if layout is None:
             self.cache = KVCache(head.cfg.layer, num_slots, max_len + self.scratch_rows, dtype, dev)
         else:

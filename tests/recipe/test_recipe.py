@@ -348,3 +348,16 @@ def test_drafter_key():
         {"algorithm": "naive_2token", "drafter": "medusa"})
     r = _parse(algorithm="naive_2token", drafter="nextn_mtp")
     assert r.with_overrides(algorithm="eagle3", num_steps=2, topk=1, num_draft_tokens=3).drafter == "eagle3"
+
+
+def test_the_config_layers_import_no_torch():
+    """Recipes, rows, records, sampling fields, the algorithm table and the scheduler stay
+    torch-free (quick to import; what a Ray driver or a CLI error path needs)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, specbatch.recipe, specbatch.data, specbatch.scheduler, specbatch.algorithms, "
+            "specbatch.records, specbatch.params, specbatch.resolve; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
