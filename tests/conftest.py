@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random checkpoints built once per test session."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -17,7 +18,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tiny_models import make_checkpoint  # noqa: E402
+from tiny_models import make_checkpoint, make_eagle3_head, make_mtp_layer  # noqa: E402
 
 ARCHS = ("llama3", "qwen2", "qwen3", "mistral")
 
@@ -53,6 +54,54 @@ def tiny_model_factory(tmp_path_factory):
 def tiny_model(tiny_model_factory):
     """The default tiny model: Llama with llama3 RoPE scaling, float32, EOS id 0."""
     return tiny_model_factory("llama3")
+
+
+@pytest.fixture(scope="session")
+def target_dir(tiny_model_factory):
+    """The target the drafter tests draft for: the default tiny Llama with 4 layers (a DeepSeek MTP
+    layer then sits at model.layers.4)."""
+    return tiny_model_factory("llama3", num_hidden_layers=4)
+
+
+@pytest.fixture(scope="session")
+def eagle3_dir(target_dir, tmp_path_factory):
+    """A random EAGLE3 head for `target_dir` (published layout, 200 draft ids); never edited."""
+    return make_eagle3_head(tmp_path_factory.mktemp("eagle3"), target_dir)
+
+
+@pytest.fixture(scope="session")
+def mtp_target_dir(tiny_model_factory):
+    """A copy of `target_dir` carrying a random DeepSeek-layout MTP layer at model.layers.4."""
+    d = tiny_model_factory("llama3", tag="mtp", num_hidden_layers=4)
+    make_mtp_layer(d, "deepseek")
+    return d
+
+
+@pytest.fixture(scope="session")
+def bigram(tiny_model_factory):
+    """A target whose next token depends on the current token only (its layers add nothing),
+    carrying an MTP layer that computes exactly the target's next-token logits: every greedy
+    draft is right."""
+    from safetensors.torch import load_file, save_file
+
+    d = tiny_model_factory("llama3", tag="n2-bigram", num_hidden_layers=4)
+    make_mtp_layer(d, "deepseek")
+    path = d / "model.safetensors"
+    w = load_file(str(path))
+    L, H = 4, json.loads((d / "config.json").read_text())["hidden_size"]
+    for i in range(L):                          # every layer adds zero: hidden = embedding
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            w[f"model.layers.{i}.{name}"].zero_()
+    # MTP: eh_proj keeps the normed embedding of the token (the one the target just predicted),
+    # the layer adds zero, the final norm is the target's: logits = the target's at that token.
+    m = f"model.layers.{L}."
+    w[m + "eh_proj.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1).contiguous()
+    w[m + "enorm.weight"] = torch.ones(H)
+    w[m + "self_attn.o_proj.weight"].zero_()
+    w[m + "mlp.down_proj.weight"].zero_()
+    w[m + "shared_head.norm.weight"] = w["model.norm.weight"].clone()
+    save_file(w, str(path), metadata={"format": "pt"})
+    return d
 
 
 def pytest_collection_modifyitems(config, items):

@@ -79,18 +79,20 @@ def make_checkpoint(arch: str, out_dir: str | Path, *, seed: int = 0, vocab_size
     return out
 
 
-def hf_greedy(model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int,
-              eos_token_id=None) -> list[int]:
-    """What transformers generates greedily for one prompt (batch 1, static cache, float32)."""
+def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int,
+              eos_token_id=None) -> list[list[int]]:
+    """What transformers generates greedily for each prompt (one at a time, float32, CPU)."""
     import transformers as tf
 
     model = tf.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                             pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=0)
+        outs.append(out[0, len(p):].tolist())
+    return outs
 
 
 def make_eagle3_head(out_dir: str | Path, target_dir: str | Path, *, draft_vocab: int | None = 200,

@@ -9,6 +9,8 @@ its pad rows point at the dummy slot. Nothing here knows what the stages compute
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -24,6 +26,22 @@ def capture_sizes(max_batch: int) -> list[int]:
     steps = [*range(1, 9), 12, 16, 24, 32, 40, 48, 56, 64, *range(80, 129, 16), *range(160, 257, 32),
              *range(320, max(max_batch, 320) + 1, 64)]
     return sorted({s for s in steps if s < max_batch} | {max_batch})
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """Collect garbage now, and none while capturing: an unreachable engine of an earlier job
+    (its graphs and buffers; engines hold reference cycles) freed by the collector in the middle
+    of a capture breaks it ("operation failed due to a previous error during capture"), and
+    torch no longer collects before a capture itself."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @dataclass
@@ -43,8 +61,9 @@ class GraphRunner:
     _graphs: dict[tuple[int, Hashable], Captured] = field(default_factory=dict)
 
     def capture_all(self, variant: Hashable) -> None:
-        for size in sorted(self.sizes, reverse=True):
-            self._capture(size, variant)
+        with _no_collection():
+            for size in sorted(self.sizes, reverse=True):
+                self._capture(size, variant)
 
     def padded(self, rows: int) -> int:
         i = bisect.bisect_left(self.sizes, rows)
@@ -55,7 +74,10 @@ class GraphRunner:
     def get(self, rows: int, variant: Hashable) -> Captured:
         """The graphs for `rows` active rows (captured now if this variant was not used yet)."""
         key = (self.padded(rows), variant)
-        return self._graphs.get(key) or self._capture(*key)
+        if key in self._graphs:
+            return self._graphs[key]
+        with _no_collection():
+            return self._capture(*key)
 
     def _capture(self, size: int, variant: Hashable) -> Captured:
         t0 = time.perf_counter()

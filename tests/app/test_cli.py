@@ -18,6 +18,7 @@ from specbatch.cli import EXIT_FAILED, EXIT_USAGE, app
 from specbatch.models.config import SUPPORTED_ARCHITECTURES
 from specbatch.recipe import load_recipe
 
+from cli_runner import cli, ok
 from errors import one_line_cli_error
 
 BASE_COLUMNS = ["row", "id", "completion", "prompt_tokens", "completion_tokens", "finish_reason", "error",
@@ -35,19 +36,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def cli(*args: object):
-    result = CliRunner().invoke(app, [str(a) for a in args])
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"uncaught {type(result.exception).__name__}: {result.exception}\n{result.output}")
-    return result
-
-
-def ok(*args: object):
-    r = cli(*args)
-    assert r.exit_code == 0, r.output
-    return r
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

@@ -1,4 +1,5 @@
-"""The shipped demo bundle: a trained Llama target and its EAGLE3 head, the recipes' default."""
+"""The shipped demo bundle: a trained Llama target, its EAGLE3 head and its NextN/MTP layer, the
+recipes' default."""
 from __future__ import annotations
 
 import json
@@ -10,10 +11,13 @@ import transformers as tf
 from specbatch.data import RowRequest
 from specbatch.engine import Engine, EngineOptions
 from specbatch.job import DEMO_DIR, resolve_draft, resolve_model
+from specbatch.models.loader import load_target
+from specbatch.models.mtp import load_mtp
 from specbatch.recipe import SamplingDefaults, load_recipe
 from specbatch.speculative.factory import SpecConfig
+from tiny_models import hf_greedy
 
-TARGET, HEAD = DEMO_DIR / "target", DEMO_DIR / "eagle3"
+TARGET, HEAD, MTP = DEMO_DIR / "target", DEMO_DIR / "eagle3", DEMO_DIR / "nextn_mtp"
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef walk(top):\n    for", "class Stack:\n    def __init__(self):\n"]
 
 
@@ -43,22 +47,52 @@ def _ours(prompts, spec=SpecConfig(), n=24):
 
 
 def test_demo_target_greedy_equals_transformers(prompts):
-    model = tf.AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32).eval()
-    ref = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
-                                 eos_token_id=0, pad_token_id=0)
-        ref.append(out[0, len(p):].tolist())
+    ref = hf_greedy(TARGET, prompts, 24, eos_token_id=0)
     assert _ours(prompts)[0] == ref
 
 
-def test_demo_head_is_lossless_and_accepted(prompts):
-    vanilla = _ours(prompts)[0]
+@pytest.fixture(scope="module")
+def vanilla(prompts):
+    return _ours(prompts)[0]
+
+
+def test_demo_head_is_lossless_and_accepted(prompts, vanilla):
     for name in ("eagle3_topk1", "eagle3_tree"):
         r = load_recipe(name)
         out, recs = _ours(prompts, SpecConfig("eagle3", r.num_steps, r.topk, r.num_draft_tokens, str(HEAD)))
         assert out == vanilla, name
         steps = sum(x["spec"]["verify_steps"] for x in recs)
         assert sum(len(o) for o in out) / steps > 1.5, name       # a trained head gets accepted
+
+
+def test_demo_mtp_layout_and_size():
+    total = sum(p.stat().st_size for d in (TARGET, HEAD, MTP) for p in d.iterdir())
+    assert total <= 24 * 2**20
+    cfg = json.loads((TARGET / "config.json").read_text())
+    mtp = json.loads((MTP / "config.json").read_text())
+    assert mtp["num_nextn_predict_layers"] == 1 and mtp["num_hidden_layers"] == 1
+    assert mtp["hidden_size"] == cfg["hidden_size"] and mtp["vocab_size"] == cfg["vocab_size"]
+    assert mtp.get("dtype", mtp.get("torch_dtype")) == "bfloat16"
+    for name in ("nextn_mtp", "nextn_mtp_1", "naive_2token_mtp"):
+        assert resolve_draft(load_recipe(name)) == str(MTP), name
+
+
+def test_demo_mtp_layer_loads():
+    target, _ = load_target(TARGET, "float32", "cpu")
+    layer = load_mtp(target, TARGET, MTP, torch.float32, torch.device("cpu"))
+    assert layer.cfg.layout == "deepseek" and layer.cfg.layer.num_layers == 1
+    # no embedding or head of its own: the target's, the same parameters
+    assert layer.embed_tokens is target.model.embed_tokens and layer.lm_head is target.lm_head
+    assert all(p.dtype == torch.float32 for p in layer.parameters())
+
+
+@pytest.mark.parametrize("name,min_accept_length", [("nextn_mtp", 1.5), ("nextn_mtp_1", 1.3),
+                                                     ("naive_2token_mtp", 1.3)])
+def test_demo_mtp_is_lossless_and_accepted(prompts, vanilla, name, min_accept_length):
+    """Each cycle emits at most N tokens (4 for nextn_mtp, 2 for the one-draft recipes)."""
+    r = load_recipe(name)
+    spec = SpecConfig(r.algorithm, r.num_steps, r.topk, r.num_draft_tokens, str(MTP), r.drafter)
+    out, recs = _ours(prompts, spec)
+    assert out == vanilla, name
+    steps = sum(x["spec"]["verify_steps"] for x in recs)
+    assert sum(len(o) for o in out) / steps > min_accept_length, name     # a trained layer gets accepted

@@ -9,11 +9,11 @@ import re
 
 import pyarrow.parquet as pq
 import pytest
-from typer.testing import CliRunner
 
-from specbatch.cli import EXIT_FAILED, EXIT_USAGE, app
+from specbatch.cli import EXIT_FAILED, EXIT_USAGE
 from specbatch.data import OutputWriter
 
+from cli_runner import cli, ok
 from errors import one_line_cli_error
 
 PROMPTS = ["def add(a, b):", "for i in range(10):", "class Point:", "import os", "The quick brown fox",
@@ -21,19 +21,6 @@ PROMPTS = ["def add(a, b):", "for i in range(10):", "class Point:", "import os",
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def cli(*args, input=None):
-    r = CliRunner().invoke(app, [str(a) for a in args], input=input)
-    if r.exception is not None and not isinstance(r.exception, SystemExit):
-        raise AssertionError(f"uncaught {type(r.exception).__name__}: {r.exception}\n{r.output}")
-    return r
-
-
-def ok(*args, input=None):
-    r = cli(*args, input=input)
-    assert r.exit_code == 0, r.output
-    return r
 
 
 def lines(rows):

@@ -13,7 +13,6 @@ from specbatch.data import RowRequest
 from specbatch.engine import Engine, EngineOptions
 from specbatch.recipe import SamplingDefaults
 from specbatch.speculative.factory import SpecConfig
-from tiny_models import make_eagle3_head, make_mtp_layer
 
 pytestmark = pytest.mark.gpu
 
@@ -29,33 +28,15 @@ SPECS = {
 }
 
 
-@pytest.fixture(scope="module")
-def target(tiny_model_factory):
-    return tiny_model_factory("llama3", num_hidden_layers=4)
-
-
-@pytest.fixture(scope="module")
-def head(target, tmp_path_factory):
-    return make_eagle3_head(tmp_path_factory.mktemp("eagle3g"), target)
-
-
-@pytest.fixture(scope="module")
-def mtp_target(tiny_model_factory):
-    """A copy of the target carrying a DeepSeek-layout MTP layer at model.layers.4."""
-    d = tiny_model_factory("llama3", tag="mtp", num_hidden_layers=4)
-    make_mtp_layer(d, "deepseek")
-    return d
-
-
-def _spec(name, head):
+def _spec(name, eagle3_dir):
     s = SPECS[name]
     if isinstance(s, SpecConfig):
         return s
-    return SpecConfig("nextn_mtp", *s) if name.startswith("nextn") else SpecConfig("eagle3", *s, str(head))
+    return SpecConfig("nextn_mtp", *s) if name.startswith("nextn") else SpecConfig("eagle3", *s, str(eagle3_dir))
 
 
-def _model(name, target, mtp_target):
-    return mtp_target if name.startswith("nextn") else target
+def _model(name, target_dir, mtp_target_dir):
+    return mtp_target_dir if name.startswith("nextn") else target_dir
 
 
 def _rows(n=len(LENS), **overrides):
@@ -73,8 +54,8 @@ def _run(model, spec, bs, graphs, rows=None, **defaults):
 
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("bs", [3, 10])
-def test_graph_replay_equals_eager_greedy(name, bs, target, mtp_target, head):
-    spec, model = _spec(name, head), _model(name, target, mtp_target)
+def test_graph_replay_equals_eager_greedy(name, bs, target_dir, mtp_target_dir, eagle3_dir):
+    spec, model = _spec(name, eagle3_dir), _model(name, target_dir, mtp_target_dir)
     with kernels.torch_only():
         ref, ref_stats, eager = _run(model, spec, bs, graphs=False)
     assert eager.graphs is None
@@ -85,8 +66,8 @@ def test_graph_replay_equals_eager_greedy(name, bs, target, mtp_target, head):
 
 
 @pytest.mark.parametrize("name", ["vanilla", "eagle3_topk1", "eagle3_tree", "nextn_mtp"])
-def test_graph_replay_equals_eager_sampling(name, target, mtp_target, head):
-    spec, model = _spec(name, head), _model(name, target, mtp_target)
+def test_graph_replay_equals_eager_sampling(name, target_dir, mtp_target_dir, eagle3_dir):
+    spec, model = _spec(name, eagle3_dir), _model(name, target_dir, mtp_target_dir)
     defaults = {"temperature": 0.8, "top_p": 0.9, "seed": 11}
     with kernels.torch_only():
         ref, _, _ = _run(model, spec, 4, graphs=False, **defaults)
@@ -96,9 +77,9 @@ def test_graph_replay_equals_eager_sampling(name, target, mtp_target, head):
     assert {v for _, v in eng.graphs._graphs} == {(True, False), (False, True)}
 
 
-def test_graph_sizes_pad_to_the_next_capture(target, head):
-    eng = Engine(target, EngineOptions(batch_size=20, device="cuda", dtype="float32",
-                                       spec=_spec("eagle3_topk1", head)))
+def test_graph_sizes_pad_to_the_next_capture(target_dir, eagle3_dir):
+    eng = Engine(target_dir, EngineOptions(batch_size=20, device="cuda", dtype="float32",
+                                           spec=_spec("eagle3_topk1", eagle3_dir)))
     assert eng.graphs.sizes == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20]
     assert eng.graphs.padded(9) == 12 and eng.graphs.padded(20) == 20
     with torch.inference_mode():
@@ -107,9 +88,9 @@ def test_graph_sizes_pad_to_the_next_capture(target, head):
     assert int(eng.lens[eng.state.dummy]) == 0
 
 
-def test_profile_records_stage_times(target, head):
-    eng = Engine(target, EngineOptions(batch_size=4, device="cuda", dtype="float32",
-                                       spec=_spec("eagle3_topk1", head), profile=True))
+def test_profile_records_stage_times(target_dir, eagle3_dir):
+    eng = Engine(target_dir, EngineOptions(batch_size=4, device="cuda", dtype="float32",
+                                           spec=_spec("eagle3_topk1", eagle3_dir), profile=True))
     list(eng.generate(_rows(6), SamplingDefaults()))
     assert eng.cycle_times
     t = eng.cycle_times[0]

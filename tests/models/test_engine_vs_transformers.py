@@ -11,6 +11,7 @@ from conftest import ARCHS
 from specbatch.data import RowRequest
 from specbatch.engine import Engine, EngineOptions
 from specbatch.recipe import SamplingDefaults
+from tiny_models import hf_greedy
 
 PROMPT_LENS = (1, 23, 9, 40)
 MAX_NEW = 12
@@ -19,18 +20,6 @@ MAX_NEW = 12
 def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-def _hf_outputs(model_dir, prompts, max_new, eos):
-    model = tf.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            o = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                               max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0)
-        outs.append(o[0, len(p):].tolist())
-    return outs
 
 
 def _ours(model_dir, prompts, batch_size, max_new, **opts):
@@ -45,7 +34,7 @@ def _ours(model_dir, prompts, batch_size, max_new, **opts):
 def test_greedy_matches_transformers(arch, tiny_model_factory):
     d = tiny_model_factory(arch)
     prompts = _prompts(320, seed=ARCHS.index(arch))
-    ref = _hf_outputs(d, prompts, MAX_NEW, eos=0)
+    ref = hf_greedy(d, prompts, MAX_NEW, eos_token_id=0)
     assert any(len(r) == MAX_NEW for r in ref)            # the comparison covers long outputs too
     for bs in (1, 3):
         got, recs = _ours(d, prompts, bs, MAX_NEW)
@@ -64,7 +53,7 @@ def test_tied_and_sharded_checkpoints(variant, tiny_model_factory):
         with safe_open(str(d / "model.safetensors"), framework="pt") as f:
             assert "lm_head.weight" not in f.keys()          # tied: the head is the embedding
     prompts = _prompts(320, seed=7)
-    assert _ours(d, prompts, 2, MAX_NEW)[0] == _hf_outputs(d, prompts, MAX_NEW, eos=0)
+    assert _ours(d, prompts, 2, MAX_NEW)[0] == hf_greedy(d, prompts, MAX_NEW, eos_token_id=0)
 
 
 def test_eos_from_generation_config_list(tiny_model_factory, tmp_path):
@@ -77,7 +66,7 @@ def test_eos_from_generation_config_list(tiny_model_factory, tmp_path):
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [317, eos]}))
     try:
         got, recs = _ours(d, prompts, 3, MAX_NEW)
-        ref = _hf_outputs(d, prompts, MAX_NEW, eos=[317, eos])
+        ref = hf_greedy(d, prompts, MAX_NEW, eos_token_id=[317, eos])
     finally:
         (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
     assert got == ref

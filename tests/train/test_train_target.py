@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from array import array
 from pathlib import Path
 
@@ -15,7 +14,8 @@ from specbatch.train.corpus import load_tokens
 from specbatch.train.corpus import token_tensor as _stream
 from specbatch.train.schedule import warmup_cosine
 from specbatch.train.target import DEMO_SHAPE, heldout_loss, train_target
-from tiny_models import make_tokenizer
+from tiny_models import hf_greedy, make_tokenizer
+from train_helpers import write_token_stream
 
 VOCAB = 320                       # tiny_models' tokenizer; EOS (and pad) id 0
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -42,12 +42,7 @@ def _write_stream(path: Path, cycles: list[list[int]], n_tokens: int, seed: int)
         k = rng.randrange(len(cyc))
         toks.extend(cyc[(k + i) % len(cyc)] for i in range(rng.randint(20, 120)))
         toks.append(0)
-    if sys.byteorder != "little":
-        toks.byteswap()
-    path.write_bytes(toks.tobytes())
-    Path(str(path) + ".json").write_text(json.dumps(
-        {"format": "specbatch-tokens-v1", "dtype": "uint16", "byteorder": "little", "count": len(toks),
-         "vocab_size": VOCAB, "eos_id": 0}))
+    write_token_stream(path, toks, VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -139,17 +134,10 @@ def test_specbatch_loads_and_matches_transformers(learnable):
     out = d / "model"
     ours, raw = load_target(out, "float32", "cpu")
     assert ours.lm_head.weight.dtype == torch.float32 and raw["model_type"] == "llama"
-    hf = tf.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     cyc = _cycle(1)
     g = torch.Generator().manual_seed(0)
     prompts = [cyc[5:6], cyc[10:40], torch.randint(4, VOCAB, (9,), generator=g).tolist(), [0] + cyc[:3]]
-    ref = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            o = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                            max_new_tokens=16, eos_token_id=0, pad_token_id=0)
-        ref.append(o[0, len(p):].tolist())
+    ref = hf_greedy(out, prompts, 16, eos_token_id=0)
     assert ref[1][:8] == (cyc * 2)[40:48]                               # it learnt the pattern
     eng = Engine(out, EngineOptions(batch_size=2, device="cpu", dtype="float32"))
     rows = [RowRequest(row=i, id=str(i), prompt_token_ids=p) for i, p in enumerate(prompts)]
