@@ -93,6 +93,7 @@ def run(
     id_column: Optional[str] = typer.Option(None, help="Column holding the row id (default: id, then custom_id, then the row number)."),
     keep_columns: Optional[str] = typer.Option(None, help="Comma-separated input columns copied to the output."),
     save_token_ids: bool = typer.Option(False, "--save-token-ids", help="Add output_token_ids to each output row."),
+    output_format: str = typer.Option("auto", help="native | openai (OpenAI Batch output lines, JSONL) | auto: openai for OpenAI batch input written to .jsonl."),
     bucket: int = typer.Option(0, min=0, help="Length-bucketing window: admit similar prompt lengths together (0 = FIFO)."),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs: run every cycle eagerly (the reference path)."),
     stats_json: Optional[str] = typer.Option(None, help="Also write the run summary as JSON to this path."),
@@ -128,7 +129,7 @@ def run(
         output=output, limit=limit, prompt_column=prompt_column, id_column=id_column,
         keep_columns=[c.strip() for c in keep_columns.split(",") if c.strip()] if keep_columns else (),
         save_token_ids=save_token_ids, fail_fast=fail_fast, overwrite=overwrite, device=device,
-        bucket_window=bucket, eager=eager)
+        bucket_window=bucket, eager=eager, output_format=output_format)
     view = ProgressView(err, quiet=quiet, every=progress_every)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:

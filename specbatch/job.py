@@ -34,6 +34,7 @@ class JobOptions:
     device: str | None = None
     bucket_window: int = 0
     eager: bool = False                  # no CUDA graphs (the reference path)
+    output_format: str = "auto"          # native | openai (OpenAI Batch lines) | auto: openai for OpenAI batch input
 
 
 def default_output(input_path: str) -> str:
@@ -55,7 +56,13 @@ def fingerprint(recipe: Recipe, model: Any, draft: str | None, opts: JobOptions)
         "max_model_len": r["max_model_len"], "sampling": r["sampling"],
         "prompt_column": opts.prompt_column, "id_column": opts.id_column,
         "keep_columns": list(opts.keep_columns), "save_token_ids": opts.save_token_ids,
+        "output_format": opts.output_format,
     }
+
+
+def model_name(recipe: Recipe) -> str:
+    """The model an OpenAI response names when its request named none: the model directory's name."""
+    return "specbatch-demo" if recipe.model == "default" else os.path.basename(os.path.normpath(recipe.model))
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -102,12 +109,14 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     source = open_rows(input_path, prompt_column=opts.prompt_column, id_column=opts.id_column,
                        keep_columns=opts.keep_columns)
     if output == "-":
-        writer: OutputWriter | StdoutWriter = StdoutWriter(save_token_ids=opts.save_token_ids,
-                                                           keep_columns=opts.keep_columns)
+        writer: OutputWriter | StdoutWriter = StdoutWriter(
+            save_token_ids=opts.save_token_ids, keep_columns=opts.keep_columns,
+            output_format=opts.output_format, model_name=model_name(recipe))
     else:
         writer = OutputWriter(output, fingerprint=fingerprint(recipe, model_dir, spec.draft, opts),
                               save_token_ids=opts.save_token_ids, keep_columns=opts.keep_columns,
-                              overwrite=opts.overwrite)
+                              overwrite=opts.overwrite, output_format=opts.output_format,
+                              model_name=model_name(recipe))
     spooled = None
     try:
         if len(writer.done_rows):

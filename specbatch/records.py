@@ -7,8 +7,9 @@ here. Torch-free (the data layer imports it).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pyarrow as pa
@@ -34,6 +35,10 @@ class Finished:
     output_ids: list[int]
     finish_reason: str
     spec: dict[str, Any]
+    endpoint: str | None = None          # the OpenAI response it takes: "chat" or "completion"
+    request_model: str | None = None     # OpenAI batch lines: the body's model
+    batch_line: bool = False             # the row was an OpenAI batch line
+    created: int = field(default_factory=lambda: int(time.time()))
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,13 @@ COLUMNS: list[Column] = [
            "speculation stats: verify_steps, draft_tokens, accepted_tokens, accept_length, accept_histogram"),
     Column("output_token_ids", pa.list_(pa.int64()), lambda f: list(f.output_ids),
            "the generated ids, ending with the EOS id when generation stopped on EOS", option="save_token_ids"),
+    # What an OpenAI batch response needs (kept in the parts always, written with --output-format openai)
+    Column("endpoint", pa.string(), lambda f: f.endpoint, "the OpenAI response it takes: chat or completion",
+           option="openai"),
+    Column("batch_line", pa.bool_(), lambda f: f.batch_line, "the row was an OpenAI batch line", option="openai"),
+    Column("request_model", pa.string(), lambda f: f.request_model, "OpenAI batch lines: the body's model",
+           option="openai"),
+    Column("created", pa.int64(), lambda f: f.created, "unix time the completion finished", option="openai"),
 ]
 NAMES: tuple[str, ...] = tuple(c.name for c in COLUMNS)
 

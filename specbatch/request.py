@@ -14,11 +14,14 @@ class Detokenizer(Protocol):
 @dataclass
 class Request:
     row: int
-    id: str
+    id: str | int
     prompt_ids: list[int]
     params: SamplingParams
     max_new: int                        # max_tokens capped by the slot's context
     keep: dict[str, Any] = field(default_factory=dict)
+    endpoint: str | None = None         # the OpenAI response it takes: "chat" or "completion"
+    request_model: str | None = None    # OpenAI batch lines: the body's model
+    batch_line: bool = False            # an OpenAI batch line
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None    # "stop" | "length"
     stop_hit: bool = False              # finished on a stop string: text is cut at it

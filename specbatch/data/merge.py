@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from .. import records
 from .files import HashingFile
+from .openai_out import to_openai_line
 
 STANDARD_COLUMNS = records.NAMES
 DIGEST_COLUMN = "_input_digest"      # parts only: the input row's digest (data/digests.py)
@@ -56,10 +57,10 @@ def _infer_array(values: list) -> pa.Array:
         return _json_strings(values)
 
 
-def part_table(recs: list[dict], digests: list[bytes], *, save_token_ids: bool,
+def part_table(recs: list[dict], digests: list[bytes], *, options: dict[str, bool],
                keep_columns: Sequence[str], json_typed: bool) -> pa.Table:
-    """One part: the standard columns, the typed columns, and each row's input digest."""
-    standard = records.columns({"save_token_ids": save_token_ids})
+    """One part: the standard columns `options` turn on, the typed columns, and each row's input digest."""
+    standard = records.columns(options)
     arrays, names = [], []
     for c in standard:
         if c.type is None:
@@ -87,11 +88,11 @@ def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
         return False
 
 
-def merged_schema(part_schemas: list[pa.Schema], save_token_ids: bool,
+def merged_schema(part_schemas: list[pa.Schema], options: dict[str, bool],
                   keep_columns: Sequence[str]) -> tuple[pa.Schema, set[str]]:
-    """Standard schema + unified typed columns (standard ones typed by the input, then the kept
-    ones); those that cannot unify become JSON strings."""
-    standard = records.columns({"save_token_ids": save_token_ids})
+    """The standard columns `options` turn on + unified typed columns (standard ones typed by the
+    input, then the kept ones); those that cannot unify become JSON strings."""
+    standard = records.columns(options)
     typed_standard = {c.name for c in standard if c.type is None}
     unified_types: dict[str, pa.DataType] = {}
     as_json: set[str] = set()
@@ -177,21 +178,24 @@ def merge_chunks(parts: Sequence[str], schema: pa.Schema, as_json: set[str]) -> 
         yield chunk
 
 
-def jsonl_lines(chunk: pa.Table, json_columns: Sequence[str]) -> Iterator[bytes]:
-    """A merged chunk as JSONL bytes, typed columns held as JSON text decoded to their values."""
+def jsonl_lines(chunk: pa.Table, json_columns: Sequence[str], openai_model: str | None = None) -> Iterator[bytes]:
+    """A merged chunk as JSONL bytes, typed columns held as JSON text decoded to their values;
+    with `openai_model`, as OpenAI batch output lines."""
     for batch in chunk.to_batches(max_chunksize=JSONL_BATCH_ROWS):
         lines = []
         for r in batch.to_pylist():
             for c in json_columns:
                 if r.get(c) is not None:
                     r[c] = json.loads(r[c])
+            if openai_model is not None:
+                r = to_openai_line(r, openai_model)
             lines.append(json.dumps(r, ensure_ascii=False, default=str))
         yield ("\n".join(lines) + "\n").encode("utf-8")
 
 
-def typed_columns(save_token_ids: bool) -> tuple[str, ...]:
+def typed_columns(options: dict[str, bool]) -> tuple[str, ...]:
     """Standard columns whose type follows the input (held as JSON text in JSONL parts)."""
-    return tuple(c.name for c in records.columns({"save_token_ids": save_token_ids}) if c.type is None)
+    return tuple(c.name for c in records.columns(options) if c.type is None)
 
 
 def write_parquet(f: BinaryIO, parts: Sequence[str], schema: pa.Schema, as_json: set[str],
@@ -208,12 +212,13 @@ def write_parquet(f: BinaryIO, parts: Sequence[str], schema: pa.Schema, as_json:
 
 
 def write_jsonl(f: BinaryIO, parts: Sequence[str], schema: pa.Schema, as_json: set[str],
-                json_columns: Sequence[str]) -> tuple[int, int, str]:
-    """The merged parts as JSONL; -> (rows, bytes, blake2b hex of the bytes)."""
+                json_columns: Sequence[str], openai_model: str | None = None) -> tuple[int, int, str]:
+    """The merged parts as JSONL (native rows, or OpenAI batch lines for `openai_model`);
+    -> (rows, bytes, blake2b hex of the bytes)."""
     out = HashingFile(f)
     count = 0
     for chunk in merge_chunks(parts, schema, as_json):
-        for data in jsonl_lines(chunk, json_columns):
+        for data in jsonl_lines(chunk, json_columns, openai_model):
             out.write(data)
         count += chunk.num_rows
     return count, out.size, out.h.hexdigest()

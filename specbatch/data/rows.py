@@ -38,6 +38,9 @@ class RowRequest:
     prompt_token_ids: list[int] | None = None
     overrides: dict = field(default_factory=dict)
     keep: dict = field(default_factory=dict)
+    endpoint: str | None = None  # the OpenAI response it takes: "chat" (messages) or "completion"
+    request_model: str | None = None  # OpenAI batch lines: the body's `model`, echoed in the response
+    batch_line: bool = False  # an OpenAI batch line (custom_id / url / body)
     where: str = ""
     digest: bytes = b""  # 16 bytes over the row's raw input (set by the readers; resume checks)
 
@@ -104,6 +107,19 @@ def _parse_body(obj: dict, req: RowRequest) -> None:
     if not forms:
         _null_form(body, ("messages", "prompt"), "body.")
         raise BadField("field 'body': expected 'messages' or 'prompt', got neither")
+    if url is None:
+        req.endpoint = "chat" if forms[0] == "messages" else "completion"
+    else:
+        req.endpoint = "chat" if url == OPENAI_URLS[0] else "completion"
+    if (req.endpoint == "chat") != (forms[0] == "messages"):
+        raise BadField(f"field 'body.{forms[0]}': {url} takes "
+                       f"'{'messages' if req.endpoint == 'chat' else 'prompt'}'")
+    req.batch_line = True
+    model = body.get("model")
+    if model is not None:
+        if not isinstance(model, str):
+            raise bad("body.model", "a string", model)
+        req.request_model = check_unicode(model, "body.model")
     if forms[0] == "messages":
         req.messages = check_messages(body["messages"], "body.messages")
     else:
@@ -136,6 +152,7 @@ def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequenc
         req.messages = check_messages(obj[form], form)
     else:
         req.prompt_token_ids = check_token_ids(obj[form], form, non_empty=True)
+    req.endpoint = "chat" if form == "messages" else "completion"
     req.overrides = parse_overrides(obj, "")
     check_unsupported(obj, "", exempt)
 

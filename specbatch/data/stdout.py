@@ -12,6 +12,7 @@ import pyarrow as pa
 from .. import records
 from .digests import Expected, RowSet
 from .merge import _struct_value
+from .openai_out import to_openai_line
 
 
 class StdoutWriter:
@@ -20,7 +21,9 @@ class StdoutWriter:
     complete = False
 
     def __init__(self, *, save_token_ids: bool = False, keep_columns: Sequence[str] = (),
-                 stream: BinaryIO | None = None) -> None:
+                 stream: BinaryIO | None = None, output_format: str = "native", model_name: str = "specbatch") -> None:
+        """`output_format` "auto": OpenAI batch lines when the first row out is an OpenAI line."""
+        self.output_format, self.model_name = output_format, model_name
         self.standard = records.columns({"save_token_ids": save_token_ids})
         self.keep_columns = list(keep_columns)
         self.stream = stream or sys.stdout.buffer
@@ -41,8 +44,12 @@ class StdoutWriter:
             self.stream.flush()
 
     def _emit(self, rec: dict[str, Any]) -> None:
+        if self.output_format == "auto":
+            self.output_format = "openai" if rec.get("batch_line") else "native"
         out = {c.name: _struct_value(rec.get(c.name), c.type) if c.type is not None and pa.types.is_struct(c.type)
                else rec.get(c.name) for c in self.standard}
+        if self.output_format == "openai":
+            out = to_openai_line({**rec, **out}, self.model_name)
         out.update((c, rec.get(c)) for c in self.keep_columns)
         self.stream.write((json.dumps(out, ensure_ascii=False, default=str) + "\n").encode("utf-8"))
         self.count += 1

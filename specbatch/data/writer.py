@@ -35,6 +35,7 @@ from . import manifest
 from .digests import Expected, RowSet, block_digests, block_size
 from .files import file_hash, fs_error, fsync_dir, write_atomic
 from .lock import OutputLock
+from .openai_out import from_openai_line
 from .merge import (
     DIGEST_COLUMN,
     STANDARD_COLUMNS,
@@ -68,7 +69,12 @@ class OutputWriter:
         commit_rows: int = 256,
         commit_seconds: float = 30.0,
         overwrite: bool = False,
+        output_format: str = "native",
+        model_name: str = "specbatch",
     ) -> None:
+        """`output_format`: native rows, "openai" (OpenAI Batch output lines, JSONL only), or "auto"
+        (openai when the job's first row is an OpenAI batch line and the output is JSONL);
+        `model_name`: the response's model when a line names none."""
         low = path.lower()
         if low.endswith(".parquet"):
             self.format = "parquet"
@@ -76,6 +82,12 @@ class OutputWriter:
             self.format = "jsonl"
         else:
             raise ValueError(f"{path}: unsupported output; expected a path ending in .parquet or .jsonl")
+        if output_format not in ("native", "openai", "auto"):
+            raise ValueError(f"--output-format {output_format}: expected native, openai or auto")
+        if output_format == "openai" and self.format != "jsonl":
+            raise ValueError(f"--output-format openai writes OpenAI batch lines (JSONL): give a .jsonl output, not {path}")
+        self.output_format = output_format if self.format == "jsonl" else "native"
+        self.model_name = model_name
         keep_columns = tuple(keep_columns)
         for c in keep_columns:
             if c in STANDARD_COLUMNS or c == DIGEST_COLUMN:
@@ -189,6 +201,7 @@ class OutputWriter:
             "job": self.job,
             "fingerprint": manifest.jsonable(self.fingerprint),
             "save_token_ids": self.save_token_ids,
+            "output_format": self.output_format,
             "keep_columns": list(self.keep_columns),
         }
 
@@ -279,7 +292,7 @@ class OutputWriter:
             if self.format == "parquet":
                 return pq.read_table(self.path, columns=["row"]).column("row").to_pylist()
             with open(self.path, "rb") as f:
-                return [int(json.loads(line)["row"]) for line in f if line.strip()]
+                return [self._native(json.loads(line))["row"] for line in f if line.strip()]
         except (OSError, pa.ArrowException, ValueError, KeyError, TypeError) as e:
             raise OutputError(f"{self.path} exists but cannot be read ({' '.join(str(e).split())}); "
                               "pass --overwrite to replace it") from None
@@ -304,7 +317,7 @@ class OutputWriter:
                 records = pq.read_table(self.path).replace_schema_metadata(None).to_pylist()
             else:
                 with open(self.path, "rb") as f:
-                    records = [json.loads(line) for line in f if line.strip()]
+                    records = [self._native(json.loads(line)) for line in f if line.strip()]
         except (OSError, pa.ArrowException, ValueError) as e:
             raise OutputError(f"{self.path}: cannot read it back ({' '.join(str(e).split())})") from None
         table = self._part_table([(r, digests.get(r["row"], b"")) for r in records])
@@ -326,8 +339,15 @@ class OutputWriter:
         if len(self._buffer) >= self.commit_rows or time.monotonic() - self._last_commit >= self.commit_seconds:
             self.commit()
 
+    @staticmethod
+    def _native(line: dict) -> dict:
+        """A line of a finished JSONL output as a native record (OpenAI lines converted back)."""
+        return from_openai_line(line) if "custom_id" in line and "specbatch" in line else line
+
     def _part_table(self, items: list[tuple[dict, bytes]]) -> pa.Table:
-        return part_table([r for r, _ in items], [d for _, d in items], save_token_ids=self.save_token_ids,
+        # Parts hold every column a final format may need (the OpenAI ones too).
+        return part_table([r for r, _ in items], [d for _, d in items],
+                          options={"save_token_ids": self.save_token_ids, "openai": True},
                           keep_columns=self.keep_columns, json_typed=self.format == "jsonl")
 
     def _part_name(self) -> str:
@@ -360,6 +380,17 @@ class OutputWriter:
 
     # ---- final merge ---------------------------------------------------
 
+    def _openai_output(self, parts: list[str]) -> bool:
+        """Whether the final file is OpenAI batch lines: asked for, or "auto" and the job's rows
+        are OpenAI batch lines (any row is: a malformed first line does not change the format)."""
+        if self.output_format != "auto":
+            return self.output_format == "openai"
+        for p in parts:
+            if "batch_line" in pq.read_schema(p).names:
+                if pq.read_table(p, columns=["batch_line"]).column("batch_line").to_pylist().count(True):
+                    return True
+        return False
+
     def finalize(self) -> int:
         """Commit, merge all parts into the final file (sorted by row, deduplicated); return the row count."""
         if self.complete:
@@ -369,7 +400,9 @@ class OutputWriter:
         self.commit()
         try:
             parts = self._part_paths()
-            schema, as_json = merged_schema([pq.read_schema(p) for p in parts], self.save_token_ids, self.keep_columns)
+            openai = self._openai_output(parts)
+            options = {"save_token_ids": self.save_token_ids, "openai": openai}
+            schema, as_json = merged_schema([pq.read_schema(p) for p in parts], options, self.keep_columns)
             rows, digests = part_rows(parts)
         except OSError as e:
             raise fs_error(self.parts_dir, e) from None
@@ -377,7 +410,7 @@ class OutputWriter:
         block = block_size(len(row_list))
         final = {"input": {"rows": len(row_list), "block": block,
                            "blocks": block_digests(zip(row_list, digests), block)}}
-        json_columns = (*typed_columns(self.save_token_ids), *self.keep_columns) if self.format == "jsonl" else ()
+        json_columns = (*typed_columns(options), *self.keep_columns) if self.format == "jsonl" else ()
         count = 0
 
         def parquet(f: BinaryIO) -> None:
@@ -386,7 +419,8 @@ class OutputWriter:
 
         def jsonl(f: BinaryIO) -> None:
             nonlocal count
-            count, size, digest = write_jsonl(f, parts, schema, as_json, json_columns)
+            count, size, digest = write_jsonl(f, parts, schema, as_json, json_columns,
+                                              self.model_name if openai else None)
             final["output"] = {"bytes": size, "blake2b": digest}
 
         if self.format == "parquet":

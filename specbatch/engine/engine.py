@@ -183,12 +183,14 @@ class Engine:
             return error_record(item.row, item.id, f"{where}: invalid sampling parameters ({exception_line(e)})",
                                 item.keep, prompt_tokens=len(ids))
         return Request(row=item.row, id=item.id, prompt_ids=ids, params=params,
-                       max_new=min(params.max_tokens, self.max_len - len(ids)), keep=item.keep)
+                       max_new=min(params.max_tokens, self.max_len - len(ids)), keep=item.keep,
+                       endpoint=item.endpoint, request_model=item.request_model, batch_line=item.batch_line)
 
     def record(self, req: Request) -> dict[str, Any]:
         return completion_record(Finished(
             row=req.row, id=req.id, text=self.stops.completion_text(req), prompt_tokens=len(req.prompt_ids),
-            output_ids=req.output_ids, finish_reason=req.finish_reason, spec=spec_stats(req)), req.keep)
+            output_ids=req.output_ids, finish_reason=req.finish_reason, spec=spec_stats(req),
+            endpoint=req.endpoint, request_model=req.request_model, batch_line=req.batch_line), req.keep)
 
     def _rows_needed(self, req: Request) -> int:
         return len(req.prompt_ids) + req.max_new + self.headroom

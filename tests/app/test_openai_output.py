@@ -1,0 +1,200 @@
+"""OpenAI Batch output: what `vllm run-batch` writes, read back by a consumer built from the
+published format's field names (as an OpenAI client would parse them), not from our writer."""
+from __future__ import annotations
+
+import json
+from typing import Literal, Optional
+
+import pytest
+from pydantic import BaseModel, ConfigDict
+
+from cli_runner import cli, ok
+from errors import one_line_cli_error
+from specbatch.cli import EXIT_USAGE
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- the consumer: the OpenAI Batch output line, chat.completion and text_completion objects ----
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")       # clients ignore fields they do not know
+
+
+class Usage(_Open):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Message(_Open):
+    role: Literal["assistant"]
+    content: Optional[str]
+
+
+class ChatChoice(_Open):
+    index: int
+    message: Message
+    finish_reason: Optional[Literal["stop", "length"]]
+    logprobs: Optional[dict] = None
+
+
+class TextChoice(_Open):
+    index: int
+    text: str
+    finish_reason: Optional[Literal["stop", "length"]]
+    logprobs: Optional[dict] = None
+
+
+class ChatCompletion(_Open):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TextCompletion(_Open):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+
+
+class Response(_Open):
+    status_code: int
+    request_id: str
+    body: dict
+
+
+class Error(_Open):
+    code: Optional[str]
+    message: str
+
+
+class BatchLine(_Open):
+    id: str
+    custom_id: str
+    response: Optional[Response]
+    error: Optional[Error]
+
+
+def consume(path_or_text) -> list[BatchLine]:
+    text = path_or_text.read_text() if hasattr(path_or_text, "read_text") else path_or_text
+    return [BatchLine.model_validate_json(line) for line in text.splitlines() if line.strip()]
+
+
+def body(line: BatchLine) -> ChatCompletion | TextCompletion:
+    b = line.response.body
+    return ChatCompletion.model_validate(b) if b["object"] == "chat.completion" else TextCompletion.model_validate(b)
+
+
+# ---- the jobs ------------------------------------------------------------------------------------
+
+def _batch(i: int, kind: str) -> dict:
+    if kind == "chat":
+        return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "my-model", "messages": [{"role": "user", "content": f"def f{i}(x):"}],
+                         "max_tokens": 5}}
+    return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": f"import os{i}", "max_tokens": 4}}
+
+
+@pytest.fixture
+def batch_file(tmp_path):
+    rows = [_batch(i, "chat" if i % 3 else "completion") for i in range(9)]
+    rows[4] = {"custom_id": "req-4", "method": "POST", "url": "/v1/chat/completions",
+               "body": {"messages": [{"role": "user", "content": "x"}], "min_tokens": 3}}     # not supported yet
+    p = tmp_path / "batch.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p, rows
+
+
+def _args(model, *extra):
+    return ["--model", model, "--batch-size", 3, "--device", "cpu", "-q", *extra]
+
+
+def test_openai_batch_input_writes_openai_batch_output(tiny_model, batch_file, tmp_path):
+    inp, rows = batch_file
+    out = tmp_path / "results.jsonl"
+    ok("run", inp, "-o", out, *_args(tiny_model))
+    lines = consume(out)
+    assert [ln.custom_id for ln in lines] == [r["custom_id"] for r in rows]          # input order
+    assert len({ln.id for ln in lines}) == len(lines)
+    native = tmp_path / "native.jsonl"
+    ok("run", inp, "-o", native, *_args(tiny_model, "--output-format", "native"))
+    want = [json.loads(x) for x in native.read_text().splitlines()]
+    for ln, raw, w in zip(lines, rows, want):
+        if raw["custom_id"] == "req-4":
+            assert ln.response is None and "min_tokens" in ln.error.message
+            continue
+        assert ln.error is None and ln.response.status_code == 200 and ln.response.request_id
+        b = body(ln)
+        chat = raw["url"] == "/v1/chat/completions"
+        assert isinstance(b, ChatCompletion if chat else TextCompletion)
+        assert b.model == ("my-model" if chat else tiny_model.name)   # the request's model, else the model dir's
+        choice = b.choices[0]
+        assert (choice.message.content if chat else choice.text) == w["completion"]
+        assert choice.finish_reason == w["finish_reason"]
+        assert b.usage.completion_tokens == w["completion_tokens"] <= raw["body"]["max_tokens"]
+        assert b.usage.total_tokens == b.usage.prompt_tokens + b.usage.completion_tokens
+        # the speculation stats ride along in a clearly named extra field
+        assert json.loads(ln.model_dump_json())["specbatch"]["spec"]["verify_steps"] >= 1
+    assert json.loads(out.read_text().splitlines()[0])["specbatch"]["row"] == 0
+
+
+def test_resume_and_rerun_keep_the_openai_output_exactly_once(tiny_model, batch_file, tmp_path):
+    from specbatch.job import JobOptions, run_job
+    from specbatch.recipe import load_recipe
+
+    inp, rows = batch_file
+    out = tmp_path / "r.jsonl"
+    seen = []
+
+    def stop(event, info):
+        if event == "record":
+            seen.append(1)
+            if len(seen) == 4:
+                raise KeyboardInterrupt
+
+    recipe = load_recipe("vanilla").with_overrides(model=str(tiny_model), batch_size=3)
+    with pytest.raises(KeyboardInterrupt):
+        run_job(str(inp), recipe, JobOptions(output=str(out), device="cpu"), progress=stop)
+    ok("run", inp, "-o", out, *_args(tiny_model))
+    first = out.read_text()
+    lines = consume(first)
+    assert [ln.custom_id for ln in lines] == [r["custom_id"] for r in rows]
+    # rows appended after the job finished are added; the ids of the others do not change
+    with open(inp, "a") as f:
+        f.write(json.dumps(_batch(9, "chat")) + "\n")
+    ok("run", inp, "-o", out, *_args(tiny_model))
+    again = consume(out)
+    assert [ln.custom_id for ln in again] == [r["custom_id"] for r in rows] + ["req-9"]
+    assert [ln.id for ln in again[:-1]] == [ln.id for ln in lines]
+    # another output format is another job
+    line = one_line_cli_error(cli("run", inp, "-o", out, *_args(tiny_model, "--output-format", "native")), EXIT_USAGE)
+    assert "output_format" in line
+
+
+def test_other_outputs_and_formats(tiny_model, batch_file, tmp_path):
+    inp, rows = batch_file
+    parquet = tmp_path / "p.parquet"
+    ok("run", inp, "-o", parquet, *_args(tiny_model))                    # auto: Parquet stays native
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(parquet).column_names[:3] == ["row", "id", "completion"]
+    line = one_line_cli_error(cli("run", inp, "-o", tmp_path / "x.parquet",
+                                  *_args(tiny_model, "--output-format", "openai")), EXIT_USAGE)
+    assert "--output-format openai" in line and ".jsonl" in line
+    r = ok("run", inp, "-o", "-", *_args(tiny_model))                     # stdout: OpenAI lines too
+    assert [ln.custom_id for ln in consume(r.stdout)] == [r_["custom_id"] for r_ in rows]
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text('{"id": "a", "prompt": "def add(a, b):"}\n{"prompt": "import os"}\n')
+    out = tmp_path / "plain.out.jsonl"
+    ok("run", plain, "-o", out, *_args(tiny_model, "--output-format", "openai", "--max-tokens", "3"))
+    lines = consume(out)
+    assert [ln.custom_id for ln in lines] == ["a", "1"]                  # custom_id: always a string
+    assert all(isinstance(body(ln), TextCompletion) for ln in lines)
