@@ -35,6 +35,11 @@ from ..speculative.factory import SpecConfig, make_drafter
 from ..records import Finished, completion_record, error_record
 from ..stats import spec_stats
 
+# A source may yield WAIT: "no row ready now, more may come" (a worker fed over a queue); the
+# engine decodes what it has and asks again. None still means the input ended.
+WAIT = object()
+
+
 @dataclass
 class EngineOptions:
     batch_size: int | None = None        # slots: sequences in flight (None: from memory)
@@ -215,6 +220,10 @@ class Engine:
                 item = next(source, None)
                 if item is None:
                     exhausted = True
+                    break
+                if item is WAIT:                 # a live feed with nothing ready yet (workers.py)
+                    if not sched.active() and not sched.queued():
+                        time.sleep(0.002)        # idle: nothing to decode until rows arrive
                     break
                 req = self.make_request(item, defaults)
                 if isinstance(req, dict):
