@@ -1,0 +1,63 @@
+"""The `specbatch recipes` and `specbatch inspect` commands, in process: listing and printing recipes,
+a model's shape, the draft a recipe resolves to, one-line errors."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specbatch.cli import EXIT_USAGE
+from specbatch.recipe import load_recipe
+
+from cli_helpers import broken_models  # noqa: F401
+from cli_runner import cli, ok
+from errors import one_line_cli_error
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---------------------------------------------------------------- recipes / inspect
+
+
+def test_recipes_lists_vanilla():
+    r = ok("recipes")
+    assert re.search(r"\bvanilla\b", r.stdout)
+
+
+def test_recipes_prints_yaml():
+    r = ok("recipes", "vanilla")
+    data = yaml.safe_load(r.stdout)
+    assert data == load_recipe("vanilla").to_dict()
+    assert data["name"] == "vanilla" and data["algorithm"] == "vanilla"
+    shipped = Path(__file__).resolve().parents[2] / "specbatch" / "recipes" / "vanilla.yaml"
+    assert data == yaml.safe_load(shipped.read_text())
+
+
+def test_recipes_unknown():
+    line = one_line_cli_error(cli("recipes", "nope"), EXIT_USAGE)
+    assert "unknown recipe 'nope'" in line
+
+
+@pytest.mark.parametrize("arch, name", [("llama3", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
+def test_inspect(tiny_model_factory, arch, name):
+    r = ok("inspect", "--model", tiny_model_factory(arch))
+    assert name in r.stdout
+    assert re.search(r"layers\s*│\s*3\b", r.stdout)
+
+
+def test_inspect_bad_model(broken_models):
+    line = one_line_cli_error(cli("inspect", "--model", broken_models["gpt2"]), EXIT_USAGE)
+    assert "GPT2LMHeadModel" in line
+
+
+def test_inspect_shows_the_resolved_draft(tiny_model):
+    from specbatch.job import DEMO_DIR
+
+    r = ok("inspect", "--recipe", "eagle3_tree")
+    flat = "".join(line.strip("│ ").split("│")[-1].strip() for line in r.output.splitlines())
+    assert str(DEMO_DIR / "eagle3") in flat, r.output
+    one_line_cli_error(cli("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model)), EXIT_USAGE)
+    r = ok("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model), "--draft", "/some/head")
+    assert "/some/head" in r.output

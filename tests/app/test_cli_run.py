@@ -1,0 +1,224 @@
+"""The `specbatch run` CLI end to end, in process, through typer's CliRunner on tiny random models:
+its outputs (columns, stats, token ids, kept columns, limits, flags over recipes over rows, seeds),
+stdin and the default output, every row form, a rerun that completes a limited one."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from specbatch.cli import app
+
+from cli_helpers import BASE_COLUMNS, N, PROMPTS, SPEC_FIELDS, out_columns, read_out, run_args, write_jsonl
+from cli_helpers import data_dir, tokenizer  # noqa: F401
+from cli_runner import ok
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def jsonl_run(tiny_model, data_dir):
+    """rows.jsonl -> out.parquet with --stats-json."""
+    out, stats = data_dir / "from_jsonl.parquet", data_dir / "from_jsonl.stats.json"
+    ok(*run_args(tiny_model, data_dir / "rows.jsonl", out, "--stats-json", stats))
+    return out, json.loads(stats.read_text())
+
+
+@pytest.fixture(scope="module")
+def parquet_run(tiny_model, data_dir):
+    """rows.parquet -> out.jsonl."""
+    out = data_dir / "from_parquet.jsonl"
+    ok(*run_args(tiny_model, data_dir / "rows.parquet", out))
+    return out
+
+
+def check_standard_rows(rows: list[dict], tokenizer, max_tokens: int = 8) -> None:
+    assert [r["row"] for r in rows] == list(range(N))
+    assert [r["id"] for r in rows] == [f"r{i}" for i in range(N)]
+    for r, prompt in zip(rows, PROMPTS):
+        assert r["error"] is None
+        assert isinstance(r["completion"], str)
+        assert r["prompt_tokens"] == len(tokenizer(prompt)["input_ids"])
+        assert 1 <= r["completion_tokens"] <= max_tokens
+        assert r["finish_reason"] == ("length" if r["completion_tokens"] == max_tokens else "stop")
+        spec = r["spec"]
+        assert list(spec) == SPEC_FIELDS
+        # vanilla: one target forward per token, no drafts
+        assert spec["verify_steps"] == r["completion_tokens"]
+        assert spec["draft_tokens"] == 0 and spec["accepted_tokens"] == 0
+        assert spec["accept_length"] == pytest.approx(1.0)
+        # one bucket (0 drafts accepted); the prefill is a verify step but not a histogram cycle
+        assert spec["accept_histogram"] == [spec["verify_steps"] - 1]
+
+
+# ---------------------------------------------------------------- run: outputs
+
+
+def test_run_jsonl_to_parquet(jsonl_run, tokenizer):
+    out, _ = jsonl_run
+    schema = pq.read_schema(out)
+    assert schema.names == BASE_COLUMNS
+    assert pa.types.is_struct(schema.field("spec").type)
+    assert [f.name for f in schema.field("spec").type] == SPEC_FIELDS
+    assert not os.path.exists(str(out) + ".parts")
+    check_standard_rows(read_out(out), tokenizer)
+
+
+def test_run_parquet_to_jsonl(parquet_run, jsonl_run, tokenizer):
+    assert out_columns(parquet_run) == BASE_COLUMNS
+    rows = read_out(parquet_run)
+    check_standard_rows(rows, tokenizer)
+    # greedy on the same prompts: the input format does not change the completions
+    assert [r["completion"] for r in rows] == [r["completion"] for r in read_out(jsonl_run[0])]
+
+
+def test_stats_json_matches_output(jsonl_run):
+    out, stats = jsonl_run
+    rows = read_out(out)
+    for key in ("requests", "errors", "completion_tokens", "mean_accept_length", "wall_s", "peak_memory_bytes"):
+        assert key in stats, key
+    assert stats["requests"] == N
+    assert stats["errors"] == 0
+    assert stats["completion_tokens"] == sum(r["completion_tokens"] for r in rows)
+    assert stats["prompt_tokens"] == sum(r["prompt_tokens"] for r in rows)
+    steps = sum(r["spec"]["verify_steps"] for r in rows)
+    assert stats["mean_accept_length"] == pytest.approx(stats["completion_tokens"] / steps)
+    assert stats["wall_s"] > 0
+    assert stats["peak_memory_bytes"] > 0
+
+
+@pytest.fixture(scope="module")
+def ids_run(tiny_model, data_dir):
+    """rows.parquet -> out.jsonl with --save-token-ids --keep-columns a,b."""
+    out = data_dir / "ids_keep.jsonl"
+    ok(*run_args(tiny_model, data_dir / "rows.parquet", out, "--save-token-ids", "--keep-columns", "a,b"))
+    return out
+
+
+def test_save_token_ids_and_keep_columns(ids_run, jsonl_run, tokenizer):
+    assert out_columns(ids_run) == BASE_COLUMNS + ["output_token_ids", "a", "b"]
+    rows = read_out(ids_run)
+    reference = read_out(jsonl_run[0])
+    assert [r["a"] for r in rows] == [i * 10 for i in range(N)]
+    assert [r["b"] for r in rows] == [f"b{i}" for i in range(N)]
+    for r, ref in zip(rows, reference):
+        assert len(r["output_token_ids"]) == r["completion_tokens"]
+        assert tokenizer.decode(r["output_token_ids"], skip_special_tokens=True) == r["completion"]
+        assert r["completion"] == ref["completion"]
+
+
+def test_limit(tiny_model, data_dir):
+    out = data_dir / "limit.parquet"
+    ok(*run_args(tiny_model, data_dir / "rows.jsonl", out, "--limit", 5))
+    rows = read_out(out)
+    assert [r["row"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["id"] for r in rows] == ["r0", "r1", "r2", "r3", "r4"]
+
+
+def test_flags_override_recipe_and_rows_override_flags(tiny_model, tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(f"name: mine\nalgorithm: vanilla\nmodel: {tiny_model}\nbatch_size: 3\n"
+                      "sampling:\n  max_tokens: 5\n  ignore_eos: true\n")
+    rows = [{"prompt": p} for p in PROMPTS[:6]]
+    rows[2]["max_tokens"] = 4
+    rows[4]["max_completion_tokens"] = 1
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.parquet"
+    ok("run", inp, "-r", recipe, "--max-tokens", 3, "--device", "cpu", "-o", out, "-q")
+    got = {r["row"]: r for r in read_out(out)}
+    assert sorted(got) == list(range(6))
+    # ignore_eos comes from the recipe, so every row runs to its exact limit
+    want = {0: 3, 1: 3, 2: 4, 3: 3, 4: 1, 5: 3}
+    assert {i: r["completion_tokens"] for i, r in got.items()} == want
+    assert all(r["finish_reason"] == "length" for r in got.values())
+    # without the flag the recipe's 5 applies
+    out2 = tmp_path / "out2.parquet"
+    ok("run", inp, "-r", recipe, "--device", "cpu", "-o", out2, "-q")
+    assert {r["row"]: r["completion_tokens"] for r in read_out(out2)} == {**want, 0: 5, 1: 5, 3: 5, 5: 5}
+
+
+def test_max_tokens_flag_caps_every_row(tiny_model, data_dir, ids_run):
+    out = data_dir / "max3.parquet"
+    ok(*run_args(tiny_model, data_dir / "rows.jsonl", out, "--max-tokens", 3, "--save-token-ids"))
+    rows = read_out(out)
+    assert len(rows) == N
+    assert all(1 <= r["completion_tokens"] <= 3 for r in rows)
+    assert any(r["completion_tokens"] == 3 for r in rows)
+    # greedy: the 3-token completions are prefixes of the 8-token ones
+    for r, ref in zip(rows, read_out(ids_run)):
+        assert r["output_token_ids"] == ref["output_token_ids"][: r["completion_tokens"]]
+
+
+def test_seeded_sampling_is_reproducible(tiny_model, data_dir, jsonl_run):
+    def sample(seed: int, name: str) -> list[str]:
+        out = data_dir / name
+        ok(*run_args(tiny_model, data_dir / "rows.jsonl", out, "--temperature", 0.7, "--seed", seed))
+        rows = read_out(out)
+        assert len(rows) == N and all(r["error"] is None for r in rows)
+        return [r["completion"] for r in rows]
+
+    first, again, other = sample(1, "s1a.parquet"), sample(1, "s1b.parquet"), sample(2, "s2.parquet")
+    assert first == again
+    assert first != other
+    assert first != [r["completion"] for r in read_out(jsonl_run[0])]
+
+
+# ---------------------------------------------------------------- stdin, default output, reruns
+
+
+def test_stdin_input_and_default_output(tiny_model, data_dir, tmp_path, jsonl_run):
+    inp = tmp_path / "rows.jsonl"
+    shutil.copy(data_dir / "rows.jsonl", inp)
+    ok("run", inp, "--model", tiny_model, "--max-tokens", 8, "--device", "cpu", "--limit", 4, "-q")
+    default = tmp_path / "rows.completions.parquet"
+    assert [r["id"] for r in read_out(default)] == ["r0", "r1", "r2", "r3"]
+
+    out = tmp_path / "stdin.jsonl"
+    r = CliRunner().invoke(app, ["run", "-", "--model", str(tiny_model), "--max-tokens", "8", "--device", "cpu",
+                                 "-o", str(out), "-q"], input=inp.read_bytes())
+    assert r.exit_code == 0, r.output
+    rows = read_out(out)
+    assert [x["id"] for x in rows] == [f"r{i}" for i in range(N)]
+    assert [x["completion"] for x in rows] == [x["completion"] for x in read_out(jsonl_run[0])]
+
+
+def test_rerun_without_limit_completes_the_rest(tiny_model, data_dir, tmp_path):
+    out = tmp_path / "lim.parquet"
+    ok(*run_args(tiny_model, data_dir / "rows.jsonl", out, "--limit", 3))
+    assert len(read_out(out)) == 3
+    ok(*run_args(tiny_model, data_dir / "rows.jsonl", out))
+    assert [r["row"] for r in read_out(out)] == list(range(N))
+
+
+# ---------------------------------------------------------------- other row forms
+
+
+def test_messages_and_openai_batch_rows(tiny_model, tmp_path, tokenizer):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
+    rows = [
+        {"id": "chat-1", "messages": messages},
+        {"custom_id": "req-7", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "whatever", "messages": messages, "max_tokens": 3}},
+        {"custom_id": "req-8", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "whatever", "prompt": "import os", "max_completion_tokens": 2}},
+        {"prompt": "class Point:"},
+    ]
+    inp = write_jsonl(tmp_path / "forms.jsonl", rows)
+    out = tmp_path / "forms.parquet"
+    ok("run", inp, "--model", tiny_model, "--max-tokens", 5, "--ignore-eos", "--device", "cpu", "-o", out, "-q",
+       "--save-token-ids")
+    got = read_out(out)
+    assert [r["id"] for r in got] == ["chat-1", "req-7", "req-8", "3"]
+    assert all(r["error"] is None and isinstance(r["completion"], str) for r in got)
+    assert [r["completion_tokens"] for r in got] == [5, 3, 2, 5]
+    chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    n_chat = len(tokenizer(chat, add_special_tokens=False)["input_ids"])
+    assert got[0]["prompt_tokens"] == got[1]["prompt_tokens"] == n_chat
+    assert got[2]["prompt_tokens"] == len(tokenizer("import os")["input_ids"])
+    # same prompt through both forms, greedy: the shorter completion is a prefix of the longer
+    assert got[0]["output_token_ids"][:3] == got[1]["output_token_ids"]

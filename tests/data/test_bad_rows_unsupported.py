@@ -1,0 +1,104 @@
+"""One bad row never stops a job, and nothing a row asks for is silently ignored: sampling fields
+specbatch does not support are the row's error unless they hold their defaults."""
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from specbatch.data import RowRequest, open_rows
+
+from bad_rows_helpers import MESSAGES, WHERE, err, parse
+
+
+NON_DEFAULT = {
+    "n": 2, "best_of": 3, "logprobs": True, "top_logprobs": 5, "prompt_logprobs": 1,
+    "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "length_penalty": 0.8,
+    "min_p": 0.05, "min_tokens": 30, "logit_bias": {"42": 5}, "response_format": {"type": "json_object"},
+    "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["a", "b"],
+    "guided_grammar": "root ::= x", "structured_outputs": {"json": {}}, "tools": [{"type": "function"}],
+    "tool_choice": "required", "functions": [{"name": "f"}], "function_call": {"name": "f"},
+    "parallel_tool_calls": "yes", "use_beam_search": True, "bad_words": ["x"], "allowed_token_ids": [1, 2],
+    "truncate_prompt_tokens": 10, "include_stop_str_in_output": True, "skip_special_tokens": False,
+    "spaces_between_special_tokens": False, "echo": True, "suffix": "}", "stream": True,
+    "stream_options": {"include_usage": True}, "prediction": {"type": "content", "content": "x"},
+    "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "reasoning_effort": "high",
+}
+DEFAULTS = {
+    "n": 1, "best_of": None, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0.0,
+    "frequency_penalty": 0, "repetition_penalty": 1.0, "length_penalty": 1, "min_p": 0.0, "min_tokens": 0,
+    "logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "tool_choice": "auto",
+    "function_call": "none", "parallel_tool_calls": True, "use_beam_search": False, "bad_words": [],
+    "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "echo": False, "suffix": "", "stream": False, "stream_options": None, "modalities": ["text"],
+    "reasoning_effort": None, "prompt_logprobs": None,
+}
+
+
+def test_the_table_covers_every_field():
+    from specbatch.data.fields import UNSUPPORTED_FIELDS
+
+    assert set(NON_DEFAULT) == set(UNSUPPORTED_FIELDS)
+
+
+@pytest.mark.parametrize("name", sorted(NON_DEFAULT))
+def test_unsupported_field_with_a_value_is_a_row_error(name):
+    e = err({"custom_id": "c", "method": "POST", "body": {"messages": MESSAGES, name: NON_DEFAULT[name]}})
+    assert e.id == "c"
+    assert f"field 'body.{name}': not supported by specbatch yet (got " in e.error
+    assert "; remove it or set it to its default " in e.error
+    e = err({"prompt": "x", name: NON_DEFAULT[name]})
+    assert f"field '{name}': not supported by specbatch yet" in e.error
+
+
+def test_unsupported_message():
+    e = err({"body": {"prompt": "x", "min_tokens": 30}})
+    assert e.error == (f"{WHERE}: field 'body.min_tokens': not supported by specbatch yet (got 30); "
+                       "remove it or set it to its default 0")
+
+
+def test_defaults_are_accepted():
+    r = parse({"custom_id": "c", "body": {"messages": MESSAGES, **DEFAULTS}})
+    assert isinstance(r, RowRequest), r
+    r = parse({"prompt": "x", **DEFAULTS})
+    assert isinstance(r, RowRequest), r
+    assert isinstance(parse({"body": {"prompt": "x", "logprobs": 0}}), RowRequest)   # completions API
+    assert isinstance(parse({"body": {"prompt": "x", "logprobs": None, "n": 1.0}}), RowRequest)
+
+
+def test_metadata_and_named_columns_stay_allowed():
+    r = parse({"prompt": "x", "category": "math", "source": {"n": 5}, "model": "m"})
+    assert isinstance(r, RowRequest)
+    # a column the user names (id or keep) is their data, not a sampling field
+    r = parse({"prompt": "x", "n": 7, "echo": "yes"}, id_column="n", keep_columns=["echo"])
+    assert isinstance(r, RowRequest) and r.id == 7 and r.keep == {"echo": "yes"}
+    # top-level fields of an OpenAI batch line are not its sampling fields
+    assert isinstance(parse({"custom_id": "c", "n": 3, "body": {"prompt": "x"}}), RowRequest)
+
+
+def test_method_must_be_post():
+    e = err({"custom_id": "c", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}})
+    assert e.error == f"{WHERE}: field 'method': expected 'POST', got \"GET\""
+    assert isinstance(parse({"custom_id": "c", "body": {"prompt": "x"}}), RowRequest)
+    assert isinstance(parse({"prompt": "x", "method": "GET"}), RowRequest)       # plain rows: metadata
+
+
+def test_unsupported_fields_in_parquet(tmp_path):
+    path = tmp_path / "u.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"prompt": "a", "min_tokens": 0, "body": None},
+        {"prompt": "b", "min_tokens": 5, "body": None},
+    ]), path)
+    out = list(open_rows(str(path)))
+    assert isinstance(out[0], RowRequest)
+    assert out[1].error == (f"{path} row 1: field 'min_tokens': not supported by specbatch yet (got 5); "
+                            "remove it or set it to its default 0")
+    path = tmp_path / "b.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"custom_id": "x", "method": "POST", "body": {"prompt": "a", "logprobs": False}},
+        {"custom_id": "y", "method": "PUT", "body": {"prompt": "a", "logprobs": False}},
+        {"custom_id": "z", "method": "POST", "body": {"prompt": "a", "logprobs": True}},
+    ]), path)
+    out = list(open_rows(str(path)))
+    assert isinstance(out[0], RowRequest)
+    assert "field 'method'" in out[1].error and "field 'body.logprobs'" in out[2].error

@@ -1,0 +1,183 @@
+"""Reading inputs: every row form from JSONL, Parquet and stdin, streaming, blank lines and the row
+total, ids and kept columns."""
+from __future__ import annotations
+
+import io
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from specbatch.data import RowError, RowRequest, open_rows
+from specbatch.data import reader as reader_mod
+
+from reader_helpers import MESSAGES, err, parse, write_jsonl, write_parquet
+
+
+# ---- row forms ----------------------------------------------------------
+
+
+def test_jsonl_round_trip_every_form(tmp_path):
+    rows = [
+        {"prompt": "hello", "temperature": 0.5},
+        {"messages": MESSAGES, "max_tokens": 8},
+        {"prompt_token_ids": [1, 2, 3]},
+        {"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": MESSAGES, "max_completion_tokens": 16, "n": 1, "stream": False}},
+        {"custom_id": "req-2", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "m", "prompt": "complete me", "max_tokens": 4, "top_k": -1, "stop": "\n"}},
+    ]
+    src = open_rows(write_jsonl(tmp_path / "in.jsonl", rows))
+    out = list(src)
+    assert src.total == 5
+    assert all(isinstance(r, RowRequest) for r in out), out
+    assert [r.row for r in out] == [0, 1, 2, 3, 4]
+    assert [r.id for r in out] == [0, 1, 2, "req-1", "req-2"]
+    assert out[0].prompt == "hello" and out[0].messages is None and out[0].prompt_token_ids is None
+    assert out[0].overrides == {"temperature": 0.5}
+    assert out[1].messages == MESSAGES and out[1].prompt is None and out[1].overrides == {"max_tokens": 8}
+    assert out[2].prompt_token_ids == [1, 2, 3] and out[2].prompt is None
+    assert out[3].messages == MESSAGES and out[3].overrides == {"max_tokens": 16}
+    assert out[4].prompt == "complete me"
+    assert out[4].overrides == {"max_tokens": 4, "top_k": 0, "stop": ["\n"]}
+    assert out[1].where.endswith("in.jsonl:2")
+    # a file source can be iterated again
+    assert [r.id for r in src] == [r.id for r in out]
+
+
+def test_parquet_round_trip_every_form(tmp_path):
+    rows = [
+        {"prompt": "hello", "messages": None, "prompt_token_ids": None, "temperature": 0.5, "max_tokens": 16.0},
+        {"prompt": None, "messages": MESSAGES, "prompt_token_ids": None, "temperature": None, "max_tokens": None},
+        {"prompt": None, "messages": None, "prompt_token_ids": [5, 6], "temperature": 1.0, "max_tokens": 2.0},
+    ]
+    src = open_rows(write_parquet(tmp_path / "in.parquet", rows))
+    assert src.total == 3
+    out = list(src)
+    assert all(isinstance(r, RowRequest) for r in out), out
+    assert out[0].prompt == "hello" and out[0].overrides == {"temperature": 0.5, "max_tokens": 16}
+    assert isinstance(out[0].overrides["max_tokens"], int)
+    assert out[1].messages == MESSAGES and out[1].overrides == {}
+    assert out[2].prompt_token_ids == [5, 6] and out[2].overrides == {"temperature": 1.0, "max_tokens": 2}
+    assert out[2].where.endswith("in.parquet row 2")
+
+
+def test_parquet_openai_body_struct(tmp_path):
+    rows = [
+        {"custom_id": "a", "url": "/v1/chat/completions",
+         "body": {"messages": MESSAGES, "prompt": None, "max_completion_tokens": 7, "seed": 3}},
+        {"custom_id": "b", "url": "/v1/completions",
+         "body": {"messages": None, "prompt": "p", "max_completion_tokens": None, "seed": None}},
+    ]
+    out = list(open_rows(write_parquet(tmp_path / "b.parquet", rows)))
+    assert [(r.id, r.messages, r.prompt, r.overrides) for r in out] == [
+        ("a", MESSAGES, None, {"max_tokens": 7, "seed": 3}),
+        ("b", None, "p", {}),
+    ]
+
+
+def test_parquet_streams_in_batches(tmp_path, monkeypatch):
+    monkeypatch.setattr(reader_mod, "PARQUET_BATCH_ROWS", 7)
+    rows = [{"prompt": f"p{i}"} for i in range(50)]
+    path = tmp_path / "many.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=10)
+    out = list(open_rows(str(path)))
+    assert [r.prompt for r in out] == [f"p{i}" for i in range(50)]
+    assert [r.row for r in out] == list(range(50))
+
+
+def test_stdin(monkeypatch):
+    data = b'{"prompt": "a"}\n\n{"messages": [{"role": "user", "content": "b"}]}\n{bad\n'
+
+    class FakeStdin:
+        buffer = io.BytesIO(data)
+
+    monkeypatch.setattr("sys.stdin", FakeStdin())
+    src = open_rows("-")
+    assert src.total is None and src.path == "-"
+    out = list(src)
+    assert out[0].prompt == "a"
+    assert out[1].messages == [{"role": "user", "content": "b"}]
+    assert isinstance(out[2], RowError) and out[2].row == 2
+    assert "<stdin>:4" in out[2].error
+
+
+def test_blank_lines_rows_and_total(tmp_path):
+    path = tmp_path / "blank.jsonl"
+    path.write_bytes(b'\n{"prompt": "a"}\n   \n\t\r\n{"prompt": "b"}\n\n{"prompt": "c"}')
+    src = open_rows(str(path))
+    out = list(src)
+    assert src.total == 3
+    assert [(r.row, r.prompt) for r in out] == [(0, "a"), (1, "b"), (2, "c")]
+    assert [r.where for r in out] == [f"{path}:2", f"{path}:5", f"{path}:7"]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 8, 1 << 20])
+def test_total_scan_across_chunk_boundaries(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(reader_mod, "SCAN_CHUNK_BYTES", chunk)
+    data = b'{"a":1}\n \n\n  {"b": 2}  \n\t\n{}\n{"long": "' + b"x" * 40 + b'"}\n   x'
+    expected = sum(1 for line in data.split(b"\n") if line.strip())
+    assert expected == 5
+    with io.BytesIO(data) as f:
+        assert reader_mod.count_nonblank_lines(f) == expected
+
+
+def test_total_scan_fuzz(monkeypatch):
+    import random
+
+    rng = random.Random(0)
+    alphabet = [b"\n", b"\n", b" ", b"\t", b"\r", b"x", b"{", b"\x0c"]
+    for _ in range(300):
+        data = b"".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 40)))
+        monkeypatch.setattr(reader_mod, "SCAN_CHUNK_BYTES", rng.randrange(1, 12))
+        expected = sum(1 for line in io.BytesIO(data) if line.strip())
+        assert reader_mod.count_nonblank_lines(io.BytesIO(data)) == expected, data
+
+
+def test_bom_is_ignored(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n')
+    (r,) = list(open_rows(str(path)))
+    assert r.prompt == "a"
+
+
+# ---- ids and keep columns -----------------------------------------------
+
+
+def test_id_precedence():
+    assert parse({"prompt": "x", "id": 7, "custom_id": "c"}).id == 7
+    assert parse({"prompt": "x", "id": "7", "custom_id": "c"}).id == "7"
+    assert parse({"prompt": "x", "id": None, "custom_id": "c"}).id == "c"
+    assert parse({"prompt": "x"}).id == 3
+    assert parse({"prompt": "x", "id": "a", "key": 12}, id_column="key").id == 12
+    e = err({"prompt": "x", "id": "a"}, id_column="key")
+    assert "'key'" in e and "null" in e
+    assert "'id'" in err({"prompt": "x", "id": [1]})
+    assert "'key'" in err({"prompt": "x", "key": True}, id_column="key")
+
+
+def test_id_column_and_keep_columns_jsonl(tmp_path):
+    rows = [
+        {"prompt": "a", "uid": "u1", "meta": {"x": 1}, "lang": "en"},
+        {"prompt": "b", "uid": 5, "lang": "fr"},
+        {"prompt": "", "uid": "u3", "meta": 2},
+    ]
+    out = list(open_rows(write_jsonl(tmp_path / "k.jsonl", rows), id_column="uid", keep_columns=["meta", "lang"]))
+    assert [r.id for r in out] == ["u1", 5, "u3"]
+    assert out[0].keep == {"meta": {"x": 1}, "lang": "en"}
+    assert out[1].keep == {"meta": None, "lang": "fr"}
+    assert isinstance(out[2], RowError) and out[2].keep == {"meta": 2, "lang": None} and out[2].id == "u3"
+
+
+def test_keep_columns_parquet_and_prompt_column(tmp_path):
+    rows = [{"text": "a", "topic": "t1", "n": 1}, {"text": "b", "topic": None, "n": 2}]
+    path = write_parquet(tmp_path / "k.parquet", rows)
+    out = list(open_rows(path, prompt_column="text", id_column="n", keep_columns=["topic"]))
+    assert [(r.id, r.prompt, r.keep) for r in out] == [(1, "a", {"topic": "t1"}), (2, "b", {"topic": None})]
+
+
+def test_malformed_line_keeps_keep_columns_shape(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"prompt": "a", "k": 1}\nnot json\n', encoding="utf-8")
+    out = list(open_rows(str(path), keep_columns=["k"]))
+    assert out[1].keep == {"k": None}

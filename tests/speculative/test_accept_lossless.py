@@ -1,0 +1,160 @@
+"""Tree acceptance is statistically lossless: the emitted tokens follow the target distribution
+exactly (temperature, top-k, top-p), at every node of a fixed tree, for rare and almost-sure drafts,
+zero-probability drafts and candidates holding all the mass."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specbatch.sampling import SamplingParams, sample
+from specbatch.speculative.accept import _sample_level, accept
+
+from accept_helpers import (P, ROWS, TREE_DEPTH, TREE_PARENTS, TREE_TOKENS, _assert_distribution, _check_tree_law,
+                            _reference_probs, _run_many, _sp, _t, _tree_run)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1.0),
+    dict(temperature=0.5),
+    dict(temperature=1.0, top_k=4),
+    dict(temperature=1.0, top_p=0.8),
+    dict(temperature=1.5, top_k=6, top_p=0.9),
+])
+def test_tree_walk_is_lossless(kw):
+    acc = _tree_run(tuple(sorted(kw.items())))
+    probs = torch.stack([_reference_probs(P[i], kw.get("temperature", 1.0), kw.get("top_k", 0),
+                                          kw.get("top_p", 1.0)) for i in range(P.shape[0])])
+    _check_tree_law(acc, probs, TREE_TOKENS, TREE_PARENTS, str(kw))
+    # the tree really was used: full depth reached for some rows
+    assert int(acc.num.max()) == TREE_DEPTH + 1
+    # the number of tokens emitted follows the tree's acceptance probabilities: P(num >= 2) =
+    # mass of the root's candidates
+    p2 = float(probs[0, 2] + probs[0, 5])
+    got = float((acc.num >= 2).double().mean())
+    assert abs(got - p2) < 4.5 * math.sqrt(p2 * (1 - p2) / ROWS), (got, p2)
+
+
+def test_tree_walk_joint_of_first_two_tokens():
+    # the joint law of the first two emitted tokens on the candidate branch 2: P(2, x) = p_root(2) p_n1(x)
+    acc = _tree_run((("temperature", 1.0),))
+    on2 = acc.tokens[:, 0] == 2
+    pairs = acc.tokens[:, 1][on2]
+    joint = torch.bincount(pairs, minlength=8).double() / ROWS
+    exp = P[0, 2] * P[1]
+    sd = (exp * (1 - exp) / ROWS).sqrt()
+    assert ((joint - exp).abs() <= 4.5 * sd + 1e-12).all(), (joint, exp)
+
+
+def test_tree_walk_different_start_positions_also_lossless():
+    # the counter depends on start: a different position gives other draws, same law
+    a = _tree_run((("temperature", 1.0),))
+    b = _tree_run((("temperature", 1.0),), rows=10_000, start=4242)
+    assert (a.tokens[:10_000, 0] != b.tokens[:, 0]).double().mean() > 0.5
+    _check_tree_law(b, P, TREE_TOKENS, TREE_PARENTS, "start 4242")
+
+
+def test_chain_draft_almost_sure_is_almost_always_accepted():
+    V = 7
+    p_root = torch.full((V,), 0.001 / (V - 1), dtype=torch.float64)
+    p_root[3] = 0.999
+    p_leaf = torch.tensor([0.2, 0.1, 0.1, 0.15, 0.15, 0.2, 0.1], dtype=torch.float64)
+    logits = torch.stack([p_root, p_leaf]).log()
+    acc = _run_many([0, 3], [-1, 0], logits, 1, ROWS, temperature=1.0)
+    acc_rate = float((acc.num == 2).double().mean())
+    assert abs(acc_rate - 0.999) < 4.5 * math.sqrt(0.999 * 0.001 / ROWS)
+    # rejected rows never emit the rejected draft
+    rej = acc.num == 1
+    assert rej.any() and not (acc.tokens[rej, 0] == 3).any()
+    _assert_distribution(acc.tokens[:, 0], p_root, "first token")
+    # the residual (rejected rows) is p without the draft, renormalised: uniform on the others
+    resid = p_root.clone()
+    resid[3] = 0
+    _assert_distribution(acc.tokens[rej, 0], resid / resid.sum(), "residual")
+    _assert_distribution(acc.tokens[~rej, 1], p_leaf, "bonus")
+
+
+@pytest.mark.parametrize("how", ["neg_inf_logit", "top_k"])
+def test_chain_draft_with_zero_probability_is_never_accepted(how):
+    V = 6
+    p = torch.tensor([0.25, 0.05, 0.30, 0.10, 0.20, 0.10], dtype=torch.float64)
+    draft = 1
+    kw = dict(temperature=1.0)
+    if how == "neg_inf_logit":
+        p[draft] = 0
+        p /= p.sum()
+        logits_root = p.log()                        # -inf at the draft
+        ref = p
+    else:
+        logits_root = p.log()
+        kw["top_k"] = 4                              # 0.05 is the smallest: the draft is cut
+        ref = _reference_probs(p, top_k=4)
+        assert float(ref[draft]) == 0
+    logits = torch.stack([logits_root, torch.zeros(V, dtype=torch.float64)])
+    acc = _run_many([0, draft], [-1, 0], logits, 1, ROWS, **kw)
+    assert (acc.num == 1).all()
+    assert not (acc.tokens[:, 0] == draft).any()
+    _assert_distribution(acc.tokens[:, 0], ref, how)
+
+
+def test_candidates_holding_all_the_mass():
+    # p is zero outside the root's candidates {1, 4, 6}: the emitted token is always a candidate
+    V = 8
+    p = torch.zeros(V, dtype=torch.float64)
+    p[[1, 4, 6]] = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    leaf = torch.full((V,), 1.0 / V, dtype=torch.float64)
+    logits = torch.stack([p.log(), leaf.log(), leaf.log(), leaf.log()])
+    acc = _run_many([0, 1, 4, 6], [-1, 0, 0, 0], logits, 1, ROWS, temperature=1.0)
+    assert (acc.num == 2).all()
+    assert torch.isin(acc.tokens[:, 0], _t([1, 4, 6])).all()
+    _assert_distribution(acc.tokens[:, 0], p, "candidates")
+    # the path points at the node of the emitted token
+    node_of = {1: 1, 4: 2, 6: 3}
+    assert all(node_of[t] == n for t, n in zip(acc.tokens[:, 0].tolist(), acc.path[:, 1].tolist()))
+    # and the same when truncation (top-p) leaves only candidates: n1's 1 and 7 under top_p = 0.8
+    acc = _tree_run((("temperature", 1.0), ("top_p", 0.8)))
+    at_n1 = (acc.num > 1) & (acc.path[:, 1] == 1)
+    assert at_n1.sum() > 1000
+    assert (acc.num[at_n1] >= 3).all() and torch.isin(acc.tokens[at_n1, 1], _t([1, 7])).all()
+
+
+def test_sample_level_rounding_fallback_takes_a_candidate():
+    # Candidates hold all the mass, but their float sum is below 1 (here grossly: 0.6), and u can
+    # fall above it: the walk must still accept a candidate (the last one with mass), since the
+    # residual is empty.
+    B, V = 4000, 5
+    p = torch.zeros(B, V)
+    p[:, 2] = 0.35
+    p[:, 4] = 0.25
+    node_tokens = _t([[0, 2, 4, 3]]).expand(B, -1)
+    kids = torch.tensor([[False, True, True, True]]).expand(B, -1)    # 3 has no mass
+    sp = _sp([SamplingParams(temperature=1.0, seed=i) for i in range(B)])
+    tok, hit = _sample_level(p, node_tokens, kids, sp, torch.full((B,), 9, dtype=torch.int64))
+    assert hit.any(dim=1).all()
+    first = hit.to(torch.int8).argmax(dim=1)
+    frac_last = float((first == 2).double().mean())                  # node 2 holds token 4
+    assert 0.55 < frac_last < 0.71                                    # 1 - 0.35 of the uniforms
+    assert not hit[:, 3].any() and not hit[:, 0].any()                # no mass / the root: never
+    # the residual is empty, so whatever token the race returns is never used; the accepted
+    # candidate alone decides the emitted token
+
+
+def test_acceptance_uses_the_depth_position_counter():
+    # Depth 0 of a walk at committed length `start` draws for position start + 1 with the same
+    # per-vocabulary race as plain sampling there (salt 0), the rejected drafts removed.
+    V, B = 8, 2000
+    logits = P[0].log().float()
+    sp = _sp([SamplingParams(temperature=1.0, seed=i) for i in range(B)])
+    lg = logits[None, None].expand(B, 2, V).contiguous()
+    lg[:, 1] = P[2].log().float()
+    # chain root -> draft 2: when the draft is rejected the token comes from the residual at
+    # position start + 1; a vanilla step at the same start draws the same token when it is not 2
+    acc = accept(_t([[0, 2]]).expand(B, -1), _t([[-1, 0]]).expand(B, -1), lg, sp,
+                 torch.full((B,), 50, dtype=torch.int64), 1)
+    van = sample(lg[:, 0], sp, torch.full((B,), 51, dtype=torch.int64))
+    rej = acc.num == 1
+    # the residual race is the vanilla race with token 2 removed: equal wherever vanilla did not pick 2
+    same = rej & (van != 2)
+    assert same.sum() > 100
+    assert torch.equal(acc.tokens[same, 0], van[same])
