@@ -87,6 +87,8 @@ def run(
     ignore_eos: Optional[bool] = typer.Option(None, "--ignore-eos", help="Do not stop at EOS (benchmarks)."),
     dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 | float16."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
+    gpus: Optional[str] = typer.Option(None, help="Every GPU of this host: all, a count, or ids like 0,1,3 (one engine process each, fed from one work queue)."),
+    workers: Optional[int] = typer.Option(None, min=1, help="Engine processes on --device (CPU by default); 1 = in this process."),
     max_model_len: Optional[int] = typer.Option(None, help="Context per slot, prompt + completion (default: model and memory limit)."),
     limit: Optional[int] = typer.Option(None, min=0, help="Only the first N input rows."),
     prompt_column: str = typer.Option("prompt", help="Column holding the text prompt."),
@@ -129,7 +131,7 @@ def run(
         output=output, limit=limit, prompt_column=prompt_column, id_column=id_column,
         keep_columns=[c.strip() for c in keep_columns.split(",") if c.strip()] if keep_columns else (),
         save_token_ids=save_token_ids, fail_fast=fail_fast, overwrite=overwrite, device=device,
-        bucket_window=bucket, eager=eager, output_format=output_format)
+        bucket_window=bucket, eager=eager, output_format=output_format, gpus=gpus, workers=workers)
     view = ProgressView(err, quiet=quiet, every=progress_every)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:

@@ -16,6 +16,7 @@ from .data.reader import Row
 from .recipe import Recipe
 from .resolve import DEMO_DIR, JobError, describe_draft, resolve_draft, resolve_model, spec_config
 from .stats import RunStats
+from .workers import WorkerError
 
 __all__ = ["DEMO_DIR", "JobError", "JobOptions", "describe_draft", "fingerprint", "resolve_draft",
            "resolve_model", "run_job", "spec_config"]
@@ -34,6 +35,8 @@ class JobOptions:
     device: str | None = None
     bucket_window: int = 0
     eager: bool = False                  # no CUDA graphs (the reference path)
+    gpus: str | None = None              # all | N | 0,1,...: one engine process per GPU
+    workers: int | None = None           # engine processes on --device (CPU by default); 1 = in process
     output_format: str = "auto"          # native | openai (OpenAI Batch lines) | auto: openai for OpenAI batch input
 
 
@@ -141,13 +144,54 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
             os.remove(spooled)
 
 
+class _Runner:
+    """What generates the records: one engine in this process, or a pool of worker processes
+    (workers.py); the job reads both the same way."""
+
+    def __init__(self, recipe: Recipe, opts: JobOptions):
+        from .workers import WorkerPool, devices_for
+
+        devices = devices_for(opts.gpus, opts.workers, opts.device)
+        self.pool = self.llm = None
+        if len(devices) > 1:
+            self.pool = WorkerPool(recipe, devices, eager=opts.eager, bucket=opts.bucket_window)
+            first = self.pool.wait_ready()
+            self.device, self.max_len = ",".join(devices), first["max_model_len"]
+            self.capture_s = max(w.get("capture_s", 0.0) for w in self.pool.per_worker())
+        else:
+            from .llm import LLM
+
+            self.llm = LLM(recipe=recipe, device=devices[0] if opts.gpus else opts.device, eager=opts.eager,
+                           bucket=opts.bucket_window)
+            eng = self.llm.engine
+            self.device, self.max_len, self.capture_s = str(eng.device), eng.max_len, eng.capture_seconds
+
+    def stream(self, rows: Iterator[Row]) -> Iterator[dict[str, Any]]:
+        return self.pool.stream(rows) if self.pool else self.llm.stream(rows)
+
+    @property
+    def tokens(self) -> int:
+        if self.pool:
+            return sum(w.get("tokens_emitted", 0) for w in self.pool.per_worker())
+        return self.llm.engine.tokens_emitted
+
+    def facts(self) -> dict[str, Any]:
+        if self.pool:
+            per = self.pool.per_worker()
+            forwards = sum(w.get("target_forwards", 0) for w in per)
+            tokens = sum(w.get("tokens_emitted", 0) for w in per)
+            return dict(target_forwards=forwards, graphs=any(w["device"].startswith("cuda") for w in per) and
+                        not self.pool.eager, capture_s=self.capture_s, workers=per,
+                        tokens_per_target_forward=tokens / max(forwards, 1))
+        eng = self.llm.engine
+        return dict(target_forwards=eng.target_forwards, graphs=eng.graphs is not None, capture_s=eng.capture_seconds,
+                    tokens_per_target_forward=eng.tokens_emitted / max(eng.target_forwards, 1))
+
+
 def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, opts: JobOptions,
               output: str, stats: RunStats, notify: Progress) -> dict[str, Any]:
-    from .llm import LLM
-
     t0 = time.perf_counter()
-    llm = LLM(recipe=recipe, device=opts.device, eager=opts.eager, bucket=opts.bucket_window)
-    engine = llm.engine
+    runner = _Runner(recipe, opts)
     stats.start_generation(time.perf_counter() - t0)
     done = writer.done_rows
     limit = opts.limit
@@ -165,11 +209,11 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
                 yield r
 
     notify("start", {"total": None if total is None else total - resumed, "resumed": resumed,
-                     "device": str(engine.device), "max_model_len": engine.max_len,
-                     "model": str(llm.model_dir), "capture_s": engine.capture_seconds,
+                     "device": runner.device, "max_model_len": runner.max_len,
+                     "model": str(resolve_model(recipe.model)), "capture_s": runner.capture_s,
                      "load_s": stats.load_s})
     try:
-        for rec in llm.stream(todo()):
+        for rec in runner.stream(todo()):
             if opts.fail_fast and rec["error"]:
                 digests.pop(rec["row"], None)
                 raise JobError(rec["error"])
@@ -177,7 +221,8 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
                 rec.pop("output_token_ids", None)
             writer.add(rec, digests.pop(rec["row"], b""))
             stats.add(rec)
-            notify("record", {"record": rec, "tokens": engine.tokens_emitted, "errors": stats.errors})
+            notify("record", {"record": rec, "tokens": runner.tokens if runner.llm else stats.completion_tokens,
+                              "errors": stats.errors})
     except BaseException as e:
         if isinstance(e, OutputError):
             raise                # the output itself failed (disk full...): committed parts stay as they are
@@ -187,11 +232,15 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
                 writer.finalize()        # --fail-fast: what finished is assembled into the output
         except Exception as failed:  # noqa: BLE001 - the first error is the one to report
             print(f"warning: could not commit the finished rows: {failed}", file=sys.stderr)
+        if runner.pool:
+            runner.pool.close()
+        if isinstance(e, WorkerError):
+            raise JobError(f"{e}; finished rows are committed, rerun the same command to resume") from None
         raise
     rows_written = writer.finalize()
-    return stats.summary(engine.device, output=output, rows_in_output=rows_written, resumed=resumed,
-                         device=str(engine.device), max_model_len=engine.max_len,
-                         recipe=recipe.name, model=str(llm.model_dir), draft=llm.draft,
-                         target_forwards=engine.target_forwards,
-                         graphs=engine.graphs is not None, capture_s=engine.capture_seconds,
-                         tokens_per_target_forward=engine.tokens_emitted / max(engine.target_forwards, 1))
+    import torch
+
+    return stats.summary(torch.device(runner.device.split(",")[0]), output=output, rows_in_output=rows_written,
+                         resumed=resumed, device=runner.device, max_model_len=runner.max_len,
+                         recipe=recipe.name, model=str(resolve_model(recipe.model)),
+                         draft=describe_draft(recipe, spec_config(recipe).draft), **runner.facts())

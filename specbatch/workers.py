@@ -1,0 +1,301 @@
+"""Every GPU of a host from one command (`--gpus all`), or several CPU workers (`--workers N`):
+one engine process per device, fed by the parent from the one streaming reader.
+
+    parent: reader -> dispatch (to the worker with the fewest rows in hand) -> records -> writer
+    worker: its queue -> Engine.generate (a live feed: WAIT when nothing is ready) -> records
+
+The parent keeps the output (its lock, its parts, the input check), so exactly-once is the
+single-process writer's, unchanged: a record counts once it is committed. Dispatch is a work
+queue, not a static split: each worker holds at most about its engine's lookahead, so a slow
+worker never holds rows another could run. A worker that dies (killed, out of memory) loses
+nothing committed; the rows it held are handed to the others (a job fails only when no worker
+is left, after committing what finished). Workers die with the parent (PR_SET_PDEATHSIG, and a
+watch on the parent's pid), so a killed parent leaves no orphan engines; the rerun resumes.
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .recipe import Recipe
+
+POLL_S = 0.005
+CHUNK = 8              # rows per turn of the dispatch
+
+
+class WorkerError(RuntimeError):
+    """Every worker is gone (one line: what the last one said)."""
+
+
+@dataclass
+class WorkerSpec:
+    recipe: Recipe
+    device: str                      # cuda:N or cpu
+    eager: bool
+    bucket: int
+    threads: int | None = None       # CPU: torch threads of this worker
+
+
+def devices_for(gpus: str | None, workers: int | None, device: str | None) -> list[str]:
+    """The workers' devices: --gpus all | N | 0,1,... (CUDA), or --workers N (on --device, CPU by
+    default). One device, one worker: the caller runs in process instead."""
+    if gpus is not None:
+        import torch
+
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ValueError("--gpus: no CUDA device is available (use --workers N on the CPU)")
+        text = gpus.strip().lower()
+        if text == "all":
+            ids = list(range(count))
+        elif text.isdigit() and "," not in text:
+            ids = list(range(int(text)))
+        else:
+            try:
+                ids = [int(x) for x in text.split(",") if x.strip()]
+            except ValueError:
+                raise ValueError(f"--gpus {gpus}: expected all, a count, or device ids like 0,1,3") from None
+        bad = [i for i in ids if not 0 <= i < count]
+        if not ids or bad or len(set(ids)) != len(ids) or (text.isdigit() and int(text) > count):
+            raise ValueError(f"--gpus {gpus}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
+                             f"(0 to {count - 1})")
+        return [f"cuda:{i}" for i in ids]
+    n = workers or 1
+    if n < 1:
+        raise ValueError(f"--workers {workers}: expected an integer >= 1")
+    return [device or "cpu"] * n
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this process when its parent dies (also by SIGKILL)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)            # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:                   # it died before the prctl took effect
+        os._exit(1)
+
+
+def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) -> None:
+    """A worker process: an engine fed from `inbox` (a queue), records to `outbox` (its own pipe:
+    if the worker dies mid-message the parent reads EOF, never a half message)."""
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # the parent decides when to stop
+    try:
+        import torch
+
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        from .engine import WAIT
+        from .llm import LLM
+
+        t0 = time.perf_counter()
+        llm = LLM(recipe=spec.recipe, device=spec.device, eager=spec.eager, bucket=spec.bucket)
+        eng = llm.engine
+        outbox.send(("ready", wid, {"device": str(eng.device), "max_model_len": eng.max_len,
+                                   "capture_s": eng.capture_seconds, "load_s": time.perf_counter() - t0,
+                                   "slots": eng.num_slots}))
+        ended = False
+
+        def feed() -> Iterator[Any]:
+            nonlocal ended
+            pending: list = []
+            while True:
+                if pending:
+                    yield pending.pop(0)
+                    continue
+                if ended:
+                    return
+                if os.getppid() != parent:
+                    os._exit(1)
+                try:
+                    msg = inbox.get_nowait()
+                except queue.Empty:
+                    yield WAIT
+                    continue
+                if msg is None:
+                    ended = True
+                else:
+                    pending.extend(msg)
+
+        for rec in llm.stream(feed()):
+            outbox.send(("rec", wid, rec))
+        outbox.send(("done", wid, {"device": str(eng.device), "target_forwards": eng.target_forwards,
+                                  "tokens_emitted": eng.tokens_emitted, "capture_s": eng.capture_seconds}))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
+        text = " ".join(str(e).split()) or type(e).__name__
+        try:
+            outbox.send(("error", wid, f"{spec.device}: {type(e).__name__}: {text}"))
+        except OSError:
+            pass
+        sys.exit(1)
+
+
+@dataclass
+class _Worker:
+    proc: Any
+    inbox: Any
+    reader: Any                      # the parent's end of the worker's result pipe
+    device: str
+    held: dict[int, Any] = field(default_factory=dict)   # row -> the row it was given, not yet returned
+    cap: int = 64
+    ready: bool = False
+    done: bool = False
+    dead: bool = False
+    ended: bool = False              # told that no more rows come
+    stats: dict[str, Any] = field(default_factory=dict)
+    records: int = 0
+
+
+class WorkerPool:
+    """Engines in worker processes, one per device; `stream(rows)` yields their records in
+    completion order, as `Engine.generate` does in process."""
+
+    def __init__(self, recipe: Recipe, devices: list[str], *, eager: bool = False, bucket: int = 0):
+        self.ctx = mp.get_context("spawn")
+        threads = None
+        if all(d == "cpu" for d in devices):
+            threads = max(1, (os.cpu_count() or 1) // len(devices))
+        self.workers: list[_Worker] = []
+        for wid, dev in enumerate(devices):
+            inbox = self.ctx.Queue()
+            reader, writer = self.ctx.Pipe(duplex=False)
+            spec = WorkerSpec(recipe=recipe, device=dev, eager=eager, bucket=bucket, threads=threads)
+            proc = self.ctx.Process(target=_worker, args=(wid, spec, os.getpid(), inbox, writer), daemon=True)
+            proc.start()
+            writer.close()                   # the child's copy is the only one: its death reads as EOF
+            self.workers.append(_Worker(proc=proc, inbox=inbox, reader=reader, device=dev))
+        self.delivered: set[int] = set()
+        self.eager = eager
+        self.last_error = ""
+        self.errors: list[str] = []
+
+    # ---- the facts a summary wants ---------------------------------------------------------------
+
+    def wait_ready(self) -> dict[str, Any]:
+        """Block until every worker loaded its engine (or died); -> the first one's facts."""
+        while not all(w.ready or w.dead for w in self.workers):
+            self._drain([])
+        alive = [w for w in self.workers if w.ready and not w.dead]
+        if not alive:
+            raise WorkerError(f"every worker failed to start: {self.last_error}")
+        return alive[0].stats
+
+    def per_worker(self) -> list[dict[str, Any]]:
+        return [{"device": w.device, "records": w.records, "died": w.dead, **w.stats} for w in self.workers]
+
+    # ---- the stream ------------------------------------------------------------------------------
+
+    def stream(self, rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
+        source = iter(rows)
+        exhausted = False
+        redo: list[Any] = []               # rows a dead worker held
+        out: list[dict[str, Any]] = []
+        try:
+            while True:
+                live = [w for w in self.workers if w.ready and not w.dead and not w.ended]
+                if not any(not w.dead for w in self.workers):
+                    raise WorkerError(f"every worker died; the last said: {self.last_error or 'nothing'}")
+                # hand rows out in small turns, fewest in hand first, while anyone has room: the
+                # rows spread over the workers even when the job is short
+                batches: dict[int, list] = {}
+                while live:
+                    w = min(live, key=lambda w: len(w.held))
+                    if len(w.held) >= w.cap:
+                        break
+                    turn = []
+                    while len(turn) < CHUNK and len(w.held) < w.cap:
+                        if redo:
+                            item = redo.pop(0)
+                        elif not exhausted:
+                            item = next(source, None)
+                            if item is None:
+                                exhausted = True
+                                break
+                        else:
+                            break
+                        turn.append(item)
+                        w.held[item.row] = item
+                    if not turn:
+                        break
+                    batches.setdefault(id(w), []).extend(turn)
+                for w in live:
+                    if id(w) in batches:
+                        w.inbox.put(batches[id(w)])
+                # the end: only once no row is in anyone's hands (a dying worker's rows need a taker)
+                if exhausted and not redo and not any(w.held for w in self.workers):
+                    for w in live:
+                        w.inbox.put(None)
+                        w.ended = True
+                    if all(w.done or w.dead for w in self.workers):
+                        return
+                out.clear()
+                redo.extend(self._drain(out))
+                yield from out
+        finally:
+            self.close()
+
+    def _drain(self, out: list) -> list[Any]:
+        """Read what the workers said (waiting up to POLL_S); notice the dead. -> the rows dead
+        workers held, to hand to others. A row redone elsewhere is delivered once."""
+        from multiprocessing.connection import wait
+
+        redo: list[Any] = []
+        readers = {w.reader: w for w in self.workers if not w.dead and not w.done}
+        for reader in wait(list(readers), timeout=POLL_S) if readers else []:
+            w = readers[reader]
+            while not w.dead:
+                try:
+                    if not reader.poll():
+                        break
+                    kind, _, payload = reader.recv()
+                except (EOFError, OSError):
+                    self._bury(w, redo)
+                    break
+                if kind == "ready":
+                    w.ready, w.stats = True, dict(payload)
+                    w.cap = max(8, 2 * int(payload.get("slots", 32)) + 8)
+                elif kind == "rec":
+                    w.held.pop(payload["row"], None)
+                    if payload["row"] not in self.delivered:
+                        self.delivered.add(payload["row"])
+                        w.records += 1
+                        out.append(payload)
+                elif kind == "done":
+                    w.done = True
+                    w.stats.update(payload)
+                elif kind == "error":
+                    self.last_error = payload
+                    self.errors.append(payload)
+        for w in self.workers:
+            if not w.dead and not w.done and not w.proc.is_alive() and not w.reader.poll():
+                self._bury(w, redo)
+        return redo
+
+    def _bury(self, w: _Worker, redo: list) -> None:
+        w.dead = True
+        if not self.last_error:
+            self.last_error = f"{w.device}: worker exited with code {w.proc.exitcode}"
+        print(f"warning: worker on {w.device} died ({self.last_error}); its {len(w.held)} unfinished rows "
+              "go to the other workers", file=sys.stderr)
+        redo.extend(w.held.values())
+        w.held.clear()
+
+    def close(self) -> None:
+        for w in self.workers:
+            if w.proc.is_alive():
+                w.proc.terminate()
+        for w in self.workers:
+            w.proc.join(timeout=10)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(timeout=5)

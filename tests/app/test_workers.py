@@ -1,0 +1,129 @@
+"""Several engine processes fed from one reader (`--workers 2` on the CPU: the machinery `--gpus`
+runs per GPU): outputs identical, row by row, to one process; a worker SIGKILLed mid-job loses
+nothing (its rows are redone); the parent SIGKILLed takes its workers with it and the rerun
+resumes to the same output."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+WORDS = "def add(a, b): return a + b for i in range(10): print(i * i) class Point: import os".split()
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+            "COLUMNS": "300"}
+
+
+def _cmd(inp: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "specbatch", "run", str(inp), "-o", str(out), "--device", "cpu",
+            "--max-tokens", "24", "--batch-size", "8", *extra]
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def _children(pid: int) -> list[int]:
+    """Worker processes of `pid` (spawned interpreters; the resource tracker is not one)."""
+    kids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and "spawn_main" in cmd:
+            kids.append(int(d.name))
+    return kids
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    d = tmp_path_factory.mktemp("workers")
+    inp = d / "in.jsonl"
+    with open(inp, "w") as f:
+        for i in range(300):
+            row = {"id": f"q{i}", "prompt": " ".join(WORDS[i % len(WORDS):][: 3 + i % 5])}
+            if i == 7:
+                row = {"id": "bad", "prompt": ""}
+            f.write(json.dumps(row) + "\n")
+    ref = d / "ref.jsonl"
+    p = subprocess.run(_cmd(inp, ref, "-q"), env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return {"dir": d, "inp": inp, "ref": _rows(ref)}
+
+
+def _same(rows: list[dict], ref: list[dict]) -> None:
+    assert [r["row"] for r in rows] == list(range(len(ref)))
+    for r, w in zip(rows, ref):
+        for key in ("id", "completion", "completion_tokens", "finish_reason", "error"):
+            assert r[key] == w[key], (r["row"], key)
+
+
+def test_two_workers_write_what_one_process_writes(job):
+    out = job["dir"] / "two.jsonl"
+    stats = job["dir"] / "two.stats.json"
+    p = subprocess.run(_cmd(job["inp"], out, "--workers", "2", "-q", "--stats-json", str(stats)),
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    _same(_rows(out), job["ref"])
+    s = json.loads(stats.read_text())
+    assert s["device"] == "cpu,cpu" and len(s["workers"]) == 2
+    assert all(w["records"] > 0 for w in s["workers"]) and sum(w["records"] for w in s["workers"]) == 300
+
+
+def _start_and_wait(cmd: list[str]) -> subprocess.Popen:
+    p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:               # "started:" comes once every worker is loaded
+        line = p.stderr.readline()
+        if not line or line.startswith("started:"):
+            break
+    return p
+
+
+def test_a_worker_killed_mid_job_loses_nothing(job):
+    out = job["dir"] / "kill1.jsonl"
+    p = _start_and_wait(_cmd(job["inp"], out, "--workers", "2", "--progress-every", "1000"))
+    kids = _children(p.pid)
+    assert len(kids) == 2, kids
+    time.sleep(0.1)
+    os.kill(kids[0], signal.SIGKILL)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert "died" in err and "go to the other workers" in err
+    _same(_rows(out), job["ref"])
+
+
+def test_the_parent_killed_takes_its_workers_and_the_rerun_resumes(job):
+    out = job["dir"] / "killp.jsonl"
+    cmd = _cmd(job["inp"], out, "--workers", "2", "--progress-every", "1000")
+    p = _start_and_wait(cmd)
+    kids = _children(p.pid)
+    assert len(kids) == 2
+    time.sleep(0.5)
+    p.kill()
+    p.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(Path(f"/proc/{k}").exists() and
+                                              "spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="ignore")
+                                              for k in kids):
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{k}").exists() for k in kids if
+                   "spawn_main" in (Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="ignore")
+                                    if Path(f"/proc/{k}").exists() else "")), "orphan workers"
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    _same(_rows(out), job["ref"])
