@@ -1,0 +1,212 @@
+"""specbatch on Ray Data, for clusters: the row contract and config of `ray.data.llm`, run by
+specbatch engines (one per actor).
+
+    import ray
+    from specbatch.ray import ProcessorConfig, build_processor
+    processor = build_processor(ProcessorConfig(model_source="/models/m", recipe="eagle3_topk1",
+                                                draft="/models/head", concurrency=4, batch_size=64))
+    processor(ray.data.read_parquet("s3://bucket/prompts/")).write_parquet("s3://bucket/out/")
+
+or the stateful class itself:
+`ds.map_batches(SpecbatchPredictor, fn_constructor_kwargs={...}, batch_format="pyarrow",
+compute=ActorPoolStrategy(size=N, max_tasks_in_flight_per_actor=K, max_concurrent_calls_per_actor=K),
+num_gpus=1, batch_size=B)`.
+
+Rows: `messages` (a chat), `prompt` (text) or `tokenized_prompt` (token ids), and an optional
+`sampling_params` dict (specbatch's per-row fields: max_tokens, temperature, top_p, top_k, seed,
+stop, ...). Output: the input columns, then `generated_text`, `generated_tokens`,
+`num_input_tokens`, `num_generated_tokens`, `time_taken_llm`, `finish_reason` and the speculation
+stats (`spec_verify_steps`, `spec_accepted_tokens`, `spec_accept_length`). A row that cannot run
+raises, or with `should_continue_on_error` carries its message in `__inference_error__`. An engine
+that breaks raises `EngineFailure` (Ray restarts the actor and retries the batch).
+
+Each actor runs ONE engine in a background thread, fed by every batch it holds: with K batches in
+flight per actor (`max_concurrent_batches`; `__call__` is async) their rows share the engine's
+slots, so a 32-row batch never becomes a 32-slot engine. A row without its
+own seed gets one from its content, so a retried or resumed row writes the same bytes: Ray's
+at-least-once delivery then gives exactly-once results (resume with
+`ray.data.checkpoint.CheckpointConfig(id_column=...)`, see README).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
+                  "time_taken_llm", "finish_reason", "spec_verify_steps", "spec_accepted_tokens",
+                  "spec_accept_length")
+ERROR_COLUMN = "__inference_error__"
+
+
+class EngineFailure(RuntimeError):
+    """The engine itself failed (CUDA, capture, out of memory): retry the batch on a fresh actor."""
+
+
+class RowFailure(ValueError):
+    """A row that cannot run, with should_continue_on_error off."""
+
+
+def _content_seed(row: dict[str, Any]) -> int:
+    key = json.dumps({k: row.get(k) for k in ("messages", "prompt", "tokenized_prompt", "sampling_params")},
+                     sort_keys=True, default=str)
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+class SpecbatchPredictor:
+    """A stateful callable class for `Dataset.map_batches` (pyarrow batches): one engine per actor."""
+
+    def __init__(self, model_source: str | None = None, recipe: str = "vanilla", draft: str | None = None,
+                 engine_kwargs: dict[str, Any] | None = None, apply_chat_template: bool = True,
+                 should_continue_on_error: bool = False):
+        from .llm import LLM
+
+        self.llm = LLM(model=model_source, recipe=recipe, draft=draft, **(engine_kwargs or {}))
+        self.apply_chat_template = apply_chat_template
+        self.continue_on_error = should_continue_on_error
+        self.inbox: queue.Queue = queue.Queue()
+        self.waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future, dict]] = {}
+        self.lock = threading.Lock()
+        self.next_row = 0
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="specbatch-engine", daemon=True)
+        self.thread.start()
+
+    # ---- the engine thread: one stream over every batch's rows ------------------------------------
+
+    def _feed(self):
+        from .engine import WAIT
+
+        while self.failure is None:
+            try:
+                yield self.inbox.get_nowait()
+            except queue.Empty:
+                yield WAIT
+
+    def _run(self) -> None:
+        try:
+            for rec in self.llm.stream(self._feed()):
+                with self.lock:
+                    loop, fut, _ = self.waiting.pop(rec["row"])
+                loop.call_soon_threadsafe(lambda f=fut, r=rec: f.done() or f.set_result(r))
+        except BaseException as e:  # noqa: BLE001 - every waiting batch fails with it
+            self.failure = e
+            with self.lock:
+                waiting, self.waiting = self.waiting, {}
+            for loop, fut, _ in waiting.values():
+                loop.call_soon_threadsafe(lambda f=fut, err=str(e): f.done() or f.set_exception(EngineFailure(err)))
+
+    # ---- a batch ----------------------------------------------------------------------------------
+
+    def _row(self, i: int, row: dict[str, Any]):
+        from .data import RowError, parse_row
+
+        params = row.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            return RowError(i, i, f"field 'sampling_params': expected an object, got {type(params).__name__}")
+        # tokenized_prompt and friends may arrive as numpy arrays from other formats
+        obj: dict[str, Any] = {**params}
+        if obj.get("seed") is None:
+            obj["seed"] = _content_seed(row)
+        if row.get("messages") is not None:
+            if not self.apply_chat_template:
+                return RowError(i, i, "field 'messages': apply_chat_template is off; give 'prompt' or 'tokenized_prompt'")
+            obj["messages"] = list(row["messages"])
+        elif row.get("prompt") is not None:
+            obj["prompt"] = row["prompt"]
+        elif row.get("tokenized_prompt") is not None:
+            obj["prompt_token_ids"] = [int(t) for t in row["tokenized_prompt"]]
+        return parse_row(obj, row=i, where=f"row {row['id']}" if row.get("id") is not None else "row")
+
+    async def __call__(self, batch):
+        import pyarrow as pa
+
+        if self.failure is not None:
+            raise EngineFailure(str(self.failure))
+        rows = batch.to_pylist() if hasattr(batch, "to_pylist") else pa.Table.from_pydict(batch).to_pylist()
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        futures = []
+        with self.lock:
+            items = []
+            for row in rows:
+                i, self.next_row = self.next_row, self.next_row + 1
+                fut = loop.create_future()
+                self.waiting[i] = (loop, fut, row)
+                futures.append(fut)
+                items.append(self._row(i, row))
+        for item in items:
+            self.inbox.put(item)
+        recs = await asyncio.gather(*futures)
+        took = time.perf_counter() - t0
+        out: dict[str, list] = {c: [] for c in OUTPUT_COLUMNS}
+        errors = []
+        for rec in recs:
+            if rec["error"] and not self.continue_on_error:
+                raise RowFailure(rec["error"])
+            errors.append(rec["error"])
+            spec = rec.get("spec") or {}
+            for name, value in zip(OUTPUT_COLUMNS, (
+                    rec.get("completion"), rec.get("output_token_ids"), rec.get("prompt_tokens"),
+                    rec.get("completion_tokens"), took, rec.get("finish_reason"), spec.get("verify_steps"),
+                    spec.get("accepted_tokens"), spec.get("accept_length"))):
+                out[name].append(value)
+        table = batch if isinstance(batch, pa.Table) else pa.Table.from_pylist(rows)
+        types = {"generated_tokens": pa.list_(pa.int64()), "generated_text": pa.string(), "finish_reason": pa.string()}
+        for name, values in out.items():
+            table = table.append_column(name, pa.array(values, type=types.get(name)))
+        if self.continue_on_error:
+            table = table.append_column(ERROR_COLUMN, pa.array(errors, pa.string()))
+        return table
+
+
+@dataclass
+class ProcessorConfig:
+    """Mirrors ray.data.llm.vLLMEngineProcessorConfig where the names mean the same thing."""
+    model_source: str | None = None          # HF model directory (None: the recipe's; the demo model)
+    recipe: str = "vanilla"
+    draft: str | None = None
+    batch_size: int = 64                     # rows per map_batches batch
+    concurrency: int = 1                     # actors (engines)
+    max_concurrent_batches: int = 8          # batches in flight per actor, sharing its slots
+    should_continue_on_error: bool = False
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)   # LLM(...) options: batch_size, dtype, device, ...
+    accelerator_type: str | None = None
+    runtime_env: dict[str, Any] | None = None
+    apply_chat_template: bool = True
+    num_gpus: float | None = None            # per actor (None: 1 unless engine_kwargs device is cpu)
+    num_cpus: float = 1                      # per actor
+
+
+def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
+                    postprocess: Callable[[dict], dict] | None = None) -> Callable[[Any], Any]:
+    """A `Dataset -> Dataset` function: preprocess rows, generate on `concurrency` actors, postprocess."""
+    import ray.data
+
+    kwargs = {k: v for k, v in asdict(config).items() if k in (
+        "model_source", "recipe", "draft", "engine_kwargs", "apply_chat_template", "should_continue_on_error")}
+    num_gpus = config.num_gpus
+    if num_gpus is None:
+        num_gpus = 0 if (config.engine_kwargs.get("device") or "cuda").startswith("cpu") else 1
+    k = config.max_concurrent_batches
+    # Ray Data restarts an actor that died and retries its batches (its defaults).
+    compute = ray.data.ActorPoolStrategy(size=config.concurrency, max_tasks_in_flight_per_actor=k,
+                                         max_concurrent_calls_per_actor=k)
+
+    def process(ds: "ray.data.Dataset") -> "ray.data.Dataset":
+        if preprocess is not None:
+            ds = ds.map(preprocess)
+        ds = ds.map_batches(SpecbatchPredictor, fn_constructor_kwargs=kwargs, batch_size=config.batch_size,
+                            batch_format="pyarrow", compute=compute, num_gpus=num_gpus, num_cpus=config.num_cpus,
+                            accelerator_type=config.accelerator_type, runtime_env=config.runtime_env)
+        if postprocess is not None:
+            ds = ds.map(postprocess)
+        return ds
+
+    return process

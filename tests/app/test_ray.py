@@ -1,0 +1,148 @@
+"""specbatch on Ray Data (a local Ray, CPU, the demo model): the processor's rows equal
+`specbatch run`'s, a bad row is reported per row, an actor killed mid-batch costs nothing, and a
+resumed run with Ray's checkpointing writes each row once."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.data")
+
+pytestmark = pytest.mark.slow
+
+WORDS = "def add(a, b): return a + b for i in range(10): print(i * i) class Point: import os".split()
+N = 120
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ray")
+    rows = [{"id": i, "prompt": " ".join(WORDS[i % len(WORDS):][: 3 + i % 5]), "sampling_params": {"max_tokens": 10}}
+            for i in range(N)]
+    rows[9] = {"id": 9, "prompt": "", "sampling_params": {"max_tokens": 10}}
+    inp = d / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), inp)
+    # the reference: the same rows through `specbatch run`
+    plain = d / "plain.jsonl"
+    plain.write_text("".join(json.dumps({"id": r["id"], "prompt": r["prompt"], "max_tokens": 10}) + "\n" for r in rows))
+    ref = d / "ref.jsonl"
+    p = subprocess.run([sys.executable, "-m", "specbatch", "run", str(plain), "-o", str(ref), "--device", "cpu", "-q"],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 0, p.stderr                # one bad row: an error row, exit 0
+    by_id = {r["id"]: r for r in map(json.loads, ref.read_text().splitlines())}
+    return {"dir": d, "inp": inp, "ref": by_id}
+
+
+def _config(**kw):
+    from specbatch.ray import ProcessorConfig
+
+    base = dict(concurrency=2, batch_size=16, max_concurrent_batches=3, num_cpus=1,
+                engine_kwargs={"device": "cpu", "batch_size": 16})
+    return ProcessorConfig(**{**base, **kw})
+
+
+def _check(rows, ref):
+    assert sorted(r["id"] for r in rows) == list(range(N))
+    for r in rows:
+        want = ref[r["id"]]
+        if want["error"]:
+            assert r["__inference_error__"] and "'prompt'" in r["__inference_error__"]
+            assert r["generated_text"] is None
+            continue
+        assert r["__inference_error__"] is None
+        assert r["generated_text"] == want["completion"], r["id"]
+        assert r["num_generated_tokens"] == want["completion_tokens"] == len(r["generated_tokens"])
+        assert r["num_input_tokens"] == want["prompt_tokens"] and r["time_taken_llm"] >= 0
+        assert r["spec_verify_steps"] >= 1 and r["sampling_params"] == {"max_tokens": 10}
+
+
+def test_processor_rows_equal_specbatch_run(cluster, data):
+    from specbatch.ray import build_processor
+
+    proc = build_processor(_config(should_continue_on_error=True))
+    rows = proc(ray.data.read_parquet(str(data["inp"]), override_num_blocks=4)).take_all()
+    _check(rows, data["ref"])
+
+
+def test_a_bad_row_fails_the_batch_without_continue_on_error(cluster, data):
+    from specbatch.ray import build_processor
+
+    proc = build_processor(_config(concurrency=1))
+    rows = ray.data.read_parquet(str(data["inp"])).limit(12)          # row 9 is the bad one
+    with pytest.raises(Exception) as ei:
+        proc(rows).take_all()
+    assert "'prompt'" in str(ei.value)
+
+
+def _actor_pids() -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if b"SpecbatchPredictor" in (d / "cmdline").read_bytes():
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_an_actor_killed_mid_batch_costs_nothing_and_checkpoints_resume(cluster, data):
+    from ray.data.checkpoint import CheckpointConfig
+
+    from specbatch.ray import build_processor
+
+    ctx = ray.data.DataContext.get_current()
+    out = data["dir"] / "out"
+    ctx.checkpoint_config = CheckpointConfig(id_column="id", checkpoint_path=str(data["dir"] / "ckpt"),
+                                             delete_checkpoint_on_success=False)
+    try:
+        proc = build_processor(_config(should_continue_on_error=True))
+        done = threading.Event()
+        killed = []
+
+        def kill_one():
+            while not done.is_set():
+                pids = _actor_pids()
+                if len(pids) >= 2:
+                    time.sleep(1.0)                  # inside its first batches
+                    os.kill(pids[0], signal.SIGKILL)
+                    killed.append(pids[0])
+                    return
+                time.sleep(0.05)
+
+        t = threading.Thread(target=kill_one)
+        t.start()
+        try:
+            proc(ray.data.read_parquet(str(data["inp"]), override_num_blocks=8)).write_parquet(str(out))
+        finally:
+            done.set()
+            t.join()
+        assert killed, "no actor was killed"
+        rows = pq.read_table(out).to_pylist()
+        _check(rows, data["ref"])
+        # rerun: every id is checkpointed, nothing is generated or written again
+        before = sorted(os.listdir(out))
+        build_processor(_config(concurrency=1))(ray.data.read_parquet(str(data["inp"]))).write_parquet(str(out))
+        assert pq.read_table(out).num_rows == N and len(os.listdir(out)) >= len(before)
+    finally:
+        ctx.checkpoint_config = None
