@@ -45,7 +45,11 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 # Recipe keys set from `run` flags: errors in their values name the flag, not the key.
 _FLAGS = {"model": "--model", "draft": "--draft", "batch_size": "--batch-size", "max_tokens": "--max-tokens",
           "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
-          "stop": "--stop", "ignore_eos": "--ignore-eos", "dtype": "--dtype", "max_model_len": "--max-model-len"}
+          "stop": "--stop", "ignore_eos": "--ignore-eos", "dtype": "--dtype", "max_model_len": "--max-model-len",
+          "min_p": "--min-p", "min_tokens": "--min-tokens", "presence_penalty": "--presence-penalty",
+          "frequency_penalty": "--frequency-penalty", "repetition_penalty": "--repetition-penalty",
+          "logit_bias": "--logit-bias", "logprobs": "--logprobs", "n": "--n",
+          "include_stop_str_in_output": "--include-stop-str-in-output", "skip_special_tokens": "--skip-special-tokens"}
 
 
 class Terminated(BaseException):
@@ -85,6 +89,16 @@ def run(
     seed: Optional[int] = typer.Option(None, help="Run seed; rows without a seed derive theirs from it and their row number."),
     stop: Optional[list[str]] = typer.Option(None, help="Default stop string (repeatable)."),
     ignore_eos: Optional[bool] = typer.Option(None, "--ignore-eos", help="Do not stop at EOS (benchmarks)."),
+    min_p: Optional[float] = typer.Option(None, help="Default min-p: drop tokens below min_p x the top token's probability."),
+    min_tokens: Optional[int] = typer.Option(None, help="Default minimum completion tokens (EOS and stop token ids masked until then)."),
+    presence_penalty: Optional[float] = typer.Option(None, help="Default presence penalty in [-2, 2] (over generated tokens)."),
+    frequency_penalty: Optional[float] = typer.Option(None, help="Default frequency penalty in [-2, 2] (over generated tokens)."),
+    repetition_penalty: Optional[float] = typer.Option(None, help="Default repetition penalty > 0 (over prompt and generated tokens; 1 = off)."),
+    logit_bias: Optional[list[str]] = typer.Option(None, help="Default logit bias ID=BIAS, BIAS in [-100, 100] (repeatable)."),
+    logprobs: Optional[int] = typer.Option(None, help="Default logprobs: each token's logprob and its top K alternatives (0-20)."),
+    n: Optional[int] = typer.Option(None, "--n", help="Default completions per row."),
+    include_stop_str_in_output: Optional[bool] = typer.Option(None, "--include-stop-str-in-output", help="Keep the matched stop string (or stop token) in the text."),
+    skip_special_tokens: Optional[bool] = typer.Option(None, "--skip-special-tokens/--keep-special-tokens", help="Skip special tokens in the text (default) or keep them."),
     dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 | float16."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     gpus: Optional[str] = typer.Option(None, help="Every GPU of this host: all, a count, or ids like 0,1,3 (one engine process each, fed from one work queue)."),
@@ -115,7 +129,11 @@ def run(
     overrides = dict(model=model, draft=draft, batch_size=batch_size, max_tokens=max_tokens,
                      temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                      stop=list(stop) if stop else None, ignore_eos=ignore_eos, dtype=dtype,
-                     max_model_len=max_model_len)
+                     max_model_len=max_model_len, min_p=min_p, min_tokens=min_tokens,
+                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                     repetition_penalty=repetition_penalty, logit_bias=list(logit_bias) if logit_bias else None,
+                     logprobs=logprobs, n=n, include_stop_str_in_output=include_stop_str_in_output,
+                     skip_special_tokens=skip_special_tokens)
     try:
         rec = load_recipe(recipe)
     except RecipeError as e:
@@ -192,8 +210,9 @@ def inspect(
 ) -> None:
     """Show which model and draft a recipe resolves to, and the model's shape."""
     from .job import JobError, describe_draft, resolve_draft, resolve_model
-    from .models.config import ModelError, load_config
+    from .models.config import ModelError, generation_sampling_defaults, load_config
     from .models.registry import model_class
+    from .params import describe_defaults
     from .recipe import RecipeError, load_recipe
 
     try:
@@ -201,6 +220,7 @@ def inspect(
         path = resolve_model(r.model)
         cfg, _ = load_config(path)
         draft = resolve_draft(r)
+        sampling = describe_defaults(r.sampling, generation_sampling_defaults(path))
     except (RecipeError, JobError, ModelError) as e:
         _fail(str(e))
     params = model_class(cfg.architecture).num_parameters(cfg)      # counted on the meta device
@@ -212,7 +232,7 @@ def inspect(
                  ("hidden / heads / kv heads / head dim", f"{cfg.hidden_size} / {cfg.num_heads} / {cfg.num_kv_heads} / {cfg.head_dim}"),
                  ("vocab", cfg.vocab_size), ("parameters (approx.)", f"{params / 1e6:.1f} M"),
                  ("checkpoint dtype", cfg.torch_dtype), ("max positions", cfg.max_position_embeddings),
-                 ("draft", describe_draft(r, draft) or "-")]:
+                 ("draft", describe_draft(r, draft) or "-"), ("sampling defaults", sampling)]:
         table.add_row(k, escape(str(v)))
     out.print(table)
 

@@ -1,5 +1,12 @@
 """SamplingParams: ONE set of sampling fields for a recipe's defaults, CLI flags, a row's own
-fields and a running request (torch-free: recipes and rows use it without torch)."""
+fields and a running request (torch-free: recipes and rows use it without torch).
+
+Four fields may be left unset (None): `temperature`, `top_p`, `top_k` and `repetition_penalty`.
+An unset field takes the model's `generation_config.json` value when it has one, else the
+built-in default (greedy, no filter, no penalty), as vLLM applies a model's generation config:
+a row's value wins over the flags', the flags' over the recipe's, the recipe's over the model's.
+`for_row` resolves them; a running request's params are always resolved.
+"""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
@@ -7,39 +14,137 @@ from typing import Any, Mapping
 
 GREEDY_BELOW = 1e-5       # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 _SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)
+_CHOICE_MIX = 0x94D049BB133111EB
+
+# Fields a model's generation_config.json may set (vLLM's list of the ones it applies, less
+# max_new_tokens / min_p), and what an unset one falls back to without it.
+MODEL_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+FALLBACK = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+
+LOGPROBS_MAX = 20         # top alternatives per token at most (vLLM's default max_logprobs, OpenAI's cap)
+LOGIT_BIAS_MAX = 1024     # entries of one logit_bias at most
+LOGIT_BIAS_RANGE = 100.0  # |bias| at most (OpenAI's range)
+PENALTY_RANGE = 2.0       # |presence_penalty|, |frequency_penalty| at most (OpenAI's range)
+N_MAX = 1024              # completions per row at most
+
+
+class SamplingError(ValueError):
+    """A combination of sampling values that cannot run: `field` and what is wrong with it."""
+
+    def __init__(self, field: str, detail: str):
+        super().__init__(f"field '{field}': {detail}")
+        self.field, self.detail = field, detail
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
-    temperature: float = 0.0          # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0                    # 0 = disabled
+    temperature: float | None = None  # 0 = greedy; None: the model's generation_config, else 0
+    top_p: float | None = None        # None: the model's, else 1.0 (off)
+    top_k: int | None = None          # 0 = disabled; None: the model's, else 0
     seed: int | None = None           # None: derived from the run seed and the row (for_row)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0               # EOS and stop_token_ids masked until this many were generated
+    min_p: float = 0.0                # drop tokens with p < min_p * p_max (after temperature)
+    repetition_penalty: float | None = None   # over prompt and generated tokens; None: the model's, else 1.0
+    presence_penalty: float = 0.0     # over generated tokens: logit -= presence * (count > 0)
+    frequency_penalty: float = 0.0    # over generated tokens: logit -= frequency * count
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs, ids ascending
+    logprobs: int | None = None       # None: none; k: the token's logprob and its top k alternatives
+    n: int = 1                        # completions per row
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.logit_bias, tuple) or any(not isinstance(e, tuple) for e in self.logit_bias):
+            object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))   # {id: bias} given
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return (self.temperature or 0.0) == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Presence, frequency or repetition penalty: the per-slot token counts are needed."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or (self.repetition_penalty or 1.0) != 1.0)
+
+    @property
+    def uses_processors(self) -> bool:
+        """Anything that changes the logits before temperature: min_tokens, logit_bias, penalties."""
+        return self.min_tokens > 0 or bool(self.logit_bias) or self.uses_penalties
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values (lists, not tuples), as a recipe's `sampling` mapping spells them."""
+        """Plain values (lists and mappings, not tuples), as a recipe's `sampling` mapping spells them."""
         d = asdict(self)
         d["stop"], d["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
+        d["logit_bias"] = {int(t): float(b) for t, b in self.logit_bias}
         return d
 
-    def for_row(self, overrides: Mapping[str, Any], row: int) -> "SamplingParams":
-        """These defaults with a row's own (validated) fields applied, resolved to run: a seed
-        for every row (from the run seed, which these defaults carry, and the row number: reruns
-        and resumes draw the same tokens) and tiny temperatures made greedy. Every temperature
-        (row, recipe, CLI) passes here: dividing logits by 1e-40 overflows."""
-        p = replace(self, **{k: (tuple(v) if k in ("stop", "stop_token_ids") else v)
-                             for k, v in overrides.items()})
+    def resolved(self, model: Mapping[str, Any] | None = None) -> "SamplingParams":
+        """Unset fields from `model` (generation_config.json's sampling values), else FALLBACK."""
+        model = model or {}
+        fill = {k: model.get(k, FALLBACK[k]) for k in MODEL_DEFAULT_KEYS if getattr(self, k) is None}
+        return replace(self, **fill) if fill else self
+
+    def for_row(self, overrides: Mapping[str, Any], row: int,
+                model: Mapping[str, Any] | None = None) -> "SamplingParams":
+        """These defaults with a row's own (validated) fields applied, resolved to run: unset
+        fields from the model's generation config (`model`), a seed for every row (from the run
+        seed, which these defaults carry, and the row number: reruns and resumes draw the same
+        tokens) and tiny temperatures made greedy. Every temperature (row, recipe, CLI) passes
+        here: dividing logits by 1e-40 overflows."""
+        p = replace(self, **{k: _field_value(k, v) for k, v in overrides.items()}).resolved(model)
         seed = p.seed
         if overrides.get("seed") is None:
             seed = (((self.seed or 0) * _SEED_MIX[0]) ^ (row * _SEED_MIX[1])) % (1 << 64)
         temperature = float(p.temperature)
-        return replace(p, seed=int(seed), temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-                       top_p=float(p.top_p), top_k=min(int(p.top_k), 2**31 - 1))   # >= vocab: no filter
+        p = replace(p, seed=int(seed), temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+                    top_p=float(p.top_p), top_k=min(int(p.top_k), 2**31 - 1),   # >= vocab: no filter
+                    repetition_penalty=float(p.repetition_penalty))
+        if p.min_tokens > p.max_tokens:
+            raise SamplingError("min_tokens", f"{p.min_tokens} is more than max_tokens ({p.max_tokens})")
+        return p
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """Choice `index` of n: choice 0 is the row itself; the others draw from their own seed
+        stream (a hash of the row's seed and the index), so they are independent samples."""
+        if index == 0:
+            return self
+        s = (int(self.seed or 0) ^ ((index * _CHOICE_MIX) % (1 << 64))) % (1 << 64)
+        s = (s * _SEED_MIX[1]) % (1 << 64)
+        return replace(self, seed=s ^ (s >> 31))
+
+
+def _field_value(key: str, value: Any) -> Any:
+    """A row's / a mapping's value as the dataclass holds it."""
+    if key in ("stop", "stop_token_ids"):
+        return tuple(value)
+    if key == "logit_bias":
+        return logit_bias_pairs(value)
+    return value
+
+
+def logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
+    """{id: bias} (or (id, bias) pairs), already validated -> sorted (id, bias) pairs."""
+    if not value:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted((int(t), float(b)) for t, b in items))
+
+
+def describe_defaults(sampling: SamplingParams, model: Mapping[str, Any]) -> str:
+    """The fields generation_config.json can set, as a run resolves them for rows that set none,
+    with where each comes from (for `specbatch inspect`)."""
+    parts = []
+    for k in MODEL_DEFAULT_KEYS:
+        v = getattr(sampling, k)
+        if v is not None:
+            parts.append(f"{k} {v} (recipe)")
+        elif k in model:
+            parts.append(f"{k} {model[k]} (generation_config.json)")
+        else:
+            parts.append(f"{k} {FALLBACK[k]} (default)")
+    return ", ".join(parts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -12,7 +13,7 @@ import yaml
 
 from .algorithms import ALGORITHMS, SPEC_PARAMS, ParamError, describe    # the algorithm table (torch-free)
 from .models.config import DTYPE_NAMES
-from .params import SamplingParams
+from .params import LOGIT_BIAS_MAX, LOGIT_BIAS_RANGE, LOGPROBS_MAX, N_MAX, PENALTY_RANGE, SamplingParams
 
 DTYPES = ("auto", *DTYPE_NAMES)
 BUILTIN_PREFIX = "<builtin>"
@@ -185,6 +186,59 @@ def _int_list(source: str, key: str, v: Any) -> tuple[int, ...]:
 # parsing
 
 
+def _number(source: str, key: str, v: Any, ok: Callable[[float], bool], expected: str,
+            *, nullable: bool = False) -> float | None:
+    """A number (int or float) that `ok` accepts; the error says `expected`."""
+    if v is None and nullable:
+        return None
+    x = _float(source, key, v)
+    if x != x or not ok(x):
+        _fail(source, key, f"expected {expected}, got {x}")
+    return x
+
+
+def _bool(source: str, key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        _fail(source, key, f"expected true or false, got {describe(v)}")
+    return v
+
+
+def _logit_bias(source: str, key: str, v: Any) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (YAML ints or digit strings as keys), or a list of "ID=BIAS" strings
+    (the --logit-bias flag's spelling); ids >= 0, biases in [-100, 100]."""
+    if v is None:
+        return ()
+    if isinstance(v, (list, tuple)):
+        pairs = []
+        for i, item in enumerate(v):
+            m = re.fullmatch(r"\s*(\d+)\s*=\s*(\S+)\s*", item) if isinstance(item, str) else None
+            if m is None:
+                _fail(source, key, f"expected ID=BIAS (a token id and a number), got {describe(item)}")
+            try:
+                bias = float(m.group(2))
+            except ValueError:
+                _fail(source, key, f"expected ID=BIAS (a token id and a number), got {describe(item)}")
+            pairs.append((m.group(1), bias))
+    elif isinstance(v, dict):
+        pairs = list(v.items())
+    else:
+        _fail(source, key, f"expected a mapping of token ids to biases, got {describe(v)}")
+    if len(pairs) > LOGIT_BIAS_MAX:
+        _fail(source, key, f"expected at most {LOGIT_BIAS_MAX} entries, got {len(pairs)}")
+    out: dict[int, float] = {}
+    for tok, bias in pairs:
+        if isinstance(tok, str) and tok.strip().isdigit():
+            tok = int(tok)
+        if not _is_int(tok) or tok < 0:
+            _fail(source, key, f"expected token ids as integers >= 0, got {describe(tok)}")
+        if tok in out:
+            _fail(source, key, f"token id {tok} given twice")
+        x = _number(source, key, bias, lambda b: -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE,
+                    f"a bias in [-100, 100] for token id {tok}")
+        out[tok] = x
+    return tuple(sorted(out.items()))
+
+
 def _parse_sampling(data: Any, source: str) -> SamplingDefaults:
     if data is None:
         return SamplingDefaults()
@@ -195,25 +249,47 @@ def _parse_sampling(data: Any, source: str) -> SamplingDefaults:
             _unknown_key(source, key, _SAMPLING_KEYS, prefix="sampling.")
     d = SamplingDefaults()
     get: Callable[[str], Any] = lambda k: data.get(k, getattr(d, k))  # noqa: E731
-    top_p = _float(source, "sampling.top_p", get("top_p"))
-    if not 0.0 < top_p <= 1.0:
-        _fail(source, "sampling.top_p", f"expected 0 < top_p <= 1, got {top_p}")
-    temperature = _float(source, "sampling.temperature", get("temperature"))
-    if temperature < 0.0:
-        _fail(source, "sampling.temperature", f"expected a number >= 0 (0 = greedy), got {temperature}")
-    ignore_eos = get("ignore_eos")
-    if not isinstance(ignore_eos, bool):
-        _fail(source, "sampling.ignore_eos", f"expected true or false, got {describe(ignore_eos)}")
+    k = "sampling."
+    top_p = _number(source, k + "top_p", get("top_p"), lambda x: 0.0 < x <= 1.0, "0 < top_p <= 1", nullable=True)
+    temperature = _number(source, k + "temperature", get("temperature"), lambda x: 0.0 <= x < math.inf,
+                          "a number >= 0 (0 = greedy)", nullable=True)
+    max_tokens = _int(source, k + "max_tokens", get("max_tokens"), minimum=1)
+    min_tokens = _int(source, k + "min_tokens", get("min_tokens"), minimum=0)
+    if min_tokens > max_tokens:
+        _fail(source, k + "min_tokens", f"expected at most max_tokens ({max_tokens}), got {min_tokens}")
+    penalty = lambda x: -PENALTY_RANGE <= x <= PENALTY_RANGE  # noqa: E731
     return SamplingDefaults(
-        max_tokens=_int(source, "sampling.max_tokens", get("max_tokens"), minimum=1),
+        max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
-        top_k=_int(source, "sampling.top_k", get("top_k"), minimum=0),
-        seed=_int(source, "sampling.seed", get("seed"), minimum=0, nullable=True),
-        stop=_str_list(source, "sampling.stop", get("stop")),
-        stop_token_ids=_int_list(source, "sampling.stop_token_ids", get("stop_token_ids")),
-        ignore_eos=ignore_eos,
+        top_k=None if get("top_k") is None else _int(source, k + "top_k", get("top_k"), minimum=0),
+        seed=_int(source, k + "seed", get("seed"), minimum=0, nullable=True),
+        stop=_str_list(source, k + "stop", get("stop")),
+        stop_token_ids=_int_list(source, k + "stop_token_ids", get("stop_token_ids")),
+        ignore_eos=_bool(source, k + "ignore_eos", get("ignore_eos")),
+        min_tokens=min_tokens,
+        min_p=_number(source, k + "min_p", get("min_p"), lambda x: 0.0 <= x <= 1.0, "0 <= min_p <= 1"),
+        repetition_penalty=_number(source, k + "repetition_penalty", get("repetition_penalty"),
+                                   lambda x: 0.0 < x < math.inf, "a number > 0 (1 = off)", nullable=True),
+        presence_penalty=_number(source, k + "presence_penalty", get("presence_penalty"), penalty,
+                                 "a number in [-2, 2]"),
+        frequency_penalty=_number(source, k + "frequency_penalty", get("frequency_penalty"), penalty,
+                                  "a number in [-2, 2]"),
+        logit_bias=_logit_bias(source, k + "logit_bias", get("logit_bias")),
+        logprobs=_int_range(source, k + "logprobs", get("logprobs"), 0, LOGPROBS_MAX, nullable=True),
+        n=_int_range(source, k + "n", get("n"), 1, N_MAX),
+        include_stop_str_in_output=_bool(source, k + "include_stop_str_in_output", get("include_stop_str_in_output")),
+        skip_special_tokens=_bool(source, k + "skip_special_tokens", get("skip_special_tokens")),
     )
+
+
+def _int_range(source: str, key: str, v: Any, lo: int, hi: int, *, nullable: bool = False) -> int | None:
+    if v is None and nullable:
+        return None
+    if not _is_int(v) or not lo <= v <= hi:
+        got = v if _is_int(v) else describe(v)
+        _fail(source, key, f"expected an integer in [{lo}, {hi}]{' or null' if nullable else ''}, got {got}")
+    return v
 
 
 def _check_algorithm_params(

@@ -24,6 +24,27 @@ SPEC_TYPE = pa.struct(
     ]
 )
 
+_TOP = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64())])
+LOGPROBS_TYPE = pa.list_(pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64()),
+                                    ("top_logprobs", pa.list_(_TOP))]))
+CHOICES_TYPE = pa.list_(pa.struct([("index", pa.int64()), ("completion", pa.string()),
+                                   ("completion_tokens", pa.int64()), ("finish_reason", pa.string()),
+                                   ("logprobs", LOGPROBS_TYPE), ("output_token_ids", pa.list_(pa.int64()))]))
+LOGPROB_FLOOR = -9999.0      # what a -inf logprob (a token the filters removed) is written as, as vLLM does
+
+
+def _logprob(x: float) -> float:
+    return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def logprob_entries(ids: Sequence[int], logprobs: Sequence[tuple[float, list[int], list[float]]],
+                    text: Callable[[int], str]) -> list[dict[str, Any]]:
+    """The `logprobs` column of one completion: per generated token {token_id, token, logprob,
+    top_logprobs: [{token_id, token, logprob}, ...]}; `text(id)` gives a token's text."""
+    return [{"token_id": tok, "token": text(tok), "logprob": _logprob(lp),
+             "top_logprobs": [{"token_id": i, "token": text(i), "logprob": _logprob(v)} for i, v in zip(top, vals)]}
+            for tok, (lp, top, vals) in zip(ids, logprobs)]
+
 
 @dataclass(frozen=True)
 class Finished:
@@ -39,6 +60,8 @@ class Finished:
     request_model: str | None = None     # OpenAI batch lines: the body's model
     batch_line: bool = False             # the row was an OpenAI batch line
     created: int = field(default_factory=lambda: int(time.time()))
+    logprobs: list[dict[str, Any]] | None = None     # per token (logprob_entries); None: not asked
+    choices: list[dict[str, Any]] | None = None      # n > 1: every choice (choice 0 is the top-level one)
 
 
 @dataclass(frozen=True)
@@ -55,13 +78,22 @@ COLUMNS: list[Column] = [
     Column("id", None, lambda f: f.id, "the row id (string or integer, as in the input)"),
     Column("completion", pa.string(), lambda f: f.text, "generated text, special tokens skipped, cut before a matched stop string"),
     Column("prompt_tokens", pa.int64(), lambda f: f.prompt_tokens, "prompt token count"),
-    Column("completion_tokens", pa.int64(), lambda f: len(f.output_ids), "generated token count"),
+    Column("completion_tokens", pa.int64(),
+           lambda f: sum(c["completion_tokens"] for c in f.choices) if f.choices else len(f.output_ids),
+           "generated token count (n > 1: of every choice)"),
     Column("finish_reason", pa.string(), lambda f: f.finish_reason, "stop (EOS, a stop token id or string) or length"),
     Column("error", pa.string(), lambda f: None, "null, or one line saying what was wrong with the row"),
     Column("spec", SPEC_TYPE, lambda f: {**f.spec, "accept_length": float(f.spec["accept_length"])},
            "speculation stats: verify_steps, draft_tokens, accepted_tokens, accept_length, accept_histogram"),
     Column("output_token_ids", pa.list_(pa.int64()), lambda f: list(f.output_ids),
            "the generated ids, ending with the EOS id when generation stopped on EOS", option="save_token_ids"),
+    # Written when some row of the job asked for them (parts keep them always; null for other rows).
+    Column("logprobs", LOGPROBS_TYPE, lambda f: f.logprobs,
+           "per generated token: token_id, token, logprob, top_logprobs (the distribution sampled from)",
+           option="logprobs"),
+    Column("choices", CHOICES_TYPE, lambda f: f.choices,
+           "n > 1: every choice (index, completion, completion_tokens, finish_reason, logprobs, output_token_ids)",
+           option="choices"),
     # What an OpenAI batch response needs (kept in the parts always, written with --output-format openai)
     Column("endpoint", pa.string(), lambda f: f.endpoint, "the OpenAI response it takes: chat or completion",
            option="openai"),

@@ -25,6 +25,10 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None    # "stop" | "length"
     stop_hit: bool = False              # finished on a stop string: text is cut at it
+    stop_token: bool = False            # finished on EOS or a stop token id: its text is left out
+    logprobs: list | None = None        # per kept token: (logprob, top ids, top logprobs); None: not asked
+    choice: int = 0                     # which of the row's n completions
+    group: Any = None                   # the row's choices (engine.Choices) when n > 1
     verify_steps: int = 0               # target forwards that emitted tokens (the prefill counts)
     draft_tokens: int = 0               # draft tokens proposed
     accepted_tokens: int = 0            # draft tokens accepted
@@ -46,10 +50,12 @@ class StopChecker:
         self.eos_ids = eos_ids
 
     def append(self, req: Request, tokens: list[int]) -> int:
-        """Append tokens in order until the request finishes; returns how many were kept."""
+        """Append tokens in order until the request finishes; returns how many were kept. Before
+        min_tokens tokens, nothing stops a request (as vLLM: EOS and stop ids are masked then)."""
+        min_tokens = req.params.min_tokens
         for n, tok in enumerate(tokens, start=1):
             req.output_ids.append(tok)
-            if self._stops(req, tok):
+            if len(req.output_ids) >= min_tokens and self._stops(req, tok):
                 req.finish_reason = "stop"
             elif len(req.output_ids) >= req.max_new:
                 req.finish_reason = "length"
@@ -60,20 +66,39 @@ class StopChecker:
     def _stops(self, req: Request, tok: int) -> bool:
         p = req.params
         if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
+            req.stop_token = True
             return True
         if p.stop:
             longest = max(len(s) for s in p.stop)
             # A stop string of L chars spans at most 4L byte-level tokens (4 bytes per char).
-            tail = self.tokenizer.decode(req.output_ids[-(4 * longest + 4):], skip_special_tokens=True)
-            if any(s in tail for s in p.stop):
+            window = req.output_ids[-(4 * longest + 4):]
+            skip = p.skip_special_tokens
+            tail = self.tokenizer.decode(window, skip_special_tokens=skip)
+            hit = any(s in tail for s in p.stop)
+            if hit and p.min_tokens > 0:
+                # Only a stop string ending in this token's text: one before min_tokens does not count.
+                prev = len(self.tokenizer.decode(window[:-1], skip_special_tokens=skip))
+                hit = any(s in tail[max(0, prev - len(s) + 1):] for s in p.stop)
+            if hit:
                 req.stop_hit = True
                 return True
         return False
 
     def completion_text(self, req: Request) -> str:
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        """The generated text (special tokens skipped unless skip_special_tokens is false), cut
+        before a matched stop string and without the stop token's text (EOS, a stop token id),
+        or through them with include_stop_str_in_output, as vLLM writes it."""
+        p = req.params
+        ids = req.output_ids
+        if req.stop_token and not p.include_stop_str_in_output:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
         if req.stop_hit:
-            cuts = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
+            start = 0          # a stop string must end in text generated from min_tokens on
+            if p.min_tokens > 1:
+                start = len(self.tokenizer.decode(ids[: p.min_tokens - 1], skip_special_tokens=p.skip_special_tokens))
+            cuts = [(i, -len(s)) for s in p.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
             if cuts:
-                text = text[: min(cuts)]
+                i, neg = min(cuts)
+                text = text[: i - neg] if p.include_stop_str_in_output else text[:i]
         return text

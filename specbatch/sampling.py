@@ -54,6 +54,14 @@ def uniforms(keys: torch.Tensor, width: int) -> torch.Tensor:
     return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] (after temperature) with per-row min_p [R] (0 = off) -> tokens whose
+    probability is below min_p times the top token's masked (vLLM's min-p: before top-k/top-p)."""
+    probs = logits.softmax(dim=-1)
+    keep_from = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < keep_from, float("-inf"))
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """logits [R, V] with per-row top_k [R] (0 = off) then top_p [R] (1 = off) -> masked logits."""
     V = logits.shape[-1]
@@ -78,10 +86,12 @@ class BatchSampling:
     seed_lo: torch.Tensor       # [R] int64
     seed_hi: torch.Tensor       # [R] int64
     all_greedy: bool
-    any_filter: bool            # some row uses top-k or top-p
+    any_filter: bool            # some row uses min-p, top-k or top-p
+    min_p: torch.Tensor | None = None   # [R] float32 (None: no sampled row uses min-p: no pass for it)
 
     @classmethod
     def build(cls, params: list[SamplingParams], device: torch.device) -> "BatchSampling":
+        params = [p.resolved() for p in params]          # unset fields: their defaults
         lo, hi = zip(*(split_seed(p.seed or 0) for p in params)) if params else ((), ())
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
@@ -90,22 +100,41 @@ class BatchSampling:
             seed_lo=torch.tensor(lo, dtype=torch.int64, device=device),
             seed_hi=torch.tensor(hi, dtype=torch.int64, device=device),
             all_greedy=all(p.greedy for p in params),
-            any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+            any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params),
+            min_p=torch.tensor([float(p.min_p) for p in params], dtype=torch.float32, device=device)
+            if any(not p.greedy and p.min_p > 0 for p in params) else None,
         )
 
     def repeat_rows(self, n: int) -> "BatchSampling":
         """Each row repeated n times (row-major), for n tokens per sequence."""
-        r = lambda t: t.repeat_interleave(n)
+        r = lambda t: None if t is None else t.repeat_interleave(n)
         return BatchSampling(r(self.temperature), r(self.top_k), r(self.top_p), r(self.seed_lo),
-                             r(self.seed_hi), self.all_greedy, self.any_filter)
+                             r(self.seed_hi), self.all_greedy, self.any_filter, r(self.min_p))
 
-    def target_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [R, V] float32 -> the distribution sampling draws from (temperature, top-k, top-p)."""
+    def _filtered(self, logits: torch.Tensor) -> torch.Tensor:
+        """Temperature (greedy rows: 1), then min-p, top-k, top-p: vLLM's order."""
         t = torch.where(self.temperature > 0, self.temperature, torch.ones_like(self.temperature))
         scaled = logits / t[:, None]
         if self.any_filter:
+            if self.min_p is not None:
+                scaled = apply_min_p(scaled, self.min_p)
             scaled = apply_top_k_top_p(scaled, self.top_k, self.top_p)
-        return scaled.softmax(dim=-1)
+        return scaled
+
+    def target_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [R, V] float32 -> the distribution sampling draws from (temperature, min-p,
+        top-k, top-p)."""
+        return self._filtered(logits).softmax(dim=-1)
+
+    def target_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [R, V] float32 -> log-probabilities of the distribution each row's token came
+        from: sampled rows the one they draw from (after temperature and the filters), greedy rows
+        log_softmax of the logits (vLLM's processed logprobs; temperature 0 has no distribution).
+        Filtered-out tokens are -inf."""
+        plain = logits.log_softmax(dim=-1)
+        if self.all_greedy:
+            return plain
+        return torch.where((self.temperature > 0)[:, None], self._filtered(logits).log_softmax(dim=-1), plain)
 
 
 def sample(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,20 @@ def spec_stats(req: Request) -> dict[str, Any]:
     }
 
 
+def combined_spec_stats(reqs: list[Request]) -> dict[str, Any]:
+    """The stats of a row's n choices together: what its requests ran (sums; accept_length over
+    all their tokens and steps)."""
+    steps = sum(r.verify_steps for r in reqs)
+    width = max(len(r.histogram) for r in reqs)
+    return {
+        "verify_steps": steps,
+        "draft_tokens": sum(r.draft_tokens for r in reqs),
+        "accepted_tokens": sum(r.accepted_tokens for r in reqs),
+        "accept_length": sum(len(r.output_ids) for r in reqs) / steps if steps else 0.0,
+        "accept_histogram": [sum(r.histogram[i] for r in reqs if i < len(r.histogram)) for i in range(width)],
+    }
+
+
 @dataclass
 class RunStats:
     """Totals over the records a run produced (resumed rows are not counted again)."""

@@ -155,7 +155,7 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
         log(f"{recipe.name}: building the engine ...")
         try:
             engine = build_engine(eopts, src, head)
-            list(engine.generate(rows[:8], SamplingDefaults(max_tokens=4, ignore_eos=True)))     # warm-up
+            list(engine.generate(rows[:8], SamplingDefaults(max_tokens=4, ignore_eos=True, temperature=0.0, repetition_penalty=1.0)))     # warm-up
             points.append(_measure_job(engine, rows, recipe.name, src, bandwidth, rate))
         except Exception as e:                          # noqa: BLE001 - recorded, the next recipe runs
             points.append({"recipe": recipe.name, "failed": True, "error": failure_message(e)})
@@ -187,7 +187,7 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
         torch.cuda.reset_peak_memory_stats(engine.device)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    recs = list(engine.generate(rows, SamplingDefaults(ignore_eos=True)))
+    recs = list(engine.generate(rows, SamplingDefaults(ignore_eos=True, temperature=0.0, repetition_penalty=1.0)))
     if cuda:
         torch.cuda.synchronize(engine.device)
     wall = time.perf_counter() - t0

@@ -98,7 +98,7 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
                 # First-call costs (allocator, kernel selection); smallest batch: its prefill is cheap.
                 warm = [RowRequest(row=i, id=str(i), prompt_token_ids=p) for i, p in enumerate(prompts[:sizes[0]])]
                 list(engine.generate(warm, SamplingDefaults(max_tokens=min(WARMUP_TOKENS, opts.max_tokens),
-                                                            ignore_eos=True)))
+                                                            ignore_eos=True, temperature=0.0, repetition_penalty=1.0)))
         except Exception as e:                          # noqa: BLE001 - recorded, the sweep goes on
             error = ("warm-up: " if engine is not None else "engine: ") + failure_message(e)
             engine = None
@@ -174,7 +174,7 @@ def _measure(engine: Engine, prompts: list[list[int]], opts: BenchOptions, max_b
              bandwidth: float) -> dict[str, Any]:
     bs = len(prompts)
     rows = [RowRequest(row=i, id=str(i), prompt_token_ids=p) for i, p in enumerate(prompts)]
-    defaults = SamplingDefaults(max_tokens=opts.max_tokens, ignore_eos=True)      # greedy
+    defaults = SamplingDefaults(max_tokens=opts.max_tokens, ignore_eos=True, temperature=0.0, repetition_penalty=1.0)   # greedy, whatever the model's generation_config says
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)

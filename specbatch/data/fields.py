@@ -10,6 +10,8 @@ import math
 from collections.abc import Callable, Sequence
 
 
+from ..params import LOGIT_BIAS_MAX, LOGIT_BIAS_RANGE, LOGPROBS_MAX, N_MAX, PENALTY_RANGE
+
 OVERRIDE_KEYS = (
     "max_tokens",
     "max_completion_tokens",
@@ -20,6 +22,18 @@ OVERRIDE_KEYS = (
     "stop",
     "stop_token_ids",
     "ignore_eos",
+    "min_tokens",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "n",
+    "best_of",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
 )
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -44,23 +58,14 @@ def _empty(v: object) -> bool:
     return v is None or (isinstance(v, (str, list, tuple, dict)) and not v)
 
 
-# Sampling and generation fields specbatch does not implement yet, per row (top level of plain
+# Sampling and generation fields specbatch does not implement, per row (top level of plain
 # rows, inside `body` for OpenAI batch lines): name -> (its default as the error shows it,
 # whether a value is that default). A row that sets one to anything else is an error row rather
-# than silently running without it. Implementing a field deletes its line here.
+# than silently running without it. Implementing a field deletes its line here. (`best_of`
+# above n is refused by parse_overrides: best_of = n is n.)
 UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
-    "n": ("1", _num(1)),
-    "best_of": ("1", _num(1)),
-    "logprobs": ("false", lambda v: _false(v) or _num(0)(v)),  # chat: bool; completions: int
-    "top_logprobs": ("0", _num(0)),
     "prompt_logprobs": ("null", _empty),
-    "presence_penalty": ("0.0", _num(0.0)),
-    "frequency_penalty": ("0.0", _num(0.0)),
-    "repetition_penalty": ("1.0", _num(1.0)),
     "length_penalty": ("1.0", _num(1.0)),
-    "min_p": ("0.0", _num(0.0)),
-    "min_tokens": ("0", _num(0)),
-    "logit_bias": ("null", _empty),
     "response_format": ("null", lambda v: _empty(v) or v == {"type": "text"}),
     "guided_json": ("null", _empty),
     "guided_regex": ("null", _empty),
@@ -71,8 +76,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "bad_words": ("null", _empty),
     "allowed_token_ids": ("null", _empty),
     "truncate_prompt_tokens": ("null", _empty),
-    "include_stop_str_in_output": ("false", _false),
-    "skip_special_tokens": ("true", _true),
     "spaces_between_special_tokens": ("true", _true),
     "tools": ("null", _empty),
     "tool_choice": ("null", lambda v: v is None or v in ("none", "auto")),
@@ -238,9 +241,12 @@ MAX_TOKENS_EXPECTED = f"an integer in [1, {INT32_MAX}]"
 TOP_K_EXPECTED = f"an integer in [1, {INT32_MAX}] (0 or -1 to disable)"
 
 
-def parse_overrides(src: dict, prefix: str) -> dict:
+def parse_overrides(src: dict, prefix: str, *, endpoint: str | None = None, exempt: Sequence[str] = ()) -> dict:
+    """A row's sampling fields, validated: the keys of SamplingParams they set. `endpoint`:
+    "chat" / "completion" for an OpenAI body (the logprobs spelling is that API's), None for a
+    plain row (either spelling); `exempt`: columns the user named (their data, not fields)."""
     out: dict = {}
-    get = src.get
+    get = (lambda k: None if k in exempt else src.get(k)) if exempt else src.get
     max_tokens = None
     for key in ("max_tokens", "max_completion_tokens"):
         v = get(key)
@@ -286,7 +292,114 @@ def parse_overrides(src: dict, prefix: str) -> dict:
         if not isinstance(v, bool):
             raise bad(prefix + "ignore_eos", "true or false", v)
         out["ignore_eos"] = v
+    _parse_more(get, prefix, endpoint, out)
     return out
+
+
+NUMBER_01 = "a number in [0, 1]"
+PENALTY_EXPECTED = "a number in [-2, 2]"
+LOGPROBS_EXPECTED = f"an integer in [0, {LOGPROBS_MAX}]"
+
+
+def _number_in(v: object, name: str, ok: Callable[[float], bool], expected: str) -> float:
+    x = _as_number(v, name, expected)
+    if not ok(x):
+        raise bad(name, expected, v)
+    return x
+
+
+def _bool_field(v: object, name: str) -> bool:
+    if not isinstance(v, bool):
+        raise bad(name, "true or false", v)
+    return v
+
+
+def _logit_bias(value: object, name: str) -> dict[int, float]:
+    """{"token id": bias} (JSON object keys are strings; Parquet may give int keys, a struct's
+    absent keys as null, or a map as [key, value] pairs) -> {id: bias}."""
+    expected = "an object mapping token ids to biases in [-100, 100]"
+    if isinstance(value, dict):
+        items = [(k, v) for k, v in value.items() if v is not None]
+    elif isinstance(value, list) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        items = [tuple(p) for p in value]
+    else:
+        raise bad(name, expected, value)
+    if len(items) > LOGIT_BIAS_MAX:
+        raise BadField(f"field '{name}': expected at most {LOGIT_BIAS_MAX} entries, got {len(items)}")
+    out: dict[int, float] = {}
+    for key, bias in items:
+        where = _key_path(name, key)
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19:
+            tok = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            tok = key
+        else:
+            raise BadField(f"field '{where}': expected a token id (an integer >= 0) as the key")
+        if not 0 <= tok <= INT64_MAX:
+            raise BadField(f"field '{where}': expected a token id (an integer >= 0) as the key")
+        if tok in out:
+            raise BadField(f"field '{name}': token id {tok} given twice")
+        out[tok] = _number_in(bias, where, lambda b: -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE,
+                              "a bias in [-100, 100]")
+    return out
+
+
+def _parse_more(get: Callable[[str], object], prefix: str, endpoint: str | None, out: dict) -> None:
+    """The fields beyond the basic ones: processors, logprobs, n, output text options."""
+    if (v := get("min_tokens")) is not None:
+        out["min_tokens"] = _int_in(v, prefix + "min_tokens", 0, INT32_MAX, f"an integer in [0, {INT32_MAX}]")
+        if out["min_tokens"] > out.get("max_tokens", INT32_MAX):
+            raise BadField(f"field '{prefix}min_tokens': {out['min_tokens']} is more than "
+                           f"max_tokens ({out['max_tokens']})")
+    if (v := get("min_p")) is not None:
+        out["min_p"] = _number_in(v, prefix + "min_p", lambda x: 0 <= x <= 1, NUMBER_01)
+    if (v := get("repetition_penalty")) is not None:
+        out["repetition_penalty"] = _number_in(v, prefix + "repetition_penalty", lambda x: x > 0,
+                                               "a number > 0 (1 = off)")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if (v := get(key)) is not None:
+            out[key] = _number_in(v, prefix + key, lambda x: -PENALTY_RANGE <= x <= PENALTY_RANGE, PENALTY_EXPECTED)
+    if (v := get("logit_bias")) is not None:
+        bias = _logit_bias(v, prefix + "logit_bias")
+        if bias:
+            out["logit_bias"] = bias
+
+    # logprobs: chat spells `logprobs: true` + `top_logprobs: k`; completions `logprobs: k`.
+    lp, top = get("logprobs"), get("top_logprobs")
+    k_top = None
+    if top is not None:
+        k_top = _int_in(top, prefix + "top_logprobs", 0, LOGPROBS_MAX, LOGPROBS_EXPECTED)
+    if lp is None or lp is False:
+        if k_top:
+            raise BadField(f"field '{prefix}top_logprobs': needs '{prefix}logprobs': true")
+    elif lp is True:
+        if endpoint == "completion":
+            raise bad(prefix + "logprobs", f"{LOGPROBS_EXPECTED} (the completions API's spelling)", lp)
+        out["logprobs"] = k_top or 0
+    else:
+        if endpoint == "chat":
+            raise bad(prefix + "logprobs", "true or false (chat completions: 'top_logprobs' sets how "
+                      "many alternatives)", lp)
+        out["logprobs"] = _int_in(lp, prefix + "logprobs", 0, LOGPROBS_MAX, LOGPROBS_EXPECTED)
+        if k_top:
+            raise BadField(f"field '{prefix}top_logprobs': goes with 'logprobs': true (with "
+                           f"'logprobs': {out['logprobs']}, leave it out)")
+
+    n = 1
+    if (v := get("n")) is not None:
+        n = _int_in(v, prefix + "n", 1, N_MAX, f"an integer in [1, {N_MAX}]")
+        if n > 1:          # n: 1, like logprobs: false, asks for nothing: the run's defaults apply
+            out["n"] = n
+    if (v := get("best_of")) is not None:
+        best_of = _int_in(v, prefix + "best_of", 1, INT32_MAX, f"an integer >= n ({n})")
+        if best_of < n:
+            raise bad(prefix + "best_of", f"an integer >= n ({n})", v)
+        if best_of > n:
+            raise BadField(f"field '{prefix}best_of': best_of > n is not supported by specbatch (got "
+                           f"{best_of} with n {n}); remove it or set it to n")
+    for key in ("include_stop_str_in_output", "skip_special_tokens"):
+        if (v := get(key)) is not None:
+            out[key] = _bool_field(v, prefix + key)
 
 
 def check_unsupported(src: dict, prefix: str, exempt: Sequence[str] = ()) -> None:

@@ -4,7 +4,10 @@
      "body": <chat.completion | text_completion>}, "error": null, "specbatch": {"row": ..., "spec": ...}}
 
 The body is a `chat.completion` (choices[].message) for chat requests and a `text_completion`
-(choices[].text) for completions, with `usage`. A row that could not run is a line with
+(choices[].text) for completions, with `usage` (completion_tokens over every choice when n > 1).
+`choices[].logprobs` is null unless the row asked: chat `{"content": [{"token", "logprob", "bytes",
+"top_logprobs": [...]}]}`, completions `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`
+(each top_logprobs dict also holds the sampled token, as OpenAI's legacy API does). A row that could not run is a line with
 `response` null and `error` {"code", "message"}. Speculation stats and the input row number ride
 along in the extra top-level field `specbatch` (ignored by OpenAI clients; a resume reads the row
 back from it). Ids are derived from the row and custom_id, so a rerun writes the same ids.
@@ -29,23 +32,67 @@ def to_openai_line(rec: dict[str, Any], model: str) -> dict[str, Any]:
         line.update(response=None, error={"code": ERROR_CODE, "message": rec["error"]})
     else:
         chat = rec.get("endpoint") == "chat"
-        choice: dict[str, Any] = {"index": 0, "finish_reason": rec.get("finish_reason"), "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": rec.get("completion")}
-        else:
-            choice["text"] = rec.get("completion")
+        native = rec.get("choices") or [{"index": 0, "completion": rec.get("completion"),
+                                         "finish_reason": rec.get("finish_reason"), "logprobs": rec.get("logprobs")}]
+        choices = []
+        for c in native:
+            choice: dict[str, Any] = {"index": c["index"], "finish_reason": c.get("finish_reason"),
+                                      "logprobs": _openai_logprobs(c.get("logprobs"), chat)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": c.get("completion")}
+            else:
+                choice["text"] = c.get("completion")
+            choices.append(choice)
         usage = {"prompt_tokens": rec.get("prompt_tokens") or 0, "completion_tokens": rec.get("completion_tokens") or 0}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{_hex('body', row, custom_id)}",
                 "object": "chat.completion" if chat else "text_completion",
                 "created": rec.get("created") or 0, "model": rec.get("request_model") or model,
-                "choices": [choice], "usage": usage}
+                "choices": choices, "usage": usage}
         line.update(response={"status_code": 200, "request_id": f"req-{_hex('req', row, custom_id)}", "body": body},
                     error=None)
     line["specbatch"] = {"row": row, "spec": rec.get("spec"), "batch_line": bool(rec.get("batch_line"))}
     if rec.get("output_token_ids") is not None:
         line["specbatch"]["output_token_ids"] = rec["output_token_ids"]
     return line
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", "replace"))
+
+
+def _openai_logprobs(entries: list[dict[str, Any]] | None, chat: bool) -> dict[str, Any] | None:
+    """The native logprobs column (records.logprob_entries) in the OpenAI shape of the endpoint."""
+    if entries is None:
+        return None
+    if chat:
+        return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": _bytes(e["token"]),
+                             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": _bytes(t["token"])}
+                                              for t in e["top_logprobs"]]} for e in entries]}
+    offsets, at = [], 0
+    tops = []
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+        top: dict[str, float] = {}
+        for t in [*e["top_logprobs"], e]:       # tokens decoding alike share a key: the likeliest's value
+            top.setdefault(t["token"], t["logprob"])
+        tops.append(top)
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def _native_logprobs(lp: dict[str, Any] | None, chat: bool) -> list[dict[str, Any]] | None:
+    """An OpenAI logprobs object back as the native column (token ids are not in it: null)."""
+    if lp is None:
+        return None
+    if chat:
+        return [{"token_id": None, "token": c["token"], "logprob": c["logprob"],
+                 "top_logprobs": [{"token_id": None, "token": t["token"], "logprob": t["logprob"]}
+                                  for t in c.get("top_logprobs") or []]} for c in lp.get("content") or []]
+    return [{"token_id": None, "token": tok, "logprob": lp_, "top_logprobs": [
+                {"token_id": None, "token": t, "logprob": v} for t, v in (top or {}).items()]}
+            for tok, lp_, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])]
 
 
 def from_openai_line(line: dict[str, Any]) -> dict[str, Any]:
@@ -58,9 +105,14 @@ def from_openai_line(line: dict[str, Any]) -> dict[str, Any]:
         rec.update(error=line["error"].get("message"), completion=None, prompt_tokens=0, completion_tokens=0)
         return rec
     body = line["response"]["body"]
-    choice = body["choices"][0]
     chat = body.get("object") == "chat.completion"
-    rec.update(error=None, completion=choice["message"]["content"] if chat else choice.get("text"),
+    choices = [{"index": c["index"], "completion": c["message"]["content"] if chat else c.get("text"),
+                "completion_tokens": None, "finish_reason": c.get("finish_reason"),
+                "logprobs": _native_logprobs(c.get("logprobs"), chat), "output_token_ids": None}
+               for c in body["choices"]]
+    choice = choices[0]
+    rec.update(error=None, completion=choice["completion"], logprobs=choice["logprobs"],
+               choices=choices if len(choices) > 1 else None,
                finish_reason=choice.get("finish_reason"), prompt_tokens=body["usage"]["prompt_tokens"],
                completion_tokens=body["usage"]["completion_tokens"], endpoint="chat" if chat else "completion",
                batch_line=extra.get("batch_line", True),

@@ -131,7 +131,7 @@ def _parse_body(obj: dict, req: RowRequest) -> None:
             req.prompt_token_ids = check_token_ids(p, "body.prompt", non_empty=True)
         else:
             req.prompt = check_prompt(p, "body.prompt")
-    req.overrides = parse_overrides(body, "body.")
+    req.overrides = parse_overrides(body, "body.", endpoint=req.endpoint)
     check_unsupported(body, "body.")
 
 
@@ -153,7 +153,7 @@ def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequenc
     else:
         req.prompt_token_ids = check_token_ids(obj[form], form, non_empty=True)
     req.endpoint = "chat" if form == "messages" else "completion"
-    req.overrides = parse_overrides(obj, "")
+    req.overrides = parse_overrides(obj, "", exempt=exempt)
     check_unsupported(obj, "", exempt)
 
 

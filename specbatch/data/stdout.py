@@ -48,6 +48,9 @@ class StdoutWriter:
             self.output_format = "openai" if rec.get("batch_line") else "native"
         out = {c.name: _struct_value(rec.get(c.name), c.type) if c.type is not None and pa.types.is_struct(c.type)
                else rec.get(c.name) for c in self.standard}
+        for name in ("logprobs", "choices"):        # on the rows that asked for them
+            if rec.get(name) is not None:
+                out[name] = rec[name]
         if self.output_format == "openai":
             out = to_openai_line({**rec, **out}, self.model_name)
         out.update((c, rec.get(c)) for c in self.keep_columns)

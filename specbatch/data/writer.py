@@ -345,9 +345,10 @@ class OutputWriter:
         return from_openai_line(line) if "custom_id" in line and "specbatch" in line else line
 
     def _part_table(self, items: list[tuple[dict, bytes]]) -> pa.Table:
-        # Parts hold every column a final format may need (the OpenAI ones too).
+        # Parts hold every column a final format may need (the OpenAI ones, logprobs and choices too).
         return part_table([r for r, _ in items], [d for _, d in items],
-                          options={"save_token_ids": self.save_token_ids, "openai": True},
+                          options={"save_token_ids": self.save_token_ids, "openai": True, "logprobs": True,
+                                   "choices": True},
                           keep_columns=self.keep_columns, json_typed=self.format == "jsonl")
 
     def _part_name(self) -> str:
@@ -391,6 +392,16 @@ class OutputWriter:
                     return True
         return False
 
+    @staticmethod
+    def _any_set(parts: list[str], column: str) -> bool:
+        """Whether some row of the parts holds a value in `column` (logprobs, choices: written
+        when some row of the job asked for them)."""
+        for p in parts:
+            if column in pq.read_schema(p).names and pq.read_table(p, columns=[column]).column(column).null_count \
+                    < pq.read_metadata(p).num_rows:
+                return True
+        return False
+
     def finalize(self) -> int:
         """Commit, merge all parts into the final file (sorted by row, deduplicated); return the row count."""
         if self.complete:
@@ -401,7 +412,8 @@ class OutputWriter:
         try:
             parts = self._part_paths()
             openai = self._openai_output(parts)
-            options = {"save_token_ids": self.save_token_ids, "openai": openai}
+            options = {"save_token_ids": self.save_token_ids, "openai": openai,
+                       "logprobs": self._any_set(parts, "logprobs"), "choices": self._any_set(parts, "choices")}
             schema, as_json = merged_schema([pq.read_schema(p) for p in parts], options, self.keep_columns)
             rows, digests = part_rows(parts)
         except OSError as e:

@@ -10,7 +10,12 @@
 
 The device half is three stages (propose; verify + accept + device commit; extend), run eagerly
 or replayed as CUDA graphs; the one host synchronisation is the copy of the emitted tokens and
-their counts. Rows become requests and requests become records elsewhere (engine.py).
+their counts (and, when a row asked for them, their logprobs). Rows become requests and requests
+become records elsewhere (engine.py).
+
+Logits processors (min_tokens, logit_bias, penalties: processors.py) act in verify on every tree
+node with the state that node's path implies, before the acceptance walk; batches that use them
+(or logprobs) run their own graph variants, so batches that do not keep today's graphs.
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from typing import Callable
 import torch
 
 from ..models.attention import AttnMetadata
+from ..params import LOGPROBS_MAX
+from ..processors import Processors, count_tokens, processors_key
 from ..request import Request, StopChecker
 from .graphs import GraphRunner, capture_sizes
 from .profile import CycleTime, StageTimer
@@ -32,7 +39,10 @@ from ..speculative.drafter import Drafter, Proposal
 Slotted = list[tuple[int, Request]]
 # (tokens [B, N], parents [B, N], logits [B, N, V], sampling, lengths [B], max depth) -> Acceptance
 Acceptor = Callable[[Proposal, torch.Tensor, BatchSampling, torch.Tensor, int], Acceptance]
-_GREEDY = (True, False)       # graph variant: (all rows greedy, some row filters top-k / top-p)
+# Graph variant: (all rows greedy, some row filters (min-p / top-k / top-p), some row uses min-p,
+# processors key (processors.processors_key: None when no row uses them), logprobs width (None:
+# none asked)).
+_GREEDY = (True, False, False, None, None)
 
 
 def exact_acceptance(prop: Proposal, logits: torch.Tensor, sp: BatchSampling, lens: torch.Tensor,
@@ -54,6 +64,10 @@ class Batch:
     acc: Acceptance | None = None
     captured: list[torch.Tensor] | None = None   # target states the drafter reads
     out: torch.Tensor | None = None          # [B, D + 2]: emitted tokens, then their count
+    proc: Processors | None = None           # logits processors (None: no row uses one)
+    lp_k: int | None = None                  # logprobs: alternatives per token (None: no row asked)
+    lp_out: torch.Tensor | None = None       # [B, D + 1, 1 + lp_k]: each emitted token's logprob, then the top ones'
+    lp_ids: torch.Tensor | None = None       # [B, D + 1, lp_k]: the top alternatives' ids
 
 
 class SlotState:
@@ -65,6 +79,17 @@ class SlotState:
         self.last = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
         self.seq_lens = [0] * (num_slots + 1)
         self.dummy = num_slots
+        # Penalty state (processors.py), allocated when the first request with a penalty comes:
+        # 4 + 1 bytes per vocabulary entry per slot.
+        self.counts: torch.Tensor | None = None         # [slots + 1, V] int32: generated token counts
+        self.prompt_mask: torch.Tensor | None = None    # [slots + 1, V] bool: the prompt's tokens
+
+    def penalty_state(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.counts is None:
+            n = self.lens.shape[0]
+            self.counts = torch.zeros(n, vocab, dtype=torch.int32, device=self.lens.device)
+            self.prompt_mask = torch.zeros(n, vocab, dtype=torch.bool, device=self.lens.device)
+        return self.counts, self.prompt_mask
 
 
 class SpecCycle:
@@ -78,6 +103,7 @@ class SpecCycle:
         self.model, self.cache, self.drafter, self.state, self.stops = model, cache, drafter, state, stops
         self.target, self.acceptor = target, acceptor
         self.device = state.lens.device
+        self.vocab = model.cfg.vocab_size
         self.max_len = max_len
         self.page_table = getattr(cache, "page_table", None)
         self.timer = StageTimer(profile, self.device)
@@ -111,15 +137,21 @@ class SpecCycle:
             stage()
         marks.append(self.timer.mark())
         out = b.out[: len(active)].tolist()   # the host copy of the results
+        lps = lp_ids = None
+        if b.lp_k is not None:
+            lps, lp_ids = b.lp_out[: len(active)].tolist(), b.lp_ids[: len(active)].tolist()
 
         # commit on the host: stop checks, stats (device lengths and KV were committed in _verify)
         finished: Slotted = []
         emitted = 0
         N = b.prop.width
-        for (slot, req), row in zip(active, out):
+        for i, ((slot, req), row) in enumerate(zip(active, out)):
             n = row[-1]
             self.state.seq_lens[slot] += n
-            emitted += self.stops.append(req, row[:n])
+            kept = self.stops.append(req, row[:n])
+            emitted += kept
+            if req.logprobs is not None:
+                add_logprobs(req, lps[i][:kept], lp_ids[i][:kept])
             req.verify_steps += 1
             req.draft_tokens += N - 1
             req.accepted_tokens += n - 1
@@ -133,21 +165,37 @@ class SpecCycle:
 
     def _stages(self, active: Slotted) -> tuple[Batch, list]:
         """The batch of this cycle and its stages as callables: graph replays, or eager calls."""
+        if self.graphs is not None:
+            if not _same_layout(self._variant_of, active):      # the variant changes with the active set only
+                self._variant_of, self._variant = list(active), self._graph_variant(active)
+            cap = self.graphs.get(len(active), self._variant)
+            if not _same_layout(cap.layout, active):
+                self._fill(cap.batch, active)
+                cap.layout = list(active)     # the requests themselves: a new one never passes for an old one
+            return cap.batch, [g.replay for g in cap.graphs]
         slots = [s for s, _ in active]
         params = [r.params for _, r in active]
-        greedy = all(p.greedy for p in params)
-        if self.graphs is not None:
-            variant = _GREEDY if greedy else (False, any(p.top_k > 0 or p.top_p < 1.0 for p in params))
-            cap = self.graphs.get(len(active), variant)
-            layout = tuple((s, id(r)) for s, r in active)
-            if cap.layout != layout:
-                self._fill(cap.batch, slots, params)
-                cap.layout = layout
-            return cap.batch, [g.replay for g in cap.graphs]
+        rows = [(r.params, len(r.prompt_ids)) for _, r in active]
+        pkey = processors_key(rows, self.stops.eos_ids, self.vocab)
+        asked = [p.logprobs for p in params if p.logprobs is not None]
         b = Batch(slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
                   sp=BatchSampling.build(params, self.device),
-                  kv_bound=max(self.state.seq_lens[s] for s in slots))
+                  kv_bound=max(self.state.seq_lens[s] for s in slots),
+                  proc=None if pkey is None else Processors.build(rows, self.stops.eos_ids, self.vocab, self.device),
+                  lp_k=max(asked) if asked else None)
         return b, [lambda: self._propose(b), lambda: self._verify(b), lambda: self._extend(b)]
+
+    _variant_of: Slotted | None = None
+    _variant: tuple = _GREEDY
+
+    def _graph_variant(self, active: Slotted) -> tuple:
+        params = [r.params for _, r in active]
+        greedy = all(p.greedy for p in params)
+        any_filter = any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params)
+        any_min_p = any(not p.greedy and p.min_p > 0 for p in params)
+        pkey = processors_key([(r.params, len(r.prompt_ids)) for _, r in active], self.stops.eos_ids, self.vocab)
+        asked = any(p.logprobs is not None for p in params)
+        return greedy, any_filter, any_min_p, pkey, LOGPROBS_MAX if asked else None
 
     # Device stages: tensor work only, no host synchronisation (they are captured in graphs).
 
@@ -165,12 +213,23 @@ class SpecCycle:
                             kv_len=b.kv_bound + prop.width, tree_mask=prop.tree_mask, page_table=self.page_table)
         hidden, b.captured = self.target(prop.tokens, meta)
         logits = self.model.lm_head(hidden)                                      # [B, N, V]
+        proc = b.proc
+        if proc is not None:
+            # every node with its own path's state: generated = committed + 1 (the root) - prompt, + depth
+            penal = proc.penalties
+            logits = proc.apply(logits, prop.depths, lens + 1 - proc.prompt_len, prop.tokens, prop.tree_mask,
+                                st.counts[b.slots] if penal else None, st.prompt_mask[b.slots] if penal else None)
         acc = self.acceptor(prop, logits, b.sp, lens, self.drafter.max_depth)
         if prop.tree_mask is not None:
             compact_path(self.cache.data, b.slots, lens, acc.path, acc.num, page_table=self.page_table)
         st.lens[b.slots] = lens + acc.num
         st.last[b.slots] = acc.tokens.gather(1, (acc.num - 1)[:, None])[:, 0]
         st.lens[st.dummy:].zero_()              # pad rows all advanced the dummy slot
+        if proc is not None and proc.penalties:
+            count_tokens(st.counts, b.slots, acc.tokens, acc.num)
+            st.counts[st.dummy:].zero_()
+        if b.lp_k is not None:
+            b.lp_out, b.lp_ids = emitted_logprobs(logits, acc.path, acc.tokens, b.sp, b.lp_k)
         b.acc = acc
         b.out = torch.cat([acc.tokens, acc.num[:, None]], dim=1)
 
@@ -180,19 +239,58 @@ class SpecCycle:
 
     # ---- graph buffers and timing ---------------------------------------------------------------
 
-    def _static_batch(self, size: int, variant: tuple[bool, bool]) -> Batch:
-        greedy, any_filter = variant
+    def _static_batch(self, size: int, variant: tuple) -> Batch:
+        greedy, any_filter, any_min_p, pkey, lp_k = variant
         pad = [SamplingParams()] * size
         b = Batch(slots=torch.full((size,), self.state.dummy, dtype=torch.int64, device=self.device),
-                  sp=BatchSampling.build(pad, self.device), kv_bound=self.max_len)
+                  sp=BatchSampling.build(pad, self.device), kv_bound=self.max_len, lp_k=lp_k)
         b.sp.all_greedy, b.sp.any_filter = greedy, any_filter
+        if any_min_p:
+            b.sp.min_p = torch.zeros(size, dtype=torch.float32, device=self.device)
+        if pkey is not None:
+            b.proc = Processors.build([(p, 0) for p in pad], (), self.vocab, self.device, key=pkey)
+            if pkey[2]:
+                self.state.penalty_state(self.vocab)
         return b
 
-    def _fill(self, b: Batch, slots: list[int], params: list[SamplingParams]) -> None:
+    def _fill(self, b: Batch, active: Slotted) -> None:
         """Lay the active rows out in a captured batch's buffers; the rest become pad rows."""
-        pad = b.slots.shape[0] - len(slots)
-        src = BatchSampling.build(params + [SamplingParams()] * pad, torch.device("cpu"))
-        b.slots.copy_(torch.tensor(slots + [self.state.dummy] * pad))
+        pad = b.slots.shape[0] - len(active)
+        params = [r.params for _, r in active] + [SamplingParams()] * pad
+        src = BatchSampling.build(params, torch.device("cpu"))
+        b.slots.copy_(torch.tensor([s for s, _ in active] + [self.state.dummy] * pad))
         for name in ("temperature", "top_k", "top_p", "seed_lo", "seed_hi"):
             getattr(b.sp, name).copy_(getattr(src, name))
+        if b.sp.min_p is not None:
+            b.sp.min_p.copy_(src.min_p if src.min_p is not None else torch.zeros(len(params)))
+        if b.proc is not None:
+            rows = [(r.params, len(r.prompt_ids)) for _, r in active] + [(SamplingParams(), 0)] * pad
+            key = (b.proc.stop_ids.shape[1], b.proc.bias_ids.shape[1], b.proc.penalties)
+            b.proc.copy_(Processors.build(rows, self.stops.eos_ids, self.vocab, torch.device("cpu"), key=key))
+
+
+def _same_layout(old: Slotted | None, active: Slotted) -> bool:
+    """Whether `old` holds exactly these requests in these slots (by identity)."""
+    return old is not None and len(old) == len(active) and all(
+        r is q and s == t for (t, q), (s, r) in zip(old, active))
+
+
+def emitted_logprobs(logits: torch.Tensor, path: torch.Tensor, tokens: torch.Tensor, sp: BatchSampling,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, N, V] (processed) at every node, the acceptance's path [B, W] (token d was drawn at
+    node path[:, d]) and emitted tokens [B, W] -> ([B, W, 1 + k] the tokens' logprobs then the top
+    k logprobs, [B, W, k] the top ids), from the distribution each token was drawn from."""
+    B, N, V = logits.shape
+    W = path.shape[1]
+    at = logits.gather(1, path[:, :, None].expand(B, W, V)).float().reshape(B * W, V)
+    lp = sp.repeat_rows(W).target_logprobs(at).view(B, W, V)
+    top, ids = lp.topk(k, dim=-1)
+    return torch.cat([lp.gather(2, tokens[:, :, None]), top], dim=2), ids
+
+
+def add_logprobs(req: Request, lps: list[list[float]], ids: list[list[int]]) -> None:
+    """Append the kept tokens' logprobs (host lists from emitted_logprobs) to the request."""
+    k = req.params.logprobs or 0
+    for lp, top in zip(lps, ids):
+        req.logprobs.append((lp[0], top[:k], lp[1: 1 + k]))
 

@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 
-from .cycle import SlotState, Slotted, SpecCycle, exact_acceptance
+from .cycle import SlotState, Slotted, SpecCycle, add_logprobs, emitted_logprobs, exact_acceptance
 from .pool import plan_pool
 from .profile import CycleTime
 from ..data import RowError, RowRequest
 from ..models.attention import AttnMetadata
-from ..models.config import generation_eos_ids
+from ..models.config import generation_eos_ids, generation_sampling_defaults
 from ..models.eagle3 import Eagle3Head
 from ..models.llama import CausalLM, fuse_projections
 from ..models.loader import load_target
@@ -27,13 +27,14 @@ from ..prompts import PromptError, encode_row, load_tokenizer, too_long
 from ..request import Request, StopChecker
 from ..runtime.kv_cache import PagedKVCache
 from ..runtime.pages import PageAllocator
-from ..params import SamplingParams
+from ..params import SamplingError, SamplingParams
+from ..processors import Processors, count_tokens, reset_slots
 from ..sampling import BatchSampling, sample
 from ..scheduler import SlotScheduler
 from ..speculative.drafter import Drafter
 from ..speculative.factory import SpecConfig, make_drafter
-from ..records import Finished, completion_record, error_record
-from ..stats import spec_stats
+from ..records import Finished, completion_record, error_record, logprob_entries
+from ..stats import combined_spec_stats, spec_stats
 
 # A source may yield WAIT: "no row ready now, more may come" (a worker fed over a queue); the
 # engine decodes what it has and asks again. None still means the input ended.
@@ -56,6 +57,15 @@ class EngineOptions:
     fused: bool | None = None            # the cycle as ONE graph (None: the recipe's choice, naive_2token)
     profile: bool = False                # record per-cycle stage timings and prefill time
     simulate_acceptance: tuple[float, ...] | None = None   # bench only: per-position acceptance
+
+
+@dataclass
+class Choices:
+    """The n completions of one row: one record when the last of them finishes. Greedy rows run
+    one request and repeat it (the n choices of a greedy row are identical)."""
+    n: int
+    reqs: list[Request] = field(default_factory=list)
+    done: int = 0
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -90,9 +100,12 @@ class Engine:
             self.model, _ = load_target(model_dir, opts.dtype, self.device)
             self.tokenizer = load_tokenizer(model_dir)
             eos = generation_eos_ids(model_dir) or self.model.cfg.eos_token_ids
+            # sampling values the model's generation_config.json sets: for rows, flags and recipes that set none
+            self.model_defaults = generation_sampling_defaults(model_dir)
         else:
             self.model, self.device, self.tokenizer = model, model.lm_head.weight.device, tokenizer
             eos = model.cfg.eos_token_ids
+            self.model_defaults = {}
         fuse_projections(self.model)
         self.cfg = self.model.cfg
         self.dtype = self.model.lm_head.weight.dtype
@@ -131,6 +144,7 @@ class Engine:
                                acceptor=acceptor, max_len=self.max_len, graphs=opts.graphs,
                                fused=self.fused, profile=opts.profile)
         self.prefill_forwards = 0
+        self._token_text: dict[int, str] = {}     # token id -> its text, for logprobs
         self.prefill_s = 0.0                 # host clock (synchronised) when profiling
         self.occupancy: list[int] = []       # active slots per cycle when profiling
         self.waited = 0                      # admissions a request waited for pages
@@ -181,21 +195,76 @@ class Engine:
             return error_record(item.row, item.id, str(too_long(where, self.max_len, f"{len(ids)} tokens")),
                                 item.keep, prompt_tokens=len(ids))
         try:
-            params = defaults.for_row(item.overrides, item.row)
+            params = defaults.for_row(item.overrides, item.row, self.model_defaults)
+        except SamplingError as e:
+            prefix = "body." if item.batch_line else ""
+            return error_record(item.row, item.id, f"{where}: field '{prefix}{e.field}': {e.detail}",
+                                item.keep, prompt_tokens=len(ids))
         except Exception as e:
             from ..prompts import exception_line
 
             return error_record(item.row, item.id, f"{where}: invalid sampling parameters ({exception_line(e)})",
                                 item.keep, prompt_tokens=len(ids))
+        outside = [t for t, _ in params.logit_bias if t >= self.cfg.vocab_size]
+        if outside:
+            name = ("body.logit_bias" if item.batch_line else "logit_bias") if "logit_bias" in item.overrides \
+                else "logit_bias (--logit-bias or the recipe's sampling.logit_bias)"
+            return error_record(item.row, item.id, f"{where}: field '{name}': token id {outside[0]} is outside "
+                                f"the model's vocabulary (size {self.cfg.vocab_size})", item.keep, prompt_tokens=len(ids))
         return Request(row=item.row, id=item.id, prompt_ids=ids, params=params,
                        max_new=min(params.max_tokens, self.max_len - len(ids)), keep=item.keep,
-                       endpoint=item.endpoint, request_model=item.request_model, batch_line=item.batch_line)
+                       endpoint=item.endpoint, request_model=item.request_model, batch_line=item.batch_line,
+                       logprobs=None if params.logprobs is None else [])
+
+    def choices(self, req: Request) -> list[Request]:
+        """The requests that run for a row: itself, or its n choices (choice i on its own seed
+        stream; a greedy row runs once, its choices being identical)."""
+        n = req.params.n
+        if n == 1:
+            return [req]
+        group = Choices(n=n)
+        runs = 1 if req.params.greedy else n
+        group.reqs = [req] + [replace(req, params=req.params.for_choice(i), choice=i, output_ids=[], histogram=[],
+                                      logprobs=None if req.logprobs is None else [])
+                              for i in range(1, runs)]
+        for r in group.reqs:
+            r.group = group
+        return group.reqs
+
+    def _token(self, tok: int) -> str:
+        text = self._token_text.get(tok)
+        if text is None:
+            text = self._token_text[tok] = self.tokenizer.decode([tok], skip_special_tokens=False)
+        return text
+
+    def _logprobs(self, req: Request) -> list[dict[str, Any]] | None:
+        if req.logprobs is None:
+            return None
+        return logprob_entries(req.output_ids, req.logprobs, self._token)
 
     def record(self, req: Request) -> dict[str, Any]:
         return completion_record(Finished(
             row=req.row, id=req.id, text=self.stops.completion_text(req), prompt_tokens=len(req.prompt_ids),
             output_ids=req.output_ids, finish_reason=req.finish_reason, spec=spec_stats(req),
-            endpoint=req.endpoint, request_model=req.request_model, batch_line=req.batch_line), req.keep)
+            endpoint=req.endpoint, request_model=req.request_model, batch_line=req.batch_line,
+            logprobs=self._logprobs(req)), req.keep)
+
+    def group_record(self, group: Choices) -> dict[str, Any]:
+        """One record for a row's n choices: choice 0 in the top-level columns, every choice in
+        `choices`; completion_tokens and spec count every request that ran."""
+        ran = sorted(group.reqs, key=lambda r: r.choice)
+        choices = []
+        for i in range(group.n):
+            r = ran[i] if i < len(ran) else ran[0]
+            choices.append({"index": i, "completion": self.stops.completion_text(r),
+                            "completion_tokens": len(r.output_ids), "finish_reason": r.finish_reason,
+                            "logprobs": self._logprobs(r), "output_token_ids": list(r.output_ids)})
+        first = ran[0]
+        return completion_record(Finished(
+            row=first.row, id=first.id, text=choices[0]["completion"], prompt_tokens=len(first.prompt_ids),
+            output_ids=first.output_ids, finish_reason=first.finish_reason, spec=combined_spec_stats(ran),
+            endpoint=first.endpoint, request_model=first.request_model, batch_line=first.batch_line,
+            logprobs=choices[0]["logprobs"], choices=choices), first.keep)
 
     def _rows_needed(self, req: Request) -> int:
         return len(req.prompt_ids) + req.max_new + self.headroom
@@ -229,7 +298,8 @@ class Engine:
                 if isinstance(req, dict):
                     yield req
                 else:
-                    sched.add(req)
+                    for r in self.choices(req):
+                        sched.add(r)
             active = sched.active()
             free = self.num_slots - len(active)
             if sched.queued() and (not active or free >= min(wave, sched.queued())):
@@ -266,7 +336,13 @@ class Engine:
         for slot, req in finished:
             sched.release(slot)
             self.pages.release(slot)
-            yield self.record(req)
+            group = req.group
+            if group is None:
+                yield self.record(req)
+            else:
+                group.done += 1
+                if group.done == len(group.reqs):
+                    yield self.group_record(group)
 
     # ---- prefill ------------------------------------------------------------------------------
 
@@ -293,15 +369,41 @@ class Engine:
             hidden, captured = self._target(ids, meta)
             self.prefill_forwards += 1
             last = hidden[torch.arange(B, device=self.device), lengths - 1]          # [B, H]
-            sp = BatchSampling.build([r.params for _, r in group], self.device)
-            first = sample(self.model.logits(last), sp, lengths)
+            params = [r.params for _, r in group]
+            sp = BatchSampling.build(params, self.device)
+            logits = self.model.logits(last)
+            rows = [(p, n) for p, n in zip(params, lens)]
+            counts = None
+            if any(p.uses_processors for p in params):
+                # the first token: nothing generated yet (min_tokens), counts zero, the prompt present
+                proc = Processors.build(rows, self.eos_ids, self.cfg.vocab_size, self.device)
+                pm = None
+                if proc.penalties:
+                    counts, prompt_mask = st.penalty_state(self.cfg.vocab_size)
+                    reset_slots(counts, prompt_mask, slots, ids, lengths)
+                    pm = prompt_mask[slots]
+                zero = torch.zeros(B, 1, dtype=torch.int64, device=self.device)
+                logits = proc.apply(logits[:, None, :], zero, zero[:, 0], zero, None,
+                                    None if counts is None else counts[slots], pm)[:, 0]
+            first = sample(logits, sp, lengths)
+            if counts is not None:
+                count_tokens(counts, slots, first[:, None], torch.ones_like(first))
+            lps = lp_ids = None
+            asked = [p.logprobs for p in params if p.logprobs is not None]
+            if asked:
+                zero = torch.zeros(B, 1, dtype=torch.int64, device=self.device)
+                lp, top = emitted_logprobs(logits[:, None, :], zero, first[:, None], sp, max(asked))
+                lps, lp_ids = lp.tolist(), top.tolist()
             self.drafter.prefill(slots, ids, lengths, captured, first)
             st.lens[slots], st.last[slots] = lengths, first
-            for (slot, req), tok, n in zip(group, first.tolist(), lens):
+            for i, ((slot, req), tok, n) in enumerate(zip(group, first.tolist(), lens)):
                 st.seq_lens[slot] = n
                 req.histogram = [0] * (self.drafter.max_depth + 1)
                 req.verify_steps = 1                 # the prefill: a forward that verified no drafts
-                self._prefill_tokens_emitted += self.stops.append(req, [tok])
+                kept = self.stops.append(req, [tok])
+                self._prefill_tokens_emitted += kept
+                if req.logprobs is not None:
+                    add_logprobs(req, lps[i][:kept], lp_ids[i][:kept])
                 if req.finished:
                     finished.append((slot, req))
         if self.opts.profile:

@@ -48,7 +48,7 @@ def _no_collection():
 class Captured:
     batch: Any                                   # the engine's batch over static buffers
     graphs: list[torch.cuda.CUDAGraph]           # one per stage group, replayed in order
-    layout: Hashable = None                      # what the buffers hold now (skips refilling)
+    layout: Any = None                           # the (slot, request) pairs the buffers hold now (skips refilling)
 
 
 @dataclass

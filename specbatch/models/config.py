@@ -124,6 +124,45 @@ def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
         raise ModelError(f"{path}: not valid JSON ({e})") from None
 
 
+def generation_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
+    """The sampling values generation_config.json sets (temperature, top_p, top_k,
+    repetition_penalty; null or absent ones are left out): what rows that set none of them run
+    with when neither the flags nor the recipe set them either, as vLLM applies them (whatever
+    `do_sample` says). A value out of range is a one-line ModelError naming the file and key."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        return {}
+    out: dict[str, Any] = {}
+
+    def number(key: str, ok, expected: str) -> None:
+        v = raw.get(key)
+        if v is None:
+            return
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or not ok(v):
+            raise ModelError(f"{path}: {key}: expected {expected}, got {v!r}")
+        out[key] = v
+
+    number("temperature", lambda v: 0 <= v < float("inf"), "a number >= 0")
+    number("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
+    number("top_k", lambda v: float(v).is_integer() and v >= -1, "an integer >= 0 (0 or -1: off)")
+    number("repetition_penalty", lambda v: 0 < v < float("inf"), "a number > 0")
+    if "temperature" in out:
+        out["temperature"] = float(out["temperature"])
+    if "top_p" in out:
+        out["top_p"] = float(out["top_p"])
+    if "top_k" in out:
+        out["top_k"] = max(int(out["top_k"]), 0)
+    if "repetition_penalty" in out:
+        out["repetition_penalty"] = float(out["repetition_penalty"])
+    return out
+
+
 def _ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()

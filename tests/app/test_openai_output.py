@@ -107,7 +107,7 @@ def _batch(i: int, kind: str) -> dict:
 def batch_file(tmp_path):
     rows = [_batch(i, "chat" if i % 3 else "completion") for i in range(9)]
     rows[4] = {"custom_id": "req-4", "method": "POST", "url": "/v1/chat/completions",
-               "body": {"messages": [{"role": "user", "content": "x"}], "min_tokens": 3}}     # not supported yet
+               "body": {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}}   # not supported
     p = tmp_path / "batch.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return p, rows
@@ -129,7 +129,7 @@ def test_openai_batch_input_writes_openai_batch_output(tiny_model, batch_file, t
     want = [json.loads(x) for x in native.read_text().splitlines()]
     for ln, raw, w in zip(lines, rows, want):
         if raw["custom_id"] == "req-4":
-            assert ln.response is None and "min_tokens" in ln.error.message
+            assert ln.response is None and "use_beam_search" in ln.error.message
             continue
         assert ln.error is None and ln.response.status_code == 200 and ln.response.request_id
         b = body(ln)

@@ -12,15 +12,12 @@ from bad_rows_helpers import MESSAGES, WHERE, err, parse
 
 
 NON_DEFAULT = {
-    "n": 2, "best_of": 3, "logprobs": True, "top_logprobs": 5, "prompt_logprobs": 1,
-    "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "length_penalty": 0.8,
-    "min_p": 0.05, "min_tokens": 30, "logit_bias": {"42": 5}, "response_format": {"type": "json_object"},
+    "prompt_logprobs": 1, "length_penalty": 0.8, "response_format": {"type": "json_object"},
     "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["a", "b"],
     "guided_grammar": "root ::= x", "structured_outputs": {"json": {}}, "tools": [{"type": "function"}],
     "tool_choice": "required", "functions": [{"name": "f"}], "function_call": {"name": "f"},
     "parallel_tool_calls": "yes", "use_beam_search": True, "bad_words": ["x"], "allowed_token_ids": [1, 2],
-    "truncate_prompt_tokens": 10, "include_stop_str_in_output": True, "skip_special_tokens": False,
-    "spaces_between_special_tokens": False, "echo": True, "suffix": "}", "stream": True,
+    "truncate_prompt_tokens": 10, "spaces_between_special_tokens": False, "echo": True, "suffix": "}", "stream": True,
     "stream_options": {"include_usage": True}, "prediction": {"type": "content", "content": "x"},
     "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "reasoning_effort": "high",
 }
@@ -52,9 +49,9 @@ def test_unsupported_field_with_a_value_is_a_row_error(name):
 
 
 def test_unsupported_message():
-    e = err({"body": {"prompt": "x", "min_tokens": 30}})
-    assert e.error == (f"{WHERE}: field 'body.min_tokens': not supported by specbatch yet (got 30); "
-                       "remove it or set it to its default 0")
+    e = err({"body": {"prompt": "x", "length_penalty": 0.5}})
+    assert e.error == (f"{WHERE}: field 'body.length_penalty': not supported by specbatch yet (got 0.5); "
+                       "remove it or set it to its default 1.0")
 
 
 def test_defaults_are_accepted():
@@ -86,13 +83,13 @@ def test_method_must_be_post():
 def test_unsupported_fields_in_parquet(tmp_path):
     path = tmp_path / "u.parquet"
     pq.write_table(pa.Table.from_pylist([
-        {"prompt": "a", "min_tokens": 0, "body": None},
-        {"prompt": "b", "min_tokens": 5, "body": None},
+        {"prompt": "a", "length_penalty": 1.0, "body": None},
+        {"prompt": "b", "length_penalty": 5.0, "body": None},
     ]), path)
     out = list(open_rows(str(path)))
     assert isinstance(out[0], RowRequest)
-    assert out[1].error == (f"{path} row 1: field 'min_tokens': not supported by specbatch yet (got 5); "
-                            "remove it or set it to its default 0")
+    assert out[1].error == (f"{path} row 1: field 'length_penalty': not supported by specbatch yet (got 5.0); "
+                            "remove it or set it to its default 1.0")
     path = tmp_path / "b.parquet"
     pq.write_table(pa.Table.from_pylist([
         {"custom_id": "x", "method": "POST", "body": {"prompt": "a", "logprobs": False}},

@@ -74,7 +74,7 @@ def test_graph_replay_equals_eager_sampling(name, target_dir, mtp_target_dir, ea
     got, _, eng = _run(model, spec, 4, graphs=True, **defaults)
     assert got == ref
     # the sampling variant is captured on first use, next to the greedy one
-    assert {v for _, v in eng.graphs._graphs} == {(True, False), (False, True)}
+    assert {v for _, v in eng.graphs._graphs} == {(True, False, False, None, None), (False, True, False, None, None)}
 
 
 def test_graph_sizes_pad_to_the_next_capture(target_dir, eagle3_dir):

@@ -22,7 +22,7 @@ def test_with_overrides_valid():
     assert r.source == base.source
     assert base.batch_size is None  # frozen original untouched
     r = base.with_overrides(sampling={"top_k": 5})
-    assert r.sampling.top_k == 5 and r.sampling.top_p == 1.0
+    assert r.sampling.top_k == 5 and r.sampling.top_p is None      # unset: the model's generation_config, else 1.0
 
 
 def test_with_overrides_switching_algorithm():

@@ -1,0 +1,105 @@
+"""generation_config.json's sampling values (temperature, top_p, top_k, repetition_penalty) apply
+to rows when neither the row, the flags nor the recipe set them, as vLLM applies them; shown by
+`specbatch inspect`; a value out of range is a one-line error naming the file and key. Also the
+run flags of the other sampling fields, and their one-line errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli_runner import cli, ok
+from errors import one_line_cli_error
+from processors_helpers import ids, prompts, rows, run
+from specbatch.cli import EXIT_USAGE
+from specbatch.engine import Engine, EngineOptions
+from specbatch.models.config import ModelError
+from specbatch.recipe import SamplingDefaults
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GEN = {"eos_token_id": 0, "do_sample": False, "temperature": 0.7, "top_k": 5, "repetition_penalty": 1.3}
+
+
+@pytest.fixture(scope="module")
+def gen_model(tiny_model_factory):
+    d = tiny_model_factory("llama3", tag="gen-defaults")          # the tiny model's weights, its own copy
+    (d / "generation_config.json").write_text(json.dumps(GEN))
+    return d
+
+
+def test_model_defaults_fill_what_nobody_set(gen_model, tiny_model):
+    r = rows(prompts(4), [{"seed": i} for i in range(4)])
+    model = ids(run(gen_model, r, 2))
+    explicit = ids(run(tiny_model, r, 2, temperature=0.7, top_k=5, repetition_penalty=1.3))
+    assert model == explicit
+    assert model != ids(run(tiny_model, r, 2))                                    # not greedy
+    # a row's own value wins, then the flags' / recipe's
+    greedy_rows = rows(prompts(4), {"temperature": 0})
+    assert ids(run(gen_model, greedy_rows, 2)) == ids(run(tiny_model, greedy_rows, 2, repetition_penalty=1.3))
+    assert ids(run(gen_model, r, 2, temperature=0.0, repetition_penalty=1.0)) == ids(run(tiny_model, r, 2))
+    assert ids(run(gen_model, rows(prompts(4), {"top_k": 0, "seed": 1}), 2)) == \
+        ids(run(tiny_model, rows(prompts(4), {"seed": 1}), 2, temperature=0.7, repetition_penalty=1.3))
+
+
+def _table_text(stdout: str) -> str:
+    """The inspect table's cells as one line (wrapped cells joined)."""
+    return " ".join(stdout.replace("│", " ").split())
+
+
+def test_inspect_shows_the_defaults(gen_model, tiny_model):
+    out = _table_text(ok("inspect", "--model", gen_model).stdout)
+    assert "temperature 0.7 (generation_config.json)" in out and "top_p 1.0 (default)" in out
+    assert "top_k 5 (generation_config.json)" in out and "repetition_penalty 1.3 (generation_config.json)" in out
+    out = _table_text(ok("inspect", "--model", tiny_model).stdout)
+    assert "temperature 0.0 (default)" in out
+
+
+def test_bad_generation_config_value(tiny_model_factory):
+    d = tiny_model_factory("llama3", tag="gen-bad")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "top_p": 0}))
+    with pytest.raises(ModelError, match=r"generation_config.json: top_p: expected a number in \(0, 1\], got 0"):
+        Engine(d, EngineOptions(batch_size=1, device="cpu"))
+    line = one_line_cli_error(cli("inspect", "--model", d), EXIT_USAGE)
+    assert "generation_config.json: top_p: expected a number in (0, 1], got 0" in line
+
+
+def test_logit_bias_outside_the_vocabulary_is_the_rows_error(tiny_model):
+    eng = Engine(tiny_model, EngineOptions(batch_size=1, device="cpu"))
+    (rec,) = eng.generate(rows(prompts(1), {"logit_bias": {320: 1.0}}), SamplingDefaults(max_tokens=2))
+    assert rec["error"] == "row 0: field 'logit_bias': token id 320 is outside the model's vocabulary (size 320)"
+    (rec,) = eng.generate(rows(prompts(1), {}), SamplingDefaults(max_tokens=2, logit_bias={400: 1.0}))
+    assert "field 'logit_bias (--logit-bias or the recipe's sampling.logit_bias)': token id 400" in rec["error"]
+    (rec,) = eng.generate(rows(prompts(1), {"min_tokens": 5}), SamplingDefaults(max_tokens=2))
+    assert rec["error"] == "row 0: field 'min_tokens': 5 is more than max_tokens (2)"
+
+
+def test_run_flags(tiny_model, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts(2)))
+    out = tmp_path / "o.jsonl"
+    ok("run", src, "--model", tiny_model, "--device", "cpu", "-o", out, "-q", "--max-tokens", "6", "--n", "2",
+       "--logprobs", "2", "--min-tokens", "6", "--logit-bias", "0=50", "--logit-bias", "5=1.5", "--temperature", "1",
+       "--presence-penalty", "0.5", "--frequency-penalty", "-0.5", "--repetition-penalty", "1.1", "--min-p", "0.01",
+       "--keep-special-tokens", "--include-stop-str-in-output")
+    for r in map(json.loads, open(out)):
+        assert len(r["choices"]) == 2 and all(c["completion_tokens"] == 6 for c in r["choices"])   # EOS masked
+        assert all(len(e["top_logprobs"]) == 2 for c in r["choices"] for e in c["logprobs"])
+
+
+@pytest.mark.parametrize("flag,value,expected", [
+    ("--min-p", "2", "--min-p: expected 0 <= min_p <= 1, got 2.0"),
+    ("--min-tokens", "-1", "--min-tokens: expected an integer >= 0, got -1"),
+    ("--presence-penalty", "5", "--presence-penalty: expected a number in [-2, 2], got 5.0"),
+    ("--frequency-penalty", "-5", "--frequency-penalty: expected a number in [-2, 2], got -5.0"),
+    ("--repetition-penalty", "0", "--repetition-penalty: expected a number > 0 (1 = off), got 0.0"),
+    ("--logit-bias", "5:1", "--logit-bias: expected ID=BIAS (a token id and a number), got str '5:1'"),
+    ("--logit-bias", "5=300", "--logit-bias: expected a bias in [-100, 100] for token id 5, got 300.0"),
+    ("--logprobs", "21", "--logprobs: expected an integer in [0, 20] or null, got 21"),
+    ("--n", "0", "--n: expected an integer in [1, 1024], got 0"),
+])
+def test_run_flag_errors(flag, value, expected, tiny_model, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "x"}\n')
+    line = one_line_cli_error(cli("run", src, "--model", tiny_model, "--device", "cpu", flag, value), EXIT_USAGE)
+    assert expected in line, line

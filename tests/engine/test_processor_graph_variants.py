@@ -1,0 +1,94 @@
+"""The graph path of the cycle on the CPU: a stand-in for GraphRunner that "replays" by calling the
+stages on the same static batch (fixed size, pad rows on the dummy slot, buffers refilled by
+`_fill` when the active set changes, kv_bound the whole cache) runs the code CUDA graphs capture.
+With processors and logprobs in the batch it must give eager's tokens and logprobs, and batches
+that use neither must keep today's variant."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from processors_helpers import ids, prompts, rows
+from specbatch.engine import Engine, EngineOptions
+from specbatch.engine.graphs import Captured, capture_sizes
+from specbatch.recipe import SamplingDefaults
+from specbatch.speculative.factory import SpecConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _Replay:
+    def __init__(self, stages, batch):
+        self.stages, self.batch = stages, batch
+
+    def replay(self):
+        for stage in self.stages:
+            stage(self.batch)
+
+
+class EmulatedGraphs:
+    """GraphRunner's interface, stages run eagerly on the static batches it would capture."""
+
+    def __init__(self, cycle, fused: bool):
+        stages = [cycle._propose, cycle._verify, cycle._extend]
+        self.groups = [stages] if fused else [[s] for s in stages]
+        self.make_batch = cycle._static_batch
+        self.sizes = capture_sizes(len(cycle.state.seq_lens) - 1)[-1:]    # always padded to the largest: pad rows
+        self.capture_seconds = 0.0
+        self.variants: list = []
+        self._graphs: dict = {}
+
+    def get(self, n, variant):
+        size = next(s for s in self.sizes if s >= n)
+        self.variants.append(variant)
+        key = (size, variant)
+        if key not in self._graphs:
+            batch = self.make_batch(size, variant)
+            self._graphs[key] = Captured(batch, [_Replay(g, batch) for g in self.groups])
+        return self._graphs[key]
+
+
+MIXED = [{"frequency_penalty": 1.0, "presence_penalty": 0.5, "logprobs": 3},
+         {},
+         {"temperature": 0.9, "seed": 4, "min_p": 0.05, "logit_bias": {7: 2.0, 9: -3.0}, "logprobs": 0},
+         {"min_tokens": 7, "logit_bias": {0: 8.0}},
+         {"temperature": 1.1, "seed": 9, "top_k": 20, "repetition_penalty": 1.4},
+         {"repetition_penalty": 0.6, "logprobs": 5, "stop_token_ids": [11, 12, 13, 14, 15], "min_tokens": 4}]
+
+
+def _engine(model, spec, graphs: bool):
+    eng = Engine(model, EngineOptions(batch_size=4, device="cpu", dtype="float32", spec=spec))
+    if graphs:
+        eng.cycle.graphs = EmulatedGraphs(eng.cycle, eng.fused)
+    return eng
+
+
+def _gen(eng, r):
+    recs = sorted(eng.generate(r, SamplingDefaults(max_tokens=16)), key=lambda x: x["row"])
+    assert all(x["error"] is None for x in recs)
+    return recs
+
+
+@pytest.mark.parametrize("spec", ["vanilla", "eagle3-tree", "naive_2token"])
+def test_graph_variants_equal_eager(spec, target_dir, eagle3_dir):
+    spec = {"vanilla": SpecConfig(), "eagle3-tree": SpecConfig("eagle3", 3, 3, 6, str(eagle3_dir)),
+            "naive_2token": SpecConfig("naive_2token", 1, 1, 2, str(eagle3_dir), "eagle3")}[spec]
+    r = rows(prompts(6), MIXED)
+    eager = _gen(_engine(target_dir, spec, False), r)
+    eng = _engine(target_dir, spec, True)
+    graphs = _gen(eng, r)
+    assert ids(graphs) == ids(eager)
+    for a, b in zip(graphs, eager):
+        if b["logprobs"] is None:
+            assert a["logprobs"] is None
+            continue
+        assert [e["token_id"] for e in a["logprobs"]] == [e["token_id"] for e in b["logprobs"]]
+        assert torch.allclose(torch.tensor([e["logprob"] for e in a["logprobs"]]),
+                              torch.tensor([e["logprob"] for e in b["logprobs"]]), atol=1e-5)
+        assert [len(e["top_logprobs"]) for e in a["logprobs"]] == [len(e["top_logprobs"]) for e in b["logprobs"]]
+    variants = eng.cycle.graphs.variants
+    assert any(v[3] is not None and v[3][2] and v[4] == 20 for v in variants)    # penalties + logprobs variant
+    # rows without any of these features run today's variants
+    eng = _engine(target_dir, spec, True)
+    _gen(eng, rows(prompts(6), [{}, {"temperature": 0.8, "seed": 1}, {"temperature": 0.7, "top_p": 0.9}] * 2))
+    assert {v[2:] for v in eng.cycle.graphs.variants} == {(False, None, None)}

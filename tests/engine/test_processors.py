@@ -1,0 +1,153 @@
+"""Logits processors (min_tokens, logit_bias, penalties) at every node of a tree, against a plain
+float64 reference that rebuilds each node's history (committed tokens + the path) from scratch;
+min-p with temperature and top-k / top-p; the logprobs of the sampled distribution."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from specbatch.params import SamplingParams
+from specbatch.processors import Processors, count_tokens, processors_key, reset_slots
+from specbatch.sampling import BatchSampling
+from specbatch.speculative.tree import ancestor_mask
+
+V = 12
+EOS = (0,)
+
+
+def reference(raw: torch.Tensor, p: SamplingParams, generated: list[int], prompt: list[int]) -> torch.Tensor:
+    """vLLM's processors in float64, from the full history: min_tokens, logit_bias, repetition,
+    frequency, presence."""
+    x = raw.double().clone()
+    if len(generated) < p.min_tokens:
+        for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(EOS)):
+            if t < len(x):
+                x[t] = float("-inf")
+    for t, b in p.logit_bias:
+        x[t] += b
+    counts = Counter(generated)
+    r = p.repetition_penalty or 1.0
+    for v in set(prompt) | set(counts):
+        x[v] = x[v] / r if x[v] > 0 else x[v] * r
+    for v, c in counts.items():
+        x[v] -= p.frequency_penalty * c + p.presence_penalty
+    return x
+
+
+PARAMS = [
+    SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4, repetition_penalty=1.6),
+    SamplingParams(repetition_penalty=0.6),
+    SamplingParams(min_tokens=5, stop_token_ids=(3, 40)),            # 40: outside the vocabulary
+    SamplingParams(logit_bias=((2, 3.5), (7, -100.0), (9, 0.25))),
+    SamplingParams(min_tokens=4, ignore_eos=True, stop_token_ids=(5,), logit_bias=((5, 2.0),),
+                   frequency_penalty=1.5),
+    SamplingParams(),                                                 # nothing: logits unchanged
+]
+
+
+def _tree(B: int, N: int, g: torch.Generator):
+    """Random trees (parents before children) with repeated tokens."""
+    parents = torch.full((B, N), -1, dtype=torch.int64)
+    for b in range(B):
+        for i in range(1, N):
+            parents[b, i] = int(torch.randint(0, i, (1,), generator=g))
+    depths = torch.zeros(B, N, dtype=torch.int64)
+    for i in range(1, N):
+        depths[:, i] = depths.gather(1, parents[:, i: i + 1])[:, 0] + 1
+    tokens = torch.randint(0, 6, (B, N), generator=g)                  # few ids: many repeats
+    return parents, depths, tokens
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_every_node_sees_its_own_path(shape):
+    g = torch.Generator().manual_seed(0)
+    B, N = len(PARAMS), 7
+    if shape == "tree":
+        parents, depths, tokens = _tree(B, N, g)
+        mask = ancestor_mask(parents, N)
+    else:
+        parents = (torch.arange(N) - 1).expand(B, N)
+        depths = torch.arange(N).expand(B, N)
+        tokens = torch.randint(0, 6, (B, N), generator=g)
+        mask = None
+    prompts = [torch.randint(0, V, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(B)]
+    history = [torch.randint(0, 6, (k,), generator=g).tolist() + [int(tokens[b, 0])]      # ends with the root
+               for b, k in enumerate([0, 3, 1, 2, 2, 4])]
+    rows = [(p, len(pr)) for p, pr in zip(PARAMS, prompts)]
+    proc = Processors.build(rows, EOS, V, torch.device("cpu"))
+    counts = torch.zeros(B + 1, V, dtype=torch.int32)
+    prompt_mask = torch.zeros(B + 1, V, dtype=torch.bool)
+    slots = torch.arange(B)
+    T = max(map(len, prompts))
+    ids = torch.tensor([pr + [0] * (T - len(pr)) for pr in prompts])
+    reset_slots(counts, prompt_mask, slots, ids, torch.tensor([len(pr) for pr in prompts]))
+    for b, h in enumerate(history):
+        count_tokens(counts, slots[b: b + 1], torch.tensor([h]), torch.tensor([len(h)]))
+    raw = torch.randn(B, N, V, generator=g) * 3
+    generated = torch.tensor([len(h) for h in history])
+    out = proc.apply(raw, depths, generated, tokens, mask, counts[slots], prompt_mask[slots])
+    for b in range(B):
+        for n in range(N):
+            path, i = [], n
+            while i > 0:                       # the node and its ancestors below the root
+                path.append(int(tokens[b, i]))
+                i = int(parents[b, i])
+            want = reference(raw[b, n], PARAMS[b], history[b] + path[::-1], prompts[b])
+            got = out[b, n].double()
+            assert torch.equal(torch.isinf(got), torch.isinf(want)), (b, n)
+            fin = ~torch.isinf(want)
+            assert torch.allclose(got[fin], want[fin], atol=1e-5), (b, n, got, want)
+    assert torch.equal(out[-1], raw[-1])      # a row with no processor is left exactly as it was
+
+
+def test_min_tokens_boundary_and_the_key():
+    p = SamplingParams(min_tokens=3)
+    proc = Processors.build([(p, 4)], EOS, V, torch.device("cpu"))
+    raw = torch.zeros(1, 4, V)
+    out = proc.apply(raw, torch.arange(4)[None], torch.tensor([1]), torch.zeros(1, 4, dtype=torch.int64), None, None, None)
+    # generated before each node: 1, 2, 3, 4: EOS masked while < 3
+    assert torch.isinf(out[0, :, 0]).tolist() == [True, True, False, False]
+    assert processors_key([(SamplingParams(), 3)], EOS, V) is None
+    assert processors_key([(p, 3), (SamplingParams(logit_bias={1: 1.0}), 2)], EOS, V) == (4, 4, False)
+    assert processors_key([(SamplingParams(repetition_penalty=1.1), 3)], EOS, V) == (0, 0, True)
+
+
+def _reference_probs(logits: torch.Tensor, t: float, min_p: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Temperature, then min-p on its probabilities, then top-k, then top-p (float64, plain loops)."""
+    q = (logits.double() / t).softmax(-1)
+    keep = q >= min_p * q.max()
+    order = [int(v) for v in q.argsort(descending=True) if keep[v]]
+    if top_k:
+        order = order[:top_k]
+    mass, chosen = 0.0, []
+    total = float(q[order].sum())
+    for v in order:
+        if chosen and mass >= top_p:
+            break
+        chosen.append(v)
+        mass += float(q[v]) / total
+    out = torch.zeros_like(q)
+    out[chosen] = q[chosen]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("t,min_p,top_k,top_p", [(1.0, 0.1, 0, 1.0), (0.7, 0.3, 0, 1.0), (1.3, 0.05, 3, 1.0),
+                                                 (1.0, 0.2, 0, 0.6), (0.8, 0.0, 4, 0.9)])
+def test_min_p_follows_temperature_before_top_k_top_p(t, min_p, top_k, top_p):
+    logits = torch.tensor([[2.0, 1.6, 1.1, 0.4, 0.0, -0.7, -1.5, -3.0]])
+    sp = BatchSampling.build([SamplingParams(temperature=t, min_p=min_p, top_k=top_k, top_p=top_p)], torch.device("cpu"))
+    got = sp.target_probs(logits)[0].double()
+    want = _reference_probs(logits[0], t, min_p, top_k, top_p)
+    assert torch.allclose(got, want, atol=1e-6), (got, want)
+    lp = sp.target_logprobs(logits)[0]
+    assert torch.equal(torch.isinf(lp), want == 0)
+    assert torch.allclose(lp[want > 0].double(), want[want > 0].log(), atol=1e-5)
+
+
+def test_greedy_logprobs_are_the_plain_log_softmax():
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
+    sp = BatchSampling.build([SamplingParams(temperature=0.0, top_k=1, min_p=0.5)], torch.device("cpu"))
+    assert torch.allclose(sp.target_logprobs(logits), logits.log_softmax(-1))

@@ -1,0 +1,53 @@
+"""include_stop_str_in_output, skip_special_tokens and min_tokens in the stop checks and the text,
+as vLLM writes them: the stop string or stop token left out of the text unless asked for, special
+tokens skipped unless asked to keep them, nothing stopping a request before min_tokens."""
+from __future__ import annotations
+
+from specbatch.request import Request, StopChecker
+from specbatch.sampling import SamplingParams
+
+
+class _CharTokenizer:
+    """One token per character; id 0 is a special token the decoder can skip."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("" if (i == 0 and skip_special_tokens) else ("<eos>" if i == 0 else chr(i)) for i in ids)
+
+
+def _req(**kw):
+    return Request(row=0, id="r", prompt_ids=[1], params=SamplingParams(**kw), max_new=kw.get("max_tokens", 256))
+
+
+def _run(text: str, **kw):
+    chk = StopChecker(_CharTokenizer(), eos_ids={0})
+    req = _req(**kw)
+    kept = chk.append(req, [0 if c == "#" else ord(c) for c in text])
+    return req, kept, chk.completion_text(req)
+
+
+def test_stop_string_in_or_out_of_the_text():
+    assert _run("abcENDxyz", stop=("END",))[2] == "abc"
+    req, kept, text = _run("abcENDxyz", stop=("END",), include_stop_str_in_output=True)
+    assert kept == 6 and text == "abcEND" and req.finish_reason == "stop"
+
+
+def test_stop_token_text_left_out_unless_asked():
+    assert _run("abcxyz", stop_token_ids=(ord("x"),))[2] == "abc"
+    assert _run("abcxyz", stop_token_ids=(ord("x"),), include_stop_str_in_output=True)[2] == "abcx"
+    assert _run("ab#cd")[2] == "ab"                                                  # EOS: special
+    assert _run("ab#cd", skip_special_tokens=False)[2] == "ab"                       # the stop token
+    assert _run("ab#cd", skip_special_tokens=False, include_stop_str_in_output=True)[2] == "ab<eos>"
+
+
+def test_special_tokens_kept_when_asked():
+    assert _run("ab#cd", ignore_eos=True)[2] == "abcd"
+    assert _run("ab#cd", ignore_eos=True, skip_special_tokens=False)[2] == "ab<eos>cd"
+
+
+def test_nothing_stops_before_min_tokens():
+    req, kept, text = _run("abENDcdENDzz", stop=("END",), min_tokens=6)
+    assert kept == 10 and text == "abENDcd"                 # the first END fell before min_tokens
+    req, kept, text = _run("ab#cd#e", min_tokens=4)          # (the engine masks EOS; the checker waits too)
+    assert kept == 6 and text == "abcd"
+    req, kept, text = _run("abcEND", stop=("END",), min_tokens=6, include_stop_str_in_output=True)
+    assert kept == 6 and text == "abcEND"

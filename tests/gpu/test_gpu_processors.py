@@ -1,0 +1,60 @@
+"""min_tokens, logit_bias, penalties and logprobs in CUDA graphs over Triton kernels equal the eager
+torch reference (run on a GPU machine: `pytest -m gpu`): the processors' graph variants, the
+penalty state advanced inside the replay, all-greedy batches through the Triton greedy walk on
+processed logits, and batches without these fields keeping the plain variants."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specbatch.kernels as kernels
+from processors_helpers import prompts, rows
+from specbatch.engine import Engine, EngineOptions
+from specbatch.recipe import SamplingDefaults
+from specbatch.speculative.factory import SpecConfig
+
+pytestmark = pytest.mark.gpu
+
+MIXED = [{"frequency_penalty": 1.0, "presence_penalty": 0.5, "logprobs": 3},
+         {},
+         {"temperature": 0.9, "seed": 4, "min_p": 0.05, "logit_bias": {7: 2.0, 9: -3.0}, "logprobs": 0},
+         {"min_tokens": 7, "logit_bias": {0: 8.0}},
+         {"temperature": 1.1, "seed": 9, "top_k": 20, "repetition_penalty": 1.4},
+         {"repetition_penalty": 0.6, "logprobs": 5, "stop_token_ids": [11, 12, 13, 14, 15], "min_tokens": 4}]
+GREEDY = [{"frequency_penalty": 1.2, "repetition_penalty": 1.3}, {"logit_bias": {5: 3.0}}, {},
+          {"min_tokens": 6, "logit_bias": {0: 8.0}, "logprobs": 2}]
+
+
+def _run(model, spec, graphs, per_row, bs=4):
+    eng = Engine(model, EngineOptions(batch_size=bs, device="cuda", dtype="float32", spec=spec, graphs=graphs))
+    recs = sorted(eng.generate(rows(prompts(len(per_row)), per_row), SamplingDefaults(max_tokens=16)),
+                  key=lambda r: r["row"])
+    assert all(r["error"] is None for r in recs)
+    return recs, eng
+
+
+def _specs(eagle3_dir):
+    return {"vanilla": SpecConfig(), "eagle3_tree": SpecConfig("eagle3", 5, 4, 8, str(eagle3_dir)),
+            "eagle3_topk1": SpecConfig("eagle3", 3, 1, 4, str(eagle3_dir)),
+            "naive_2token": SpecConfig("naive_2token", 1, 1, 2, str(eagle3_dir), "eagle3")}
+
+
+@pytest.mark.parametrize("name", ["vanilla", "eagle3_topk1", "eagle3_tree", "naive_2token"])
+@pytest.mark.parametrize("per_row", [MIXED, GREEDY], ids=["mixed", "greedy"])
+def test_processor_graphs_equal_eager(name, per_row, target_dir, eagle3_dir):
+    spec = _specs(eagle3_dir)[name]
+    with kernels.torch_only():
+        ref, _ = _run(target_dir, spec, False, per_row)
+    got, eng = _run(target_dir, spec, True, per_row)
+    assert [r["output_token_ids"] for r in got] == [r["output_token_ids"] for r in ref]
+    for a, b in zip(got, ref):
+        if b["logprobs"] is not None:
+            assert torch.allclose(torch.tensor([e["logprob"] for e in a["logprobs"]]),
+                                  torch.tensor([e["logprob"] for e in b["logprobs"]]), atol=1e-4)
+    variants = {v for _, v in eng.graphs._graphs}
+    assert any(v[3] is not None for v in variants)
+
+
+def test_plain_batches_keep_the_plain_variants(target_dir, eagle3_dir):
+    _, eng = _run(target_dir, _specs(eagle3_dir)["eagle3_tree"], True, [{}, {"temperature": 0.8, "seed": 1}] * 2)
+    assert {v[2:] for _, v in eng.graphs._graphs} == {(False, None, None)}
