@@ -80,7 +80,8 @@ def processed(raw: torch.Tensor, p: SamplingParams, generated: list[int], prompt
     x = raw.double().clone()
     if len(generated) < p.min_tokens:
         for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids)):
-            x[t] = float("-inf")
+            if t < len(x):
+                x[t] = float("-inf")
     for t, b in p.logit_bias:
         x[t] += b
     counts = Counter(generated)

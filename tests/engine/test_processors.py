@@ -3,7 +3,6 @@ float64 reference that rebuilds each node's history (committed tokens + the path
 min-p with temperature and top-k / top-p; the logprobs of the sampled distribution."""
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
@@ -13,27 +12,10 @@ from specbatch.processors import Processors, count_tokens, processors_key, reset
 from specbatch.sampling import BatchSampling
 from specbatch.speculative.tree import ancestor_mask
 
+from processors_helpers import processed
+
 V = 12
 EOS = (0,)
-
-
-def reference(raw: torch.Tensor, p: SamplingParams, generated: list[int], prompt: list[int]) -> torch.Tensor:
-    """vLLM's processors in float64, from the full history: min_tokens, logit_bias, repetition,
-    frequency, presence."""
-    x = raw.double().clone()
-    if len(generated) < p.min_tokens:
-        for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(EOS)):
-            if t < len(x):
-                x[t] = float("-inf")
-    for t, b in p.logit_bias:
-        x[t] += b
-    counts = Counter(generated)
-    r = p.repetition_penalty or 1.0
-    for v in set(prompt) | set(counts):
-        x[v] = x[v] / r if x[v] > 0 else x[v] * r
-    for v, c in counts.items():
-        x[v] -= p.frequency_penalty * c + p.presence_penalty
-    return x
 
 
 PARAMS = [
@@ -95,7 +77,7 @@ def test_every_node_sees_its_own_path(shape):
             while i > 0:                       # the node and its ancestors below the root
                 path.append(int(tokens[b, i]))
                 i = int(parents[b, i])
-            want = reference(raw[b, n], PARAMS[b], history[b] + path[::-1], prompts[b])
+            want = processed(raw[b, n], PARAMS[b], history[b] + path[::-1], prompts[b], eos_ids=EOS)
             got = out[b, n].double()
             assert torch.equal(torch.isinf(got), torch.isinf(want)), (b, n)
             fin = ~torch.isinf(want)
