@@ -153,7 +153,9 @@ class _Runner:
 
         devices = devices_for(opts.gpus, opts.workers, opts.device)
         self.pool = self.llm = None
-        if len(devices) > 1:
+        # --gpus always means one engine process per GPU (a 1-GPU box runs the machinery an 8-GPU box
+        # runs); --workers 1 (the default) runs the engine in this process.
+        if len(devices) > 1 or opts.gpus is not None:
             self.pool = WorkerPool(recipe, devices, eager=opts.eager, bucket=opts.bucket_window)
             first = self.pool.wait_ready()
             self.device, self.max_len = ",".join(devices), first["max_model_len"]
@@ -161,7 +163,7 @@ class _Runner:
         else:
             from .llm import LLM
 
-            self.llm = LLM(recipe=recipe, device=devices[0] if opts.gpus else opts.device, eager=opts.eager,
+            self.llm = LLM(recipe=recipe, device=opts.device, eager=opts.eager,
                            bucket=opts.bucket_window)
             eng = self.llm.engine
             self.device, self.max_len, self.capture_s = str(eng.device), eng.max_len, eng.capture_seconds
@@ -185,7 +187,8 @@ class _Runner:
                         tokens_per_target_forward=tokens / max(forwards, 1))
         eng = self.llm.engine
         return dict(target_forwards=eng.target_forwards, graphs=eng.graphs is not None, capture_s=eng.capture_seconds,
-                    tokens_per_target_forward=eng.tokens_emitted / max(eng.target_forwards, 1))
+                    tokens_per_target_forward=eng.tokens_emitted / max(eng.target_forwards, 1),
+                    verify_widths={w: n for w, n in sorted(eng.cycle.policy.used.items())})
 
 
 def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, opts: JobOptions,

@@ -32,6 +32,7 @@ def plain_rows(rows):
 
 
 def make_engine(model, bs, spec=SpecConfig(), drafter=None, device="cpu", **opts):
+    opts.setdefault("adaptive", False)          # check_stats: every cycle full width
     return Engine(model, EngineOptions(batch_size=bs, device=device, dtype="float32", spec=spec, **opts),
                   drafter=drafter)
 

@@ -64,8 +64,9 @@ def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> list[RowRequest]:
                 ids = encode_row(src.tokenizer, item, src.model.cfg.vocab_size)
             except PromptError as e:
                 raise BenchError(str(e)) from None
-            rows.append(RowRequest(row=len(rows), id=len(rows), prompt_token_ids=ids,
-                                   overrides={"max_tokens": item.overrides.get("max_tokens", mix.output_median)}))
+            # the row's own sampling fields ride along (logprobs, penalties, ...): their cost is measured
+            overrides = {**item.overrides, "max_tokens": item.overrides.get("max_tokens", mix.output_median)}
+            rows.append(RowRequest(row=len(rows), id=len(rows), prompt_token_ids=ids, overrides=overrides))
             if len(rows) == mix.requests:
                 break
         return rows
@@ -151,7 +152,8 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
         spec, head = recipe_spec(recipe, opts, src, device)
         sim = opts.simulate_acceptance if recipe.drafter is not None else None
         eopts = EngineOptions(batch_size=mix.slots or recipe.batch_size, max_model_len=longest, device=str(device),
-                              spec=spec, graphs=opts.graphs, profile=True, simulate_acceptance=sim)
+                              spec=spec, graphs=opts.graphs, profile=True, simulate_acceptance=sim,
+                              adaptive=False if opts.fixed_width else None)
         log(f"{recipe.name}: building the engine ...")
         try:
             engine = build_engine(eopts, src, head)
@@ -181,6 +183,7 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
     engine.cycle_times.clear()
     engine.occupancy.clear()
     engine.prefill_s, engine.waited = 0.0, 0
+    engine.cycle.policy.used.clear()
     forwards0 = engine.prefill_forwards
     if cuda:
         torch.cuda.synchronize(engine.device)
@@ -210,6 +213,7 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
         "floor_tokens_per_s": out / floor["total_s"], "floor_fraction": floor["total_s"] / wall,
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated(engine.device)) if cuda else None,
         "capture_s": engine.capture_seconds,
+        "verify_widths": {int(w): n for w, n in sorted(engine.cycle.policy.used.items())},   # width -> cycles
     }
 
 
@@ -224,16 +228,17 @@ def job_markdown(result: dict[str, Any]) -> str:
     if meta.get("command"):
         lines += [f"`{meta['command']}`", ""]
     lines += ["| recipe | job tok/s | vs vanilla | wall s | prefill s (forwards) | decode s | floor s | "
-              "of floor | occupancy | accept len | peak GiB |", "|" + "---|" * 11]
+              "of floor | occupancy | accept len | verify widths (cycles) | peak GiB |", "|" + "---|" * 12]
     for p in result["points"]:
         if p.get("failed"):
-            lines.append(f"| {p['recipe']} | failed: {p['error']} |" + " |" * 10)
+            lines.append(f"| {p['recipe']} | failed: {p['error']} |" + " |" * 11)
             continue
         mem = f"{p['peak_memory_bytes'] / 2**30:.1f}" if p.get("peak_memory_bytes") else "-"
+        widths = " ".join(f"{w}: {n}" for w, n in p.get("verify_widths", {}).items()) or "-"
         lines.append(f"| {p['recipe']} | {p['job_tokens_per_s']:,.0f} | {p.get('speedup_vs_vanilla', 0):.2f}x | "
                      f"{p['wall_s']:.1f} | {p['prefill_s']:.1f} ({p['prefill_forwards']}) | {p['decode_s']:.1f} | "
                      f"{p['floor_s']:.1f} | {100 * p['floor_fraction']:.0f}% | "
-                     f"{p['mean_occupancy']:.0f}/{p['slots']} | {p['accept_length']:.2f} | {mem} |")
+                     f"{p['mean_occupancy']:.0f}/{p['slots']} | {p['accept_length']:.2f} | {widths} | {mem} |")
     lines += ["", "Floor: plain decoding of this mix at the engine's slot count on this machine (prefill "
               "FLOPs at the matmul rate + decode bytes at the copy bandwidth, or decode FLOPs if larger). "
               "Occupancy: mean active sequences per cycle / slots. Prefill s: host clock around the "

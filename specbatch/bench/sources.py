@@ -49,6 +49,7 @@ class BenchOptions:
     hf_max_batch: int = 64
     max_model_len: int | None = None         # None: longest prompt + max_tokens
     warmup: bool = True                      # a short run on each new engine before measuring
+    fixed_width: bool = False                # --job: every cycle verifies the whole proposal (no adaptive width)
     seed: int = 0
 
 

@@ -89,7 +89,8 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
                       acceptance=label if recipe.drafter is not None else "none (vanilla)",
                       simulated_acceptance=list(sim) if sim else None)
         eopts = EngineOptions(batch_size=sizes[-1], max_model_len=max_len, device=str(device),
-                              spec=spec, graphs=opts.graphs, fused=fused, profile=True, simulate_acceptance=sim)
+                              spec=spec, graphs=opts.graphs, fused=fused, profile=True, simulate_acceptance=sim,
+                              adaptive=False)        # steady state measures the recipe's whole proposal
         log(f"{name}: building the engine for batch {sizes[-1]} ...")
         engine, error = None, None
         try:

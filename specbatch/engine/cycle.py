@@ -19,6 +19,7 @@ node with the state that node's path implies, before the acceptance walk; batche
 """
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -29,6 +30,7 @@ from ..models.attention import AttnMetadata
 from ..params import LOGPROBS_MAX
 from ..processors import Processors, count_tokens, processors_key
 from ..request import Request, StopChecker
+from .adaptive import WidthPolicy
 from .graphs import GraphRunner, capture_sizes
 from .profile import CycleTime, StageTimer
 from ..runtime.kv_cache import compact_path
@@ -59,6 +61,7 @@ class Batch:
     slots: torch.Tensor                      # [B]
     sp: BatchSampling
     kv_bound: int                            # >= every committed length (cache rows attention may read)
+    width: int = 0                           # nodes verified: a prefix of the proposal (adaptive.py)
     lens: torch.Tensor | None = None         # [B] committed lengths at the start of the cycle
     prop: Proposal | None = None
     acc: Acceptance | None = None
@@ -99,7 +102,7 @@ class SpecCycle:
 
     def __init__(self, model, cache, drafter: Drafter, state: SlotState, stops: StopChecker,
                  target: Callable, *, acceptor: Acceptor = exact_acceptance, max_len: int,
-                 graphs: bool, fused: bool, profile: bool):
+                 graphs: bool, fused: bool, profile: bool, adaptive: bool = True):
         self.model, self.cache, self.drafter, self.state, self.stops = model, cache, drafter, state, stops
         self.target, self.acceptor = target, acceptor
         self.device = state.lens.device
@@ -109,15 +112,18 @@ class SpecCycle:
         self.timer = StageTimer(profile, self.device)
         self.tokens_emitted = 0
         self.forwards = 0
+        self.policy = WidthPolicy(drafter.num_draft_tokens, enabled=adaptive)
+        self.sizes = capture_sizes(len(state.seq_lens) - 1)
         self.graphs: GraphRunner | None = None
         if graphs and self.device.type == "cuda" and drafter.graphable:
             # Fused: propose, verify + accept + commit and the draft extend in one replay (no
             # host work separates them); otherwise one graph each, so profiles split the cycle.
             stages = [self._propose, self._verify, self._extend]
             groups = [stages] if fused else [[s] for s in stages]
-            self.graphs = GraphRunner(self._static_batch, groups, capture_sizes(len(state.seq_lens) - 1))
+            self.graphs = GraphRunner(self._static_batch, groups, self.sizes)
             with torch.inference_mode():
-                self.graphs.capture_all(_GREEDY)
+                for width in self.policy.widths:
+                    self.graphs.capture_all((_GREEDY, width))
 
     @property
     def times(self) -> list[CycleTime]:
@@ -130,7 +136,9 @@ class SpecCycle:
     def __call__(self, active: Slotted) -> Slotted:
         """One cycle over the active slots; returns those whose request finished."""
         t0 = time.perf_counter()
-        b, stages = self._stages(active)
+        bucket = self.sizes[bisect.bisect_left(self.sizes, len(active))]
+        b, stages = self._stages(active, bucket)
+        t1 = time.perf_counter()              # after any graph capture: the policy times the cycle itself
         marks = []
         for stage in stages:                  # propose; verify + accept + device commit; extend
             marks.append(self.timer.mark())
@@ -143,10 +151,11 @@ class SpecCycle:
 
         # commit on the host: stop checks, stats (device lengths and KV were committed in _verify)
         finished: Slotted = []
-        emitted = 0
-        N = b.prop.width
+        emitted = raw = 0
+        N = b.width
         for i, ((slot, req), row) in enumerate(zip(active, out)):
             n = row[-1]
+            raw += n
             self.state.seq_lens[slot] += n
             kept = self.stops.append(req, row[:n])
             emitted += kept
@@ -161,14 +170,16 @@ class SpecCycle:
         self.tokens_emitted += emitted
         self.forwards += 1
         self.timer.record(len(active), marks, t0, emitted)
+        self.policy.record(bucket, N, len(active), raw, time.perf_counter() - t1)
         return finished
 
-    def _stages(self, active: Slotted) -> tuple[Batch, list]:
+    def _stages(self, active: Slotted, bucket: int) -> tuple[Batch, list]:
         """The batch of this cycle and its stages as callables: graph replays, or eager calls."""
         if self.graphs is not None:
             if not _same_layout(self._variant_of, active):      # the variant changes with the active set only
                 self._variant_of, self._variant = list(active), self._graph_variant(active)
-            cap = self.graphs.get(len(active), self._variant)
+            width = self.policy.choose(bucket, self._variant[0])
+            cap = self.graphs.get(len(active), (self._variant, width))
             if not _same_layout(cap.layout, active):
                 self._fill(cap.batch, active)
                 cap.layout = list(active)     # the requests themselves: a new one never passes for an old one
@@ -181,6 +192,7 @@ class SpecCycle:
         b = Batch(slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
                   sp=BatchSampling.build(params, self.device),
                   kv_bound=max(self.state.seq_lens[s] for s in slots),
+                  width=self.policy.choose(bucket, all(p.greedy for p in params)),
                   proc=None if pkey is None else Processors.build(rows, self.stops.eos_ids, self.vocab, self.device),
                   lp_k=max(asked) if asked else None)
         return b, [lambda: self._propose(b), lambda: self._verify(b), lambda: self._extend(b)]
@@ -208,7 +220,8 @@ class SpecCycle:
         """One target forward over every node, the acceptance walk, and the device half of
         commit: the accepted path's K/V made contiguous (trees), lengths advanced, the last
         emitted token kept as the next root."""
-        prop, lens, st = b.prop, b.lens, self.state
+        lens, st = b.lens, self.state
+        prop = b.prop = b.prop.prefix(b.width)
         meta = AttnMetadata(slots=b.slots, positions=lens[:, None] + prop.depths, prefix_lens=lens,
                             kv_len=b.kv_bound + prop.width, tree_mask=prop.tree_mask, page_table=self.page_table)
         hidden, b.captured = self.target(prop.tokens, meta)
@@ -239,11 +252,11 @@ class SpecCycle:
 
     # ---- graph buffers and timing ---------------------------------------------------------------
 
-    def _static_batch(self, size: int, variant: tuple) -> Batch:
-        greedy, any_filter, any_min_p, pkey, lp_k = variant
+    def _static_batch(self, size: int, key: tuple) -> Batch:
+        (greedy, any_filter, any_min_p, pkey, lp_k), width = key
         pad = [SamplingParams()] * size
         b = Batch(slots=torch.full((size,), self.state.dummy, dtype=torch.int64, device=self.device),
-                  sp=BatchSampling.build(pad, self.device), kv_bound=self.max_len, lp_k=lp_k)
+                  sp=BatchSampling.build(pad, self.device), kv_bound=self.max_len, width=width, lp_k=lp_k)
         b.sp.all_greedy, b.sp.any_filter = greedy, any_filter
         if any_min_p:
             b.sp.min_p = torch.zeros(size, dtype=torch.float32, device=self.device)

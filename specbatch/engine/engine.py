@@ -56,6 +56,8 @@ class EngineOptions:
     graphs: bool = True                  # CUDA graphs for the cycle on CUDA (False: --eager)
     fused: bool | None = None            # the cycle as ONE graph (None: the recipe's choice, naive_2token)
     profile: bool = False                # record per-cycle stage timings and prefill time
+    adaptive: bool | None = None         # greedy batches verify the proposal prefix that pays best
+                                         # (adaptive.py; None: on CUDA; off: every cycle verifies it all)
     simulate_acceptance: tuple[float, ...] | None = None   # bench only: per-position acceptance
 
 
@@ -142,7 +144,8 @@ class Engine:
         self.fused = opts.spec.fused if opts.fused is None else opts.fused
         self.cycle = SpecCycle(self.model, self.cache, self.drafter, self.state, self.stops, self._target,
                                acceptor=acceptor, max_len=self.max_len, graphs=opts.graphs,
-                               fused=self.fused, profile=opts.profile)
+                               fused=self.fused, profile=opts.profile,
+                               adaptive=self.device.type == "cuda" if opts.adaptive is None else opts.adaptive)
         self.prefill_forwards = 0
         self._token_text: dict[int, str] = {}     # token id -> its text, for logprobs
         self.prefill_s = 0.0                 # host clock (synchronised) when profiling

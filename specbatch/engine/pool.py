@@ -10,6 +10,11 @@ from ..models.config import DecoderConfig, ModelError
 from ..runtime.kv_cache import GiB, bytes_per_row, memory_budget
 
 MAX_DEFAULT_SLOTS = 512
+# Slots only bound how many requests run at once: admission reserves each request's own pages
+# (prompt + max_tokens + headroom) and waits when they are short. So the default asks only that
+# the pool could hold every slot at a short request's size, never at the model's whole context
+# (at Llama-3.1's 131,072 tokens that rule left 16 slots on an 80 GB GPU).
+ROWS_PER_DEFAULT_SLOT = 256
 
 
 @dataclass(frozen=True)
@@ -25,8 +30,8 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
               kv_rows: int | None, prefill_tokens: int) -> PoolPlan:
     """The pool takes what memory allows (on GPU 90% of what is free, minus room for
     activations, graphs and logits), but never more than every slot holding a request of the
-    full context. Slots: `batch_size`, else as many as the pool holds at a quarter of the full
-    context each (up to 512) on a GPU, 32 on a CPU. `headroom`: rows a request writes past its
+    full context. Slots: `batch_size`, else as many as the pool holds at 256 rows each (up to
+    512) on a GPU, 32 on a CPU. `headroom`: rows a request writes past its
     committed length (verify and draft scratch); `drafting`: the draft layer takes its own pages."""
     limit = cfg.max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
@@ -57,7 +62,7 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
     if batch_size is not None:
         slots = batch_size
     elif device.type == "cuda":
-        slots = max(16, min(MAX_DEFAULT_SLOTS, pool_rows // max(1, (max_len + headroom) // 4)))
+        slots = max(16, min(MAX_DEFAULT_SLOTS, pool_rows // ROWS_PER_DEFAULT_SLOT))
     else:
         slots = 32
     return PoolPlan(num_slots=slots, max_len=max_len, page_size=P,

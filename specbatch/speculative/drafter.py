@@ -21,6 +21,14 @@ class Proposal:
     def width(self) -> int:
         return self.tokens.shape[1]
 
+    def prefix(self, w: int) -> "Proposal":
+        """The first w nodes (parents precede children, so a tree; two nodes are a chain)."""
+        if w >= self.width:
+            return self
+        mask = None if self.tree_mask is None or w <= 2 else self.tree_mask[:, :w, :w].contiguous()
+        return Proposal(tokens=self.tokens[:, :w].contiguous(), parents=self.parents[:, :w].contiguous(),
+                        depths=self.depths[:, :w].contiguous(), tree_mask=mask)
+
 
 class Drafter:
     """The interface every drafter implements; this base proposes nothing (N = 1)."""

@@ -72,3 +72,22 @@ def test_speculative_recipes_on_a_small_pool_are_lossless(recipe):
     got = sorted(eng.generate(rows, SamplingDefaults(ignore_eos=True)), key=lambda r: r["row"])
     assert [r["output_token_ids"] for r in got] == [r["output_token_ids"] for r in want]
     assert eng.waited > 0 and sum(r["spec"]["accepted_tokens"] for r in got) > 0
+
+
+def test_default_slots_do_not_depend_on_the_models_whole_context(monkeypatch):
+    """Llama-3.1-8B (131,072 positions) on an 80 GB GPU: admission reserves each request's own
+    pages, so the default slot count follows the pool, not slots x max_position_embeddings."""
+    from specbatch.bench.configs import BUILTIN
+    from specbatch.engine import pool
+    from specbatch.models.config import DecoderConfig
+
+    cfg = DecoderConfig.from_dict(BUILTIN["llama-3.1-8b"])
+    monkeypatch.setattr(pool, "memory_budget", lambda device, reserve: 60 * 2**30)
+    plan = pool.plan_pool(cfg, torch.bfloat16, torch.device("cuda"), headroom=8, drafting=True, batch_size=None,
+                          max_model_len=None, page_size=None, kv_rows=None, prefill_tokens=8192)
+    assert plan.max_len == 131072 and plan.num_slots == pool.MAX_DEFAULT_SLOTS
+    monkeypatch.setattr(pool, "memory_budget", lambda device, reserve: 2 * 2**30)      # a small pool: fewer slots
+    small = pool.plan_pool(cfg, torch.bfloat16, torch.device("cuda"), headroom=8, drafting=False, batch_size=None,
+                           max_model_len=8192, page_size=None, kv_rows=None, prefill_tokens=8192)
+    assert 16 <= small.num_slots < pool.MAX_DEFAULT_SLOTS
+    assert small.num_pages * small.page_size >= small.max_len

@@ -8,44 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graph_emulation import EmulatedGraphs
 from processors_helpers import ids, prompts, rows
 from specbatch.engine import Engine, EngineOptions
-from specbatch.engine.graphs import Captured, capture_sizes
 from specbatch.recipe import SamplingDefaults
 from specbatch.speculative.factory import SpecConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class _Replay:
-    def __init__(self, stages, batch):
-        self.stages, self.batch = stages, batch
-
-    def replay(self):
-        for stage in self.stages:
-            stage(self.batch)
-
-
-class EmulatedGraphs:
-    """GraphRunner's interface, stages run eagerly on the static batches it would capture."""
-
-    def __init__(self, cycle, fused: bool):
-        stages = [cycle._propose, cycle._verify, cycle._extend]
-        self.groups = [stages] if fused else [[s] for s in stages]
-        self.make_batch = cycle._static_batch
-        self.sizes = capture_sizes(len(cycle.state.seq_lens) - 1)[-1:]    # always padded to the largest: pad rows
-        self.capture_seconds = 0.0
-        self.variants: list = []
-        self._graphs: dict = {}
-
-    def get(self, n, variant):
-        size = next(s for s in self.sizes if s >= n)
-        self.variants.append(variant)
-        key = (size, variant)
-        if key not in self._graphs:
-            batch = self.make_batch(size, variant)
-            self._graphs[key] = Captured(batch, [_Replay(g, batch) for g in self.groups])
-        return self._graphs[key]
 
 
 MIXED = [{"frequency_penalty": 1.0, "presence_penalty": 0.5, "logprobs": 3},

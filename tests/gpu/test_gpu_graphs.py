@@ -45,8 +45,10 @@ def _rows(n=len(LENS), **overrides):
                        overrides={"max_tokens": 12 + 5 * (i % 4), **overrides}) for i in range(n)]
 
 
-def _run(model, spec, bs, graphs, rows=None, **defaults):
-    eng = Engine(model, EngineOptions(batch_size=bs, device="cuda", dtype="float32", spec=spec, graphs=graphs))
+def _run(model, spec, bs, graphs, rows=None, adaptive=False, **defaults):
+    # adaptive off unless asked: spec stats are compared below, every cycle at full width
+    eng = Engine(model, EngineOptions(batch_size=bs, device="cuda", dtype="float32", spec=spec, graphs=graphs,
+                                      adaptive=adaptive))
     recs = sorted(eng.generate(rows or _rows(), SamplingDefaults(**defaults)), key=lambda r: r["row"])
     assert all(r["error"] is None for r in recs)
     return [r["output_token_ids"] for r in recs], [r["spec"] for r in recs], eng
@@ -65,6 +67,20 @@ def test_graph_replay_equals_eager_greedy(name, bs, target_dir, mtp_target_dir, 
     assert stats == ref_stats
 
 
+@pytest.mark.parametrize("name", ["eagle3_topk1", "eagle3_tree", "nextn_mtp_tree"])
+def test_adaptive_width_graphs_equal_eager_greedy(name, target_dir, mtp_target_dir, eagle3_dir):
+    """Graphs captured per verify width (engine/adaptive.py): whichever prefix each cycle verified,
+    the tokens are the eager reference's, and every candidate width ran."""
+    spec, model = _spec(name, eagle3_dir), _model(name, target_dir, mtp_target_dir)
+    with kernels.torch_only():
+        ref, _, _ = _run(model, spec, 4, graphs=False)
+    got, stats, eng = _run(model, spec, 4, graphs=True, adaptive=True)
+    assert got == ref
+    assert set(eng.cycle.policy.used) == set(eng.cycle.policy.widths) == {1, 2, spec.num_draft_tokens}
+    assert {w for _, (_, w) in eng.graphs._graphs} == {1, 2, spec.num_draft_tokens}
+    assert all(s["accepted_tokens"] <= s["draft_tokens"] for s in stats)
+
+
 @pytest.mark.parametrize("name", ["vanilla", "eagle3_topk1", "eagle3_tree", "nextn_mtp"])
 def test_graph_replay_equals_eager_sampling(name, target_dir, mtp_target_dir, eagle3_dir):
     spec, model = _spec(name, eagle3_dir), _model(name, target_dir, mtp_target_dir)
@@ -74,7 +90,8 @@ def test_graph_replay_equals_eager_sampling(name, target_dir, mtp_target_dir, ea
     got, _, eng = _run(model, spec, 4, graphs=True, **defaults)
     assert got == ref
     # the sampling variant is captured on first use, next to the greedy one
-    assert {v for _, v in eng.graphs._graphs} == {(True, False, False, None, None), (False, True, False, None, None)}
+    assert {v for _, (v, _width) in eng.graphs._graphs} == {(True, False, False, None, None),
+                                                           (False, True, False, None, None)}
 
 
 def test_graph_sizes_pad_to_the_next_capture(target_dir, eagle3_dir):

@@ -51,10 +51,10 @@ def test_processor_graphs_equal_eager(name, per_row, target_dir, eagle3_dir):
         if b["logprobs"] is not None:
             assert torch.allclose(torch.tensor([e["logprob"] for e in a["logprobs"]]),
                                   torch.tensor([e["logprob"] for e in b["logprobs"]]), atol=1e-4)
-    variants = {v for _, v in eng.graphs._graphs}
+    variants = {v for _, (v, _width) in eng.graphs._graphs}
     assert any(v[3] is not None for v in variants)
 
 
 def test_plain_batches_keep_the_plain_variants(target_dir, eagle3_dir):
     _, eng = _run(target_dir, _specs(eagle3_dir)["eagle3_tree"], True, [{}, {"temperature": 0.8, "seed": 1}] * 2)
-    assert {v[2:] for _, v in eng.graphs._graphs} == {(False, None, None)}
+    assert {v[2:] for _, (v, _width) in eng.graphs._graphs} == {(False, None, None)}

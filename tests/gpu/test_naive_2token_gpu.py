@@ -24,7 +24,7 @@ def _gpu_rows(n=11, **overrides):
 
 def _gpu_run(model, spec, bs, graphs=True, rows=None, fused=None, profile=False, **defaults):
     eng = Engine(model, EngineOptions(batch_size=bs, device="cuda", dtype="float32", spec=spec,
-                                      graphs=graphs, fused=fused, profile=profile))
+                                      graphs=graphs, fused=fused, profile=profile, adaptive=False))
     recs = sorted(eng.generate(rows or _gpu_rows(), SamplingDefaults(**defaults)), key=lambda r: r["row"])
     assert all(r["error"] is None for r in recs)
     return output_ids(recs), [r["spec"] for r in recs], eng

@@ -1,0 +1,197 @@
+"""Data-parallel scaling (issues 16 and 17): the same job through plain `specbatch run`, through
+`specbatch run --gpus N` (one engine process per GPU) and through `specbatch.ray` (one actor per
+GPU on a local Ray), with the same rows per GPU; and a worker SIGKILLed mid-job, then the rerun.
+
+    python benchmarks/scale_out.py --gpus 1 --gpus 2 --gpus 8 --ray --kill-test --out runs/scale
+
+The model: Llama-3.1-8B shapes with random weights (bf16), saved once to --model-dir with the
+demo's tokenizer (vocabulary resized to it, so outputs decode), since nothing is downloaded. Rows:
+random token-id prompts, lognormal lengths (median 256, sigma 0.8, max 1,536) and max_tokens
+(median 200, sigma 0.6, max 768), EOS ignored: the mix of `specbatch bench --job`. Recipe vanilla
+(`specbatch run` has no simulated acceptance; a real draft for random weights accepts nothing).
+Scaling efficiency = tok/s(N) / (N x tok/s(1)). Writes scale_out.json / scale_out.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEMO = Path(__file__).resolve().parents[1] / "specbatch" / "assets" / "demo" / "target"
+
+
+def build_model(model_dir: Path, shapes: str) -> None:
+    """Random weights at `shapes` (a builtin of the bench) with the demo tokenizer, saved as HF."""
+    if (model_dir / "config.json").exists():
+        return
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specbatch.bench.configs import resolve_config
+
+    cfg, _ = resolve_config(shapes)
+    demo = json.loads((DEMO / "config.json").read_text())
+    cfg = {**cfg, "vocab_size": demo["vocab_size"], "bos_token_id": demo.get("bos_token_id"),
+           "eos_token_id": demo.get("eos_token_id"), "max_position_embeddings": 8192}
+    cfg.pop("architectures", None)
+    t0 = time.perf_counter()
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(model_dir)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO / f, model_dir / f)
+    del model
+    print(f"built {model_dir} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def write_rows(path: Path, n: int, vocab: int, seed: int = 0) -> int:
+    """n rows of the bench's job mix; returns the output tokens asked for."""
+    rng = random.Random(seed)
+    total = 0
+    with path.open("w") as f:
+        for i in range(n):
+            p = int(min(1536, max(1, round(math.exp(rng.gauss(math.log(256), 0.8))))))
+            o = int(min(768, max(1, round(math.exp(rng.gauss(math.log(200), 0.6))))))
+            total += o
+            f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": [rng.randrange(vocab) for _ in range(p)],
+                                "max_tokens": o, "ignore_eos": True}) + "\n")
+    return total
+
+
+def run_cli(rows: Path, out: Path, model: Path, extra: list[str], log: Path) -> dict:
+    stats = out.with_suffix(".stats.json")
+    cmd = [sys.executable, "-m", "specbatch", "run", str(rows), "-o", str(out), "--model", str(model),
+           "--recipe", "vanilla", "--temperature", "0", "--stats-json", str(stats), "-q", *extra]
+    print(" ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {rc}: see {log}")
+    s = json.loads(stats.read_text())
+    return {"wall_s": wall, "tokens": s["completion_tokens"], "gen_tok_s": s["output_tokens_per_s"],
+            "job_tok_s": s["completion_tokens"] / wall}
+
+
+RAY_DRIVER = """
+import json, sys, time
+import ray
+from specbatch.ray import ProcessorConfig, build_processor
+rows, out, model, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+t0 = time.perf_counter()
+ray.init(num_gpus=n, include_dashboard=False)
+ds = ray.data.read_json(rows).map(lambda r: {"id": r["id"], "tokenized_prompt": r["prompt_token_ids"],
+    "sampling_params": {"max_tokens": r["max_tokens"], "ignore_eos": True, "temperature": 0.0}})
+proc = build_processor(ProcessorConfig(model_source=model, recipe="vanilla", concurrency=n, batch_size=64,
+                                       max_concurrent_batches=16))
+res = proc(ds).select_columns(["id", "num_generated_tokens"]).take_all()
+wall = time.perf_counter() - t0
+print(json.dumps({"wall_s": wall, "tokens": sum(r["num_generated_tokens"] for r in res), "rows": len(res)}))
+"""
+
+
+def run_ray(rows: Path, model: Path, n: int, log: Path) -> dict:
+    cmd = [sys.executable, "-c", RAY_DRIVER, str(rows), "-", str(model), str(n)]  # out unused: rows come back
+    print(f"ray: {n} actor(s) on {rows}", flush=True)
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    log.write_text(p.stdout + p.stderr)
+    if p.returncode != 0:
+        raise SystemExit(f"the Ray driver exited {p.returncode}: see {log}")
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    return {"wall_s": time.perf_counter() - t0, "tokens": r["tokens"], "job_tok_s": r["tokens"] / r["wall_s"],
+            "rows": r["rows"]}
+
+
+def kill_test(rows: Path, out: Path, model: Path, gpus: int, after_s: float, log: Path) -> dict:
+    """SIGKILL one worker process mid-job; then rerun to completion and check every id exactly once."""
+    import psutil
+
+    cmd = [sys.executable, "-m", "specbatch", "run", str(rows), "-o", str(out), "--model", str(model),
+           "--recipe", "vanilla", "--temperature", "0", "-q", "--gpus", str(gpus)]
+    with log.open("w") as f:
+        parent = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        time.sleep(after_s)
+        kids = [c for c in psutil.Process(parent.pid).children(recursive=True)
+                if "resource_tracker" not in " ".join(c.cmdline())]
+        victim = kids[0].pid if kids else None
+        if victim:
+            os.kill(victim, signal.SIGKILL)
+        first_rc = parent.wait()
+        second_rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    import pyarrow.parquet as pq
+
+    ids = pq.read_table(out, columns=["id"]).column("id").to_pylist()
+    want = [json.loads(line)["id"] for line in rows.open()]
+    return {"killed_pid": victim, "first_rc": first_rc, "rerun_rc": second_rc, "rows": len(ids),
+            "unique": len(set(ids)), "missing": len(set(want) - set(ids)), "expected": len(want)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, action="append", help="GPU counts to run (repeatable; default 1 and all)")
+    ap.add_argument("--rows-per-gpu", type=int, default=1024)
+    ap.add_argument("--shapes", default="llama-3.1-8b")
+    ap.add_argument("--model-dir", default="/tmp/specbatch-random-8b")
+    ap.add_argument("--ray", action="store_true", help="also through specbatch.ray (needs ray[data])")
+    ap.add_argument("--kill-test", action="store_true", help="SIGKILL a worker mid-job, rerun, count rows")
+    ap.add_argument("--out", default="runs/scale")
+    args = ap.parse_args()
+    import torch
+
+    count = torch.cuda.device_count()
+    counts = sorted(set(args.gpus or [1, count]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = Path(args.model_dir)
+    build_model(model, args.shapes)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    results = []
+    for n in counts:
+        rows = out / f"rows-{n}.jsonl"
+        write_rows(rows, n * args.rows_per_gpu, vocab)
+        paths = [(f"specbatch run --gpus {n}", ["--gpus", str(n)])]
+        if n == 1:
+            paths.insert(0, ("specbatch run (one process)", []))
+        for name, extra in paths:
+            dst = out / f"out-{n}-{len(extra)}.parquet"
+            r = run_cli(rows, dst, model, extra, out / f"log-{n}-{len(extra)}.txt")
+            results.append({"gpus": n, "path": name, **r})
+            print(results[-1], flush=True)
+        if args.ray:
+            r = run_ray(rows, model, n, out / f"log-ray-{n}.txt")
+            results.append({"gpus": n, "path": "specbatch.ray", **r})
+            print(results[-1], flush=True)
+    one = {r["path"].split(" --gpus")[0]: r["job_tok_s"] for r in results if r["gpus"] == 1}
+    lines = ["| GPUs | path | rows | output tokens | wall s | job tok/s (wall) | generation tok/s | efficiency |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        base = one.get(r["path"].split(" --gpus")[0])
+        eff = f"{r['job_tok_s'] / (r['gpus'] * base):.3f}" if base else "-"
+        gen = f"{r['gen_tok_s']:,.0f}" if "gen_tok_s" in r else "-"
+        lines.append(f"| {r['gpus']} | {r['path']} | {r['gpus'] * args.rows_per_gpu} | {r['tokens']:,} | "
+                     f"{r['wall_s']:.1f} | {r['job_tok_s']:,.0f} | {gen} | {eff} |")
+    report = {"device": torch.cuda.get_device_name(0), "gpus_available": count, "results": results}
+    if args.kill_test:
+        n = max(counts)
+        rows = out / "rows-kill.jsonl"
+        write_rows(rows, n * args.rows_per_gpu // 2, vocab, seed=1)
+        report["kill_test"] = kill_test(rows, out / "out-kill.parquet", model, n, 25.0, out / "log-kill.txt")
+        lines += ["", f"Kill test ({n} GPU(s)): {report['kill_test']}"]
+    (out / "scale_out.json").write_text(json.dumps(report, indent=1))
+    (out / "scale_out.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
