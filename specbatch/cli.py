@@ -48,7 +48,7 @@ _FLAGS = {"model": "--model", "draft": "--draft", "batch_size": "--batch-size", 
           "stop": "--stop", "ignore_eos": "--ignore-eos", "dtype": "--dtype", "max_model_len": "--max-model-len",
           "min_p": "--min-p", "min_tokens": "--min-tokens", "presence_penalty": "--presence-penalty",
           "frequency_penalty": "--frequency-penalty", "repetition_penalty": "--repetition-penalty",
-          "logit_bias": "--logit-bias", "logprobs": "--logprobs", "n": "--n",
+          "logit_bias": "--logit-bias", "logprobs": "--logprobs", "prompt_logprobs": "--prompt-logprobs", "n": "--n",
           "include_stop_str_in_output": "--include-stop-str-in-output", "skip_special_tokens": "--skip-special-tokens"}
 
 
@@ -96,6 +96,7 @@ def run(
     repetition_penalty: Optional[float] = typer.Option(None, help="Default repetition penalty > 0 (over prompt and generated tokens; 1 = off)."),
     logit_bias: Optional[list[str]] = typer.Option(None, help="Default logit bias ID=BIAS, BIAS in [-100, 100] (repeatable)."),
     logprobs: Optional[int] = typer.Option(None, help="Default logprobs: each token's logprob and its top K alternatives (0-20)."),
+    prompt_logprobs: Optional[int] = typer.Option(None, help="Default prompt_logprobs: each prompt token's logprob under the model (raw distribution) and its top K alternatives (0-20)."),
     n: Optional[int] = typer.Option(None, "--n", help="Default completions per row."),
     include_stop_str_in_output: Optional[bool] = typer.Option(None, "--include-stop-str-in-output", help="Keep the matched stop string (or stop token) in the text."),
     skip_special_tokens: Optional[bool] = typer.Option(None, "--skip-special-tokens/--keep-special-tokens", help="Skip special tokens in the text (default) or keep them."),
@@ -132,7 +133,8 @@ def run(
                      max_model_len=max_model_len, min_p=min_p, min_tokens=min_tokens,
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                      repetition_penalty=repetition_penalty, logit_bias=list(logit_bias) if logit_bias else None,
-                     logprobs=logprobs, n=n, include_stop_str_in_output=include_stop_str_in_output,
+                     logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
+                     include_stop_str_in_output=include_stop_str_in_output,
                      skip_special_tokens=skip_special_tokens)
     try:
         rec = load_recipe(recipe)

@@ -37,6 +37,7 @@ class Completion:
     spec: dict[str, Any] | None       # verify_steps, draft_tokens, accepted_tokens, accept_length, accept_histogram
     logprobs: list[dict[str, Any]] | None = None   # per token {token_id, token, logprob, top_logprobs}: rows that asked
     choices: list[dict[str, Any]] | None = None    # n > 1: every choice (index, completion, ..., logprobs)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None   # per prompt token (None first): rows that asked
     record: dict[str, Any] = field(default_factory=dict, repr=False)   # every column (records.py), as a file row
 
     @classmethod
@@ -45,7 +46,7 @@ class Completion:
                    token_ids=rec.get("output_token_ids"), prompt_tokens=rec.get("prompt_tokens", 0),
                    completion_tokens=rec.get("completion_tokens", 0), finish_reason=rec.get("finish_reason"),
                    error=rec.get("error"), spec=rec.get("spec"), logprobs=rec.get("logprobs"),
-                   choices=rec.get("choices"), record=dict(rec))
+                   choices=rec.get("choices"), prompt_logprobs=rec.get("prompt_logprobs"), record=dict(rec))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -53,6 +53,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # over generated tokens: logit -= frequency * count
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs, ids ascending
     logprobs: int | None = None       # None: none; k: the token's logprob and its top k alternatives
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob (the model's raw
+                                        # distribution, as vLLM's default) and its top k alternatives
     n: int = 1                        # completions per row
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

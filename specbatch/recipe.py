@@ -277,6 +277,8 @@ def _parse_sampling(data: Any, source: str) -> SamplingDefaults:
                                   "a number in [-2, 2]"),
         logit_bias=_logit_bias(source, k + "logit_bias", get("logit_bias")),
         logprobs=_int_range(source, k + "logprobs", get("logprobs"), 0, LOGPROBS_MAX, nullable=True),
+        prompt_logprobs=_int_range(source, k + "prompt_logprobs", get("prompt_logprobs"), 0, LOGPROBS_MAX,
+                                   nullable=True),
         n=_int_range(source, k + "n", get("n"), 1, N_MAX),
         include_stop_str_in_output=_bool(source, k + "include_stop_str_in_output", get("include_stop_str_in_output")),
         skip_special_tokens=_bool(source, k + "skip_special_tokens", get("skip_special_tokens")),

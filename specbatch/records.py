@@ -27,6 +27,9 @@ SPEC_TYPE = pa.struct(
 _TOP = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64())])
 LOGPROBS_TYPE = pa.list_(pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64()),
                                     ("top_logprobs", pa.list_(_TOP))]))
+PROMPT_LOGPROBS_TYPE = pa.list_(pa.struct([("token_id", pa.int64()), ("token", pa.string()),
+                                           ("logprob", pa.float64()), ("rank", pa.int64()),
+                                           ("top_logprobs", pa.list_(_TOP))]))
 CHOICES_TYPE = pa.list_(pa.struct([("index", pa.int64()), ("completion", pa.string()),
                                    ("completion_tokens", pa.int64()), ("finish_reason", pa.string()),
                                    ("logprobs", LOGPROBS_TYPE), ("output_token_ids", pa.list_(pa.int64()))]))
@@ -46,6 +49,16 @@ def logprob_entries(ids: Sequence[int], logprobs: Sequence[tuple[float, list[int
             for tok, (lp, top, vals) in zip(ids, logprobs)]
 
 
+def prompt_logprob_entries(prompt_ids: Sequence[int], logprobs: Sequence[tuple[float, int, list[int], list[float]]],
+                           text: Callable[[int], str]) -> list[dict[str, Any] | None]:
+    """The `prompt_logprobs` column: None for the first prompt token (nothing predicts it), then
+    per token {token_id, token, logprob, rank (1 = the likeliest), top_logprobs}."""
+    return [None] + [{"token_id": tok, "token": text(tok), "logprob": _logprob(lp), "rank": rank,
+                      "top_logprobs": [{"token_id": i, "token": text(i), "logprob": _logprob(v)}
+                                       for i, v in zip(top, vals)]}
+                     for tok, (lp, rank, top, vals) in zip(prompt_ids[1:], logprobs)]
+
+
 @dataclass(frozen=True)
 class Finished:
     """What a finished request hands to the columns (the engine fills it)."""
@@ -61,6 +74,7 @@ class Finished:
     batch_line: bool = False             # the row was an OpenAI batch line
     created: int = field(default_factory=lambda: int(time.time()))
     logprobs: list[dict[str, Any]] | None = None     # per token (logprob_entries); None: not asked
+    prompt_logprobs: list[dict[str, Any] | None] | None = None   # per prompt token (prompt_logprob_entries)
     choices: list[dict[str, Any]] | None = None      # n > 1: every choice (choice 0 is the top-level one)
 
 
@@ -91,6 +105,9 @@ COLUMNS: list[Column] = [
     Column("logprobs", LOGPROBS_TYPE, lambda f: f.logprobs,
            "per generated token: token_id, token, logprob, top_logprobs (the distribution sampled from)",
            option="logprobs"),
+    Column("prompt_logprobs", PROMPT_LOGPROBS_TYPE, lambda f: f.prompt_logprobs,
+           "per prompt token (null for the first): token_id, token, logprob, rank, top_logprobs (the "
+           "model's raw distribution)", option="prompt_logprobs"),
     Column("choices", CHOICES_TYPE, lambda f: f.choices,
            "n > 1: every choice (index, completion, completion_tokens, finish_reason, logprobs, output_token_ids)",
            option="choices"),

@@ -30,6 +30,7 @@ OVERRIDE_KEYS = (
     "logit_bias",
     "logprobs",
     "top_logprobs",
+    "prompt_logprobs",
     "n",
     "best_of",
     "include_stop_str_in_output",
@@ -64,7 +65,6 @@ def _empty(v: object) -> bool:
 # than silently running without it. Implementing a field deletes its line here. (`best_of`
 # above n is refused by parse_overrides: best_of = n is n.)
 UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
-    "prompt_logprobs": ("null", _empty),
     "length_penalty": ("1.0", _num(1.0)),
     "response_format": ("null", lambda v: _empty(v) or v == {"type": "text"}),
     "guided_json": ("null", _empty),
@@ -384,6 +384,9 @@ def _parse_more(get: Callable[[str], object], prefix: str, endpoint: str | None,
         if k_top:
             raise BadField(f"field '{prefix}top_logprobs': goes with 'logprobs': true (with "
                            f"'logprobs': {out['logprobs']}, leave it out)")
+
+    if (v := get("prompt_logprobs")) is not None:
+        out["prompt_logprobs"] = _int_in(v, prefix + "prompt_logprobs", 0, LOGPROBS_MAX, LOGPROBS_EXPECTED)
 
     n = 1
     if (v := get("n")) is not None:

@@ -7,7 +7,10 @@ The body is a `chat.completion` (choices[].message) for chat requests and a `tex
 (choices[].text) for completions, with `usage` (completion_tokens over every choice when n > 1).
 `choices[].logprobs` is null unless the row asked: chat `{"content": [{"token", "logprob", "bytes",
 "top_logprobs": [...]}]}`, completions `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`
-(each top_logprobs dict also holds the sampled token, as OpenAI's legacy API does). A row that could not run is a line with
+(each top_logprobs dict also holds the sampled token, as OpenAI's legacy API does). A row that
+asked for prompt_logprobs gets vLLM's extension: `[null, {"<token id>": {"logprob", "rank",
+"decoded_token"}, ...}, ...]` per prompt token, the prompt's own token first, then the top ones
+(on the chat body, on each completions choice). A row that could not run is a line with
 `response` null and `error` {"code", "message"}. Speculation stats and the input row number ride
 along in the extra top-level field `specbatch` (ignored by OpenAI clients; a resume reads the row
 back from it). Ids are derived from the row and custom_id, so a rerun writes the same ids.
@@ -34,6 +37,7 @@ def to_openai_line(rec: dict[str, Any], model: str) -> dict[str, Any]:
         chat = rec.get("endpoint") == "chat"
         native = rec.get("choices") or [{"index": 0, "completion": rec.get("completion"),
                                          "finish_reason": rec.get("finish_reason"), "logprobs": rec.get("logprobs")}]
+        prompt_lps = _openai_prompt_logprobs(rec.get("prompt_logprobs"))
         choices = []
         for c in native:
             choice: dict[str, Any] = {"index": c["index"], "finish_reason": c.get("finish_reason"),
@@ -42,6 +46,8 @@ def to_openai_line(rec: dict[str, Any], model: str) -> dict[str, Any]:
                 choice["message"] = {"role": "assistant", "content": c.get("completion")}
             else:
                 choice["text"] = c.get("completion")
+                if prompt_lps is not None:
+                    choice["prompt_logprobs"] = prompt_lps
             choices.append(choice)
         usage = {"prompt_tokens": rec.get("prompt_tokens") or 0, "completion_tokens": rec.get("completion_tokens") or 0}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -49,11 +55,15 @@ def to_openai_line(rec: dict[str, Any], model: str) -> dict[str, Any]:
                 "object": "chat.completion" if chat else "text_completion",
                 "created": rec.get("created") or 0, "model": rec.get("request_model") or model,
                 "choices": choices, "usage": usage}
+        if chat and prompt_lps is not None:
+            body["prompt_logprobs"] = prompt_lps
         line.update(response={"status_code": 200, "request_id": f"req-{_hex('req', row, custom_id)}", "body": body},
                     error=None)
     line["specbatch"] = {"row": row, "spec": rec.get("spec"), "batch_line": bool(rec.get("batch_line"))}
     if rec.get("output_token_ids") is not None:
         line["specbatch"]["output_token_ids"] = rec["output_token_ids"]
+    if rec.get("prompt_logprobs") and not rec.get("error"):       # reading the line back needs the top count
+        line["specbatch"]["prompt_top"] = next((len(e["top_logprobs"]) for e in rec["prompt_logprobs"] if e), 0)
     return line
 
 
@@ -95,6 +105,42 @@ def _native_logprobs(lp: dict[str, Any] | None, chat: bool) -> list[dict[str, An
             for tok, lp_, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])]
 
 
+def _openai_prompt_logprobs(entries: list[dict[str, Any] | None] | None) -> list[dict[str, Any] | None] | None:
+    """The native prompt_logprobs column as vLLM's: per token {str(id): {logprob, rank, decoded_token}},
+    the prompt's token first (its rank may be past the top ones), then the top ones."""
+    if entries is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": e["token"]}}
+        for r, t in enumerate(e["top_logprobs"], start=1):
+            d.setdefault(str(t["token_id"]), {"logprob": t["logprob"], "rank": r, "decoded_token": t["token"]})
+        out.append(d)
+    return out
+
+
+def _native_prompt_logprobs(lps: list[dict[str, Any] | None] | None, k: int) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt_logprobs (as _openai_prompt_logprobs writes them: the prompt's token first)
+    back as the native column; k: the top ones per token (a prompt token among them is listed once)."""
+    if lps is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for d in lps:
+        if d is None:
+            out.append(None)
+            continue
+        (tok, first), *rest = d.items()
+        top = [{"token_id": int(t), "token": v["decoded_token"], "logprob": v["logprob"]} for t, v in rest]
+        me = {"token_id": int(tok), "token": first["decoded_token"], "logprob": first["logprob"]}
+        if len(top) < k:
+            top.insert(first["rank"] - 1, me)            # the prompt's token was one of the top ones
+        out.append({**me, "rank": first["rank"], "top_logprobs": top})
+    return out
+
+
 def from_openai_line(line: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI line written by to_openai_line back as a native record (a finished output reopened
     to add rows)."""
@@ -111,7 +157,9 @@ def from_openai_line(line: dict[str, Any]) -> dict[str, Any]:
                 "logprobs": _native_logprobs(c.get("logprobs"), chat), "output_token_ids": None}
                for c in body["choices"]]
     choice = choices[0]
+    prompt_lps = body.get("prompt_logprobs") if chat else body["choices"][0].get("prompt_logprobs")
     rec.update(error=None, completion=choice["completion"], logprobs=choice["logprobs"],
+               prompt_logprobs=_native_prompt_logprobs(prompt_lps, extra.get("prompt_top", 0)),
                choices=choices if len(choices) > 1 else None,
                finish_reason=choice.get("finish_reason"), prompt_tokens=body["usage"]["prompt_tokens"],
                completion_tokens=body["usage"]["completion_tokens"], endpoint="chat" if chat else "completion",

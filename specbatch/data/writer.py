@@ -348,7 +348,7 @@ class OutputWriter:
         # Parts hold every column a final format may need (the OpenAI ones, logprobs and choices too).
         return part_table([r for r, _ in items], [d for _, d in items],
                           options={"save_token_ids": self.save_token_ids, "openai": True, "logprobs": True,
-                                   "choices": True},
+                                   "prompt_logprobs": True, "choices": True},
                           keep_columns=self.keep_columns, json_typed=self.format == "jsonl")
 
     def _part_name(self) -> str:
@@ -413,7 +413,8 @@ class OutputWriter:
             parts = self._part_paths()
             openai = self._openai_output(parts)
             options = {"save_token_ids": self.save_token_ids, "openai": openai,
-                       "logprobs": self._any_set(parts, "logprobs"), "choices": self._any_set(parts, "choices")}
+                       "logprobs": self._any_set(parts, "logprobs"), "choices": self._any_set(parts, "choices"),
+                       "prompt_logprobs": self._any_set(parts, "prompt_logprobs")}
             schema, as_json = merged_schema([pq.read_schema(p) for p in parts], options, self.keep_columns)
             rows, digests = part_rows(parts)
         except OSError as e:

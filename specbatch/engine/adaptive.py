@@ -13,17 +13,21 @@ draws a row consumes, and a row's sample must not depend on the rows it ran with
 or a Ray retry writes the same bytes), so sampled batches verify the full width.
 
     choose(bucket, greedy) -> width       bucket: the padded batch size (a captured graph size)
-    record(bucket, width, rows, emitted, seconds)
+    record(bucket, width, emitted, seconds)    emitted: the tokens each row emitted
 
-Per width, the tokens a row emits per cycle (the acceptance; w = 1 emits exactly one); per
-(bucket, width), the seconds a cycle takes (exponential averages). Each width is tried at each
-bucket before the rates decide, and the runner-up is retried now and then, since the costs drift
-as contexts grow.
+Per width w, the tokens a row emits per cycle: every cycle also says what each narrower width
+would have emitted, min(n, w) for a row that emitted n (exact for chains: the accepted drafts are
+the path's first ones; for trees an upper bound, as a sibling outside the prefix may have been the
+one accepted), so the full width's cycles keep every narrower estimate current. Per (bucket,
+width), the seconds a cycle takes (an exponential average). Each width is tried at each bucket
+before the rates decide; every REFRESH-th cycle of a bucket retries the width measured longest
+ago there, since costs drift as contexts grow and acceptance changes.
 """
 from __future__ import annotations
 
-ALPHA = 0.25          # weight of a new sample in the averages
-REFRESH = 24          # every REFRESH-th cycle of a bucket retries the runner-up
+ALPHA = 0.25          # weight of a new sample in the cycle-time averages
+DECAY = 0.995         # per cycle, of the acceptance sums (a memory of a few hundred cycles)
+REFRESH = 16          # every REFRESH-th cycle of a bucket retries the width measured longest ago
 
 
 def candidate_widths(full: int) -> list[int]:
@@ -35,9 +39,11 @@ class WidthPolicy:
     def __init__(self, full: int, enabled: bool = True):
         self.full = full
         self.widths = candidate_widths(full) if enabled and full > 1 else [full]
-        self.per_row: dict[int, float] = {1: 1.0}              # width -> tokens a row emits per cycle
+        self.emitted: dict[int, float] = {w: 0.0 for w in self.widths}   # width -> decayed tokens
+        self.rows: dict[int, float] = {w: 0.0 for w in self.widths}      # width -> decayed rows
         self.seconds: dict[tuple[int, int], float] = {}        # (bucket, width) -> seconds per cycle
         self.samples: dict[tuple[int, int], int] = {}
+        self.last: dict[tuple[int, int], int] = {}             # (bucket, width) -> the bucket cycle it last ran
         self.cycles: dict[int, int] = {}
         self.used: dict[int, int] = {}                         # width -> cycles (reported in stats)
 
@@ -45,27 +51,37 @@ class WidthPolicy:
     def adaptive(self) -> bool:
         return len(self.widths) > 1
 
+    def per_row(self, w: int) -> float:
+        """Tokens a row emits per cycle at width w (1 for a plain step; no data yet: w, so untried
+        widths look their best)."""
+        return 1.0 if w == 1 else self.emitted[w] / self.rows[w] if self.rows[w] > 0 else float(w)
+
     def choose(self, bucket: int, greedy: bool) -> int:
         if not greedy or not self.adaptive:
             return self.full
         for w in reversed(self.widths):                        # untried first, widest first
             if self.samples.get((bucket, w), 0) < 2:           # the first sample is dropped: see record
                 return w
-        rates = sorted(((self.per_row[w] / self.seconds[(bucket, w)], w) for w in self.widths), reverse=True)
         n = self.cycles[bucket] = self.cycles.get(bucket, 0) + 1
-        return rates[1][1] if n % REFRESH == 0 else rates[0][1]
+        best = max(self.widths, key=lambda w: self.per_row(w) / self.seconds[(bucket, w)])
+        if n % REFRESH == 0:
+            stale = min((w for w in self.widths if w != best), key=lambda w: self.last.get((bucket, w), -1))
+            return stale
+        return best
 
-    def record(self, bucket: int, width: int, rows: int, emitted: int, seconds: float) -> None:
+    def record(self, bucket: int, width: int, emitted: list[int], seconds: float) -> None:
+        """A cycle at `width` over rows that emitted `emitted` tokens each, in `seconds`."""
         self.used[width] = self.used.get(width, 0) + 1
-        if not self.adaptive or rows == 0:
+        if not self.adaptive or not emitted:
             return
+        for w in self.widths:
+            if 1 < w <= width:
+                self.emitted[w] = self.emitted[w] * DECAY + sum(min(n, w) for n in emitted)
+                self.rows[w] = self.rows[w] * DECAY + len(emitted)
         key = (bucket, width)
         seen = self.samples[key] = self.samples.get(key, 0) + 1
+        self.last[key] = self.cycles.get(bucket, 0)
         if seen == 1:                 # the first replay of a graph (or a first eager call) runs slow
             return
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else old + ALPHA * (seconds - old)
-        if width > 1:
-            per = emitted / rows
-            old = self.per_row.get(width)
-            self.per_row[width] = per if old is None else old + ALPHA * (per - old)

@@ -31,6 +31,7 @@ from ..params import LOGPROBS_MAX
 from ..processors import Processors, count_tokens, processors_key
 from ..request import Request, StopChecker
 from .adaptive import WidthPolicy
+from .logprobs import add_logprobs, emitted_logprobs
 from .graphs import GraphRunner, capture_sizes
 from .profile import CycleTime, StageTimer
 from ..runtime.kv_cache import compact_path
@@ -151,11 +152,10 @@ class SpecCycle:
 
         # commit on the host: stop checks, stats (device lengths and KV were committed in _verify)
         finished: Slotted = []
-        emitted = raw = 0
+        emitted = 0
         N = b.width
         for i, ((slot, req), row) in enumerate(zip(active, out)):
             n = row[-1]
-            raw += n
             self.state.seq_lens[slot] += n
             kept = self.stops.append(req, row[:n])
             emitted += kept
@@ -170,7 +170,7 @@ class SpecCycle:
         self.tokens_emitted += emitted
         self.forwards += 1
         self.timer.record(len(active), marks, t0, emitted)
-        self.policy.record(bucket, N, len(active), raw, time.perf_counter() - t1)
+        self.policy.record(bucket, N, [row[-1] for row in out], time.perf_counter() - t1)
         return finished
 
     def _stages(self, active: Slotted, bucket: int) -> tuple[Batch, list]:
@@ -286,24 +286,3 @@ def _same_layout(old: Slotted | None, active: Slotted) -> bool:
     """Whether `old` holds exactly these requests in these slots (by identity)."""
     return old is not None and len(old) == len(active) and all(
         r is q and s == t for (t, q), (s, r) in zip(old, active))
-
-
-def emitted_logprobs(logits: torch.Tensor, path: torch.Tensor, tokens: torch.Tensor, sp: BatchSampling,
-                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, N, V] (processed) at every node, the acceptance's path [B, W] (token d was drawn at
-    node path[:, d]) and emitted tokens [B, W] -> ([B, W, 1 + k] the tokens' logprobs then the top
-    k logprobs, [B, W, k] the top ids), from the distribution each token was drawn from."""
-    B, N, V = logits.shape
-    W = path.shape[1]
-    at = logits.gather(1, path[:, :, None].expand(B, W, V)).float().reshape(B * W, V)
-    lp = sp.repeat_rows(W).target_logprobs(at).view(B, W, V)
-    top, ids = lp.topk(k, dim=-1)
-    return torch.cat([lp.gather(2, tokens[:, :, None]), top], dim=2), ids
-
-
-def add_logprobs(req: Request, lps: list[list[float]], ids: list[list[int]]) -> None:
-    """Append the kept tokens' logprobs (host lists from emitted_logprobs) to the request."""
-    k = req.params.logprobs or 0
-    for lp, top in zip(lps, ids):
-        req.logprobs.append((lp[0], top[:k], lp[1: 1 + k]))
-

@@ -13,7 +13,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .cycle import SlotState, Slotted, SpecCycle, add_logprobs, emitted_logprobs, exact_acceptance
+from .cycle import SlotState, Slotted, SpecCycle, exact_acceptance
+from .logprobs import add_logprobs, emitted_logprobs, prompt_token_logprobs
 from .pool import plan_pool
 from .profile import CycleTime
 from ..data import RowError, RowRequest
@@ -33,7 +34,7 @@ from ..sampling import BatchSampling, sample
 from ..scheduler import SlotScheduler
 from ..speculative.drafter import Drafter
 from ..speculative.factory import SpecConfig, make_drafter
-from ..records import Finished, completion_record, error_record, logprob_entries
+from ..records import Finished, completion_record, error_record, logprob_entries, prompt_logprob_entries
 from ..stats import combined_spec_stats, spec_stats
 
 # A source may yield WAIT: "no row ready now, more may come" (a worker fed over a queue); the
@@ -245,12 +246,17 @@ class Engine:
             return None
         return logprob_entries(req.output_ids, req.logprobs, self._token)
 
+    def _prompt_logprobs(self, req: Request) -> list[dict[str, Any] | None] | None:
+        if req.prompt_logprobs is None:
+            return None
+        return prompt_logprob_entries(req.prompt_ids, req.prompt_logprobs, self._token)
+
     def record(self, req: Request) -> dict[str, Any]:
         return completion_record(Finished(
             row=req.row, id=req.id, text=self.stops.completion_text(req), prompt_tokens=len(req.prompt_ids),
             output_ids=req.output_ids, finish_reason=req.finish_reason, spec=spec_stats(req),
             endpoint=req.endpoint, request_model=req.request_model, batch_line=req.batch_line,
-            logprobs=self._logprobs(req)), req.keep)
+            logprobs=self._logprobs(req), prompt_logprobs=self._prompt_logprobs(req)), req.keep)
 
     def group_record(self, group: Choices) -> dict[str, Any]:
         """One record for a row's n choices: choice 0 in the top-level columns, every choice in
@@ -267,7 +273,8 @@ class Engine:
             row=first.row, id=first.id, text=choices[0]["completion"], prompt_tokens=len(first.prompt_ids),
             output_ids=first.output_ids, finish_reason=first.finish_reason, spec=combined_spec_stats(ran),
             endpoint=first.endpoint, request_model=first.request_model, batch_line=first.batch_line,
-            logprobs=choices[0]["logprobs"], choices=choices), first.keep)
+            logprobs=choices[0]["logprobs"], prompt_logprobs=self._prompt_logprobs(first), choices=choices),
+            first.keep)
 
     def _rows_needed(self, req: Request) -> int:
         return len(req.prompt_ids) + req.max_new + self.headroom
@@ -397,6 +404,10 @@ class Engine:
                 zero = torch.zeros(B, 1, dtype=torch.int64, device=self.device)
                 lp, top = emitted_logprobs(logits[:, None, :], zero, first[:, None], sp, max(asked))
                 lps, lp_ids = lp.tolist(), top.tolist()
+            for i, (_, req) in enumerate(group):
+                if req.params.prompt_logprobs is not None:
+                    req.prompt_logprobs = prompt_token_logprobs(self.model.logits, hidden[i, : lens[i]],
+                                                                ids[i, : lens[i]], req.params.prompt_logprobs)
             self.drafter.prefill(slots, ids, lengths, captured, first)
             st.lens[slots], st.last[slots] = lengths, first
             for i, ((slot, req), tok, n) in enumerate(zip(group, first.tolist(), lens)):

@@ -12,7 +12,7 @@ from bad_rows_helpers import MESSAGES, WHERE, err, parse
 
 
 NON_DEFAULT = {
-    "prompt_logprobs": 1, "length_penalty": 0.8, "response_format": {"type": "json_object"},
+    "length_penalty": 0.8, "response_format": {"type": "json_object"},
     "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["a", "b"],
     "guided_grammar": "root ::= x", "structured_outputs": {"json": {}}, "tools": [{"type": "function"}],
     "tool_choice": "required", "functions": [{"name": "f"}], "function_call": {"name": "f"},

@@ -13,12 +13,14 @@ from specbatch.params import SamplingParams
 def test_row_fields_become_overrides():
     r = parse({"prompt": "x", "min_tokens": 3, "min_p": 0.1, "repetition_penalty": 1.1, "presence_penalty": -2,
                "frequency_penalty": 2.0, "logit_bias": {"42": -100, "7": 3.5}, "logprobs": 5, "n": 3,
-               "best_of": 3, "include_stop_str_in_output": True, "skip_special_tokens": False})
+               "best_of": 3, "include_stop_str_in_output": True, "skip_special_tokens": False, "prompt_logprobs": 2})
     assert r.overrides == {"min_tokens": 3, "min_p": 0.1, "repetition_penalty": 1.1, "presence_penalty": -2.0,
                            "frequency_penalty": 2.0, "logit_bias": {42: -100.0, 7: 3.5}, "logprobs": 5, "n": 3,
-                           "include_stop_str_in_output": True, "skip_special_tokens": False}
+                           "include_stop_str_in_output": True, "skip_special_tokens": False, "prompt_logprobs": 2}
     p = SamplingParams().for_row(r.overrides, 0)
     assert p.logit_bias == ((7, 3.5), (42, -100.0)) and p.uses_penalties and p.uses_processors
+    assert p.prompt_logprobs == 2
+    assert parse({"prompt": "x", "prompt_logprobs": None}).overrides == {}      # null asks for nothing
     # n: 1 and logprobs: false ask for nothing: the run's defaults apply to the row
     assert parse({"prompt": "x", "n": 1, "logprobs": False, "top_logprobs": 0, "logit_bias": {}}).overrides == {}
 
@@ -58,6 +60,8 @@ def test_logprobs_spellings():
     ("logit_bias", "x", "expected an object mapping token ids to biases"),
     ("logprobs", 21, "expected an integer in [0, 20]"),
     ("logprobs", -1, "expected an integer in [0, 20]"),
+    ("prompt_logprobs", 21, "expected an integer in [0, 20]"),
+    ("prompt_logprobs", True, "expected an integer in [0, 20]"),
     ("n", 0, "expected an integer in [1, 1024]"),
     ("n", 1025, "expected an integer in [1, 1024]"),
     ("n", "2", "expected an integer in [1, 1024]"),
@@ -100,9 +104,9 @@ def test_the_truly_unsupported_remain_errors():
 
     implemented = {"n", "best_of", "logprobs", "top_logprobs", "min_p", "min_tokens", "logit_bias",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "include_stop_str_in_output",
-                   "skip_special_tokens"}
+                   "skip_special_tokens", "prompt_logprobs"}
     assert not implemented & set(UNSUPPORTED_FIELDS)
-    for name in ("tools", "use_beam_search", "prompt_logprobs", "response_format", "guided_json"):
+    for name in ("tools", "use_beam_search", "response_format", "guided_json"):
         assert name in UNSUPPORTED_FIELDS
 
 
@@ -113,10 +117,10 @@ def test_recipe_sampling_keys():
     r = _parse(algorithm="vanilla", sampling={
         "min_tokens": 2, "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
         "logit_bias": {42: -100, "7": 2}, "logprobs": 5, "n": 4, "include_stop_str_in_output": True,
-        "skip_special_tokens": False, "temperature": None, "top_p": None, "top_k": None})
+        "skip_special_tokens": False, "temperature": None, "top_p": None, "top_k": None, "prompt_logprobs": 3})
     s = r.sampling
     assert (s.min_tokens, s.min_p, s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (2, 0.05, 1.1, 0.5, -0.5)
-    assert s.logit_bias == ((7, 2.0), (42, -100.0)) and s.logprobs == 5 and s.n == 4
+    assert s.logit_bias == ((7, 2.0), (42, -100.0)) and s.logprobs == 5 and s.n == 4 and s.prompt_logprobs == 3
     assert s.include_stop_str_in_output and not s.skip_special_tokens
     assert s.temperature is None and s.to_dict()["logit_bias"] == {7: 2.0, 42: -100.0}
     assert _parse(**r.to_dict()) == r
@@ -137,6 +141,7 @@ def test_recipe_sampling_keys():
     ({"logit_bias": {-1: 2}}, "sampling.logit_bias: expected token ids as integers >= 0, got int -1"),
     ({"logit_bias": 3}, "sampling.logit_bias: expected a mapping of token ids to biases, got int 3"),
     ({"logprobs": 21}, "sampling.logprobs: expected an integer in [0, 20] or null, got 21"),
+    ({"prompt_logprobs": -1}, "sampling.prompt_logprobs: expected an integer in [0, 20] or null, got -1"),
     ({"n": 0}, "sampling.n: expected an integer in [1, 1024], got 0"),
     ({"include_stop_str_in_output": "yes"}, "sampling.include_stop_str_in_output: expected true or false, got str 'yes'"),
     ({"skip_special_tokens": 1}, "sampling.skip_special_tokens: expected true or false, got int 1"),

@@ -19,12 +19,23 @@ from specbatch.speculative.factory import SpecConfig
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _drive(policy: WidthPolicy, bucket: int, cost, per_row, cycles: int, greedy: bool = True) -> list[int]:
-    """Run `cycles` choices against cost(w) seconds and per_row(w) tokens; the widths chosen."""
+def _drive(policy: WidthPolicy, bucket: int, cost, accepted, cycles: int, greedy: bool = True) -> list[int]:
+    """Run `cycles` choices against cost(w) seconds; rows accept drafts in a chain with the
+    per-position probabilities `accepted` (a fixed pattern of rows, so estimates are exact)."""
+    # 20 rows: row r accepts its first d drafts where d follows the conditional probabilities
+    drafts = []
+    for r in range(20):
+        d, u = 0, (r + 0.5) / 20
+        for p in accepted:
+            u /= p
+            if u >= 1:
+                break
+            d += 1
+        drafts.append(d)
     chosen = []
     for _ in range(cycles):
         w = policy.choose(bucket, greedy)
-        policy.record(bucket, w, rows=bucket, emitted=round(per_row(w) * bucket), seconds=cost(w))
+        policy.record(bucket, w, [min(d + 1, w) for d in drafts], seconds=cost(w))
         chosen.append(w)
     return chosen
 
@@ -35,24 +46,34 @@ def test_candidates():
     assert WidthPolicy(8, enabled=False).widths == [8] and not WidthPolicy(1).adaptive
 
 
+def test_narrower_widths_are_estimated_from_wider_cycles():
+    p = WidthPolicy(4)
+    p.record(1, 4, [1, 2, 3, 4], 0.01)            # emitted per row at width 4
+    assert p.per_row(4) == 2.5 and p.per_row(2) == (1 + 2 + 2 + 2) / 4 and p.per_row(1) == 1.0
+    p.record(1, 2, [2, 2, 2, 2], 0.01)            # a width-2 cycle says nothing about width 4
+    assert p.per_row(4) == pytest.approx(2.5, rel=0.01)
+
+
+ACCEPT = (0.8, 0.6, 0.45)          # per-row tokens: width 1 -> 1, 2 -> 1.8, 4 -> 2.5
+
+
 def test_explores_every_width_widest_first_then_picks_the_best_rate():
-    accept = {1: 1.0, 2: 1.8, 4: 2.5}
     flat = WidthPolicy(4)                      # verify costs the same at any width (a small batch)
-    chosen = _drive(flat, 4, lambda w: 0.010, accept.get, 6 + 100)
+    chosen = _drive(flat, 4, lambda w: 0.010, ACCEPT, 6 + 100)
     assert chosen[:6] == [4, 4, 2, 2, 1, 1]
-    assert chosen[6:].count(4) > 90            # the runner-up is retried every REFRESH cycles only
+    assert chosen[6:].count(4) > 90            # other widths only on refresh cycles
     steep = WidthPolicy(4)                     # compute-bound: cost grows with the width
-    chosen = _drive(steep, 256, lambda w: 0.010 * w, accept.get, 6 + 100)
+    chosen = _drive(steep, 256, lambda w: 0.010 * w, ACCEPT, 6 + 100)
     assert chosen[6:].count(1) > 90
     middle = WidthPolicy(4)                    # cost 1 : 1.2 : 2 -> rates 1, 1.5, 1.25: one draft pays best
-    chosen = _drive(middle, 64, {1: 0.010, 2: 0.012, 4: 0.020}.get, accept.get, 6 + 3 * REFRESH)
-    assert chosen[6:].count(2) >= 3 * REFRESH - 3
-    assert set(chosen[6:]) - {2} == {4}        # the refresh retries the runner-up
+    chosen = _drive(middle, 64, {1: 0.010, 2: 0.012, 4: 0.020}.get, ACCEPT, 6 + 4 * REFRESH)
+    assert chosen[6:].count(2) >= 4 * REFRESH - 4
+    assert set(chosen[6:]) == {1, 2, 4}        # refresh cycles rotate through the other widths
 
 
 def test_buckets_are_separate_and_sampling_keeps_the_full_width():
     p = WidthPolicy(4)
-    _drive(p, 1, lambda w: 0.010, {1: 1.0, 2: 1.8, 4: 2.5}.get, 20)
+    _drive(p, 1, lambda w: 0.010, ACCEPT, 20)
     assert p.choose(256, True) == 4            # a new bucket explores afresh
     assert all(p.choose(1, False) == 4 for _ in range(10))
     assert WidthPolicy(4, enabled=False).choose(1, True) == 4

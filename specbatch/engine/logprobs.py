@@ -1,0 +1,50 @@
+"""Logprobs: of the emitted tokens (from the distribution each was drawn from: the processed
+target distribution after temperature and filters), and of the prompt's tokens (the model's raw
+distribution, as vLLM returns prompt_logprobs by default: nothing was sampled there)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..request import Request
+from ..sampling import BatchSampling
+
+PROMPT_CHUNK = 1024       # prompt positions per log-softmax ([chunk, V] float32 at a time)
+
+
+def emitted_logprobs(logits: torch.Tensor, path: torch.Tensor, tokens: torch.Tensor, sp: BatchSampling,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, N, V] (processed) at every node, the acceptance's path [B, W] (token d was drawn at
+    node path[:, d]) and emitted tokens [B, W] -> ([B, W, 1 + k] the tokens' logprobs then the top
+    k logprobs, [B, W, k] the top ids), from the distribution each token was drawn from."""
+    B, N, V = logits.shape
+    W = path.shape[1]
+    at = logits.gather(1, path[:, :, None].expand(B, W, V)).float().reshape(B * W, V)
+    lp = sp.repeat_rows(W).target_logprobs(at).view(B, W, V)
+    top, ids = lp.topk(k, dim=-1)
+    return torch.cat([lp.gather(2, tokens[:, :, None]), top], dim=2), ids
+
+
+def add_logprobs(req: Request, lps: list[list[float]], ids: list[list[int]]) -> None:
+    """Append the kept tokens' logprobs (host lists from emitted_logprobs) to the request."""
+    k = req.params.logprobs or 0
+    for lp, top in zip(lps, ids):
+        req.logprobs.append((lp[0], top[:k], lp[1: 1 + k]))
+
+
+def prompt_token_logprobs(logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                          ids: torch.Tensor, k: int) -> list[tuple[float, int, list[int], list[float]]]:
+    """hidden [n, H] (final-normed, one prompt), ids [n] -> per prompt token after the first:
+    (logprob, rank (1 = the likeliest), top k ids, top k logprobs) under the model's distribution
+    at the position before it."""
+    out = []
+    n = ids.shape[0]
+    for a in range(0, n - 1, PROMPT_CHUNK):
+        b = min(n - 1, a + PROMPT_CHUNK)
+        lp = torch.log_softmax(logits(hidden[a:b]).float(), dim=-1)                # [m, V]
+        tok = lp.gather(1, ids[a + 1: b + 1, None])                               # [m, 1]
+        rank = (lp > tok).sum(dim=1) + 1
+        top, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], ids.new_zeros(b - a, 0))
+        out += zip(tok[:, 0].tolist(), rank.tolist(), top_ids.tolist(), top.tolist())
+    return out
