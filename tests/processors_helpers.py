@@ -5,6 +5,7 @@ number of the target's likeliest tokens (so drafts are accepted often and reject
 from __future__ import annotations
 
 import functools
+import json
 from collections import Counter
 
 import torch
@@ -26,6 +27,20 @@ LENS = (4, 19, 9, 27, 6, 13)
 def prompts(n: int = len(LENS), seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, VOCAB, (LENS[i % len(LENS)],), generator=g).tolist() for i in range(n)]
+
+
+def write_jsonl(path, objs) -> str:
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+    return str(path)
+
+
+def vanilla_job(model, inp: str, out, max_tokens: int, **sampling) -> dict:
+    """`specbatch run` (the job) with the vanilla recipe on `model`, CPU, batch 4."""
+    from specbatch.job import JobOptions, run_job
+    from specbatch.recipe import load_recipe
+
+    recipe = load_recipe("vanilla").with_overrides(model=str(model), batch_size=4, max_tokens=max_tokens, **sampling)
+    return run_job(inp, recipe, JobOptions(output=str(out), device="cpu"))
 
 
 def rows(prompt_ids: list[list[int]], per_row: list[dict] | dict) -> list[RowRequest]:

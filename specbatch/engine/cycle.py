@@ -179,6 +179,11 @@ class SpecCycle:
             if not _same_layout(self._variant_of, active):      # the variant changes with the active set only
                 self._variant_of, self._variant = list(active), self._graph_variant(active)
             width = self.policy.choose(bucket, self._variant[0])
+            if self.policy.adaptive and self._variant[0]:
+                # a variant captured on first use (processors, logprobs) gets every width of this size
+                # at once: later widths would otherwise be captured mid-job, one stall at a time
+                for w in self.policy.widths:
+                    self.graphs.get(len(active), (self._variant, w))
             cap = self.graphs.get(len(active), (self._variant, width))
             if not _same_layout(cap.layout, active):
                 self._fill(cap.batch, active)

@@ -13,10 +13,8 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from processors_helpers import all_logits, prompts, rows, run
+from processors_helpers import all_logits, prompts, rows, run, vanilla_job, write_jsonl
 from specbatch.data.openai_out import from_openai_line, to_openai_line
-from specbatch.job import JobOptions, run_job
-from specbatch.recipe import load_recipe
 from specbatch.speculative.factory import SpecConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -59,14 +57,11 @@ def test_equal_the_reference_and_the_same_under_speculation(target_dir, eagle3_d
             assert (e is None and f is None) or (e["rank"] == f["rank"] and e["logprob"] == pytest.approx(f["logprob"], abs=1e-5))
 
 
-def _write(path, objs):
-    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
-    return str(path)
+_write = write_jsonl
 
 
 def _job(model, inp, out, **sampling):
-    recipe = load_recipe("vanilla").with_overrides(model=str(model), batch_size=4, max_tokens=3, **sampling)
-    return run_job(inp, recipe, JobOptions(output=str(out), device="cpu"))
+    return vanilla_job(model, inp, out, 3, **sampling)
 
 
 def test_native_column_only_when_asked(tiny_model, tmp_path):

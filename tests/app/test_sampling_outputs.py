@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from chi_square import chi2, chi2_threshold
-from processors_helpers import hf_logits, law, prompts, rows, run
+from processors_helpers import hf_logits, law, prompts, rows, run, vanilla_job, write_jsonl
 from specbatch.data.openai_out import from_openai_line, to_openai_line
 from specbatch.job import JobOptions, run_job
 from specbatch.params import SamplingParams
@@ -49,14 +49,11 @@ class CompletionLogprobs(_Open):
     text_offset: list[int]
 
 
-def _write(path, objs):
-    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
-    return str(path)
+_write = write_jsonl
 
 
 def _job(model, inp, out, **sampling):
-    recipe = load_recipe("vanilla").with_overrides(model=str(model), batch_size=4, max_tokens=6, **sampling)
-    return run_job(inp, recipe, JobOptions(output=str(out), device="cpu"))
+    return vanilla_job(model, inp, out, 6, **sampling)
 
 
 def _lines(path):

@@ -108,6 +108,9 @@ def test_adaptive_greedy_equals_vanilla(shape, graphs, target_dir, eagle3_dir):
     assert set(used) == set(eng.cycle.policy.widths), used       # each width ran (exploration)
     if graphs:
         assert set(eng.cycle.graphs.widths) == set(used)
+        sizes = {size for size, _ in eng.cycle.graphs._graphs}
+        assert set(eng.cycle.graphs._graphs) == {(s, (v, w)) for s in sizes for w in used       # every width of a
+                                                 for _, (v, _w) in eng.cycle.graphs._graphs}  # size at once
     for r in recs:                                                 # drafts counted as verified
         s = r["spec"]
         assert s["accepted_tokens"] <= s["draft_tokens"] < (s["verify_steps"] - 1) * (spec.num_draft_tokens - 1)
