@@ -27,13 +27,17 @@ class _Entry(Generic[R]):
 class SlotScheduler(Generic[R]):
     """Assigns queued requests to `num_slots` slots.
 
-    bucket_window = 0 admits in FIFO order. With W > 0, each admit() looks at the first
+    bucket_window = 0 admits in FIFO order, or with `priority` the queued requests of highest
+    priority first (arrival order among equals): the engine gives the longest output budget
+    first, so the rows that take the most steps start earliest and a finite job's tail, when few
+    rows are left to batch, is short. With W > 0, each admit() looks at the first
     max(W, n) queued requests (n = requests being admitted) and takes the run of n
     consecutive requests, by length, that pads least, so prefill batches waste less. A request
     passed over W times (a later one admitted before it) is admitted before any other.
     """
 
-    def __init__(self, num_slots: int, *, bucket_window: int = 0, length: Callable[[R], int] = len) -> None:
+    def __init__(self, num_slots: int, *, bucket_window: int = 0, length: Callable[[R], int] = len,
+                 priority: Callable[[R], int] | None = None) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots must be an integer >= 1, got {num_slots!r}")
         if isinstance(bucket_window, bool) or not isinstance(bucket_window, int) or bucket_window < 0:
@@ -41,6 +45,7 @@ class SlotScheduler(Generic[R]):
         self.num_slots = num_slots
         self.bucket_window = bucket_window
         self._length = length
+        self._priority = priority
         self._queue: deque[_Entry[R]] = deque()
         self._active: dict[int, R] = {}
         self._arrivals = 0
@@ -66,8 +71,16 @@ class SlotScheduler(Generic[R]):
         n = min(len(free), len(self._queue))
         if n == 0:
             return []
-        chosen = self._take_fifo(n) if self.bucket_window == 0 else self._take_bucketed(n)
-        chosen.sort(key=lambda e: e.order)
+        if self.bucket_window:
+            chosen = self._take_bucketed(n)
+        elif self._priority is not None:
+            chosen = self._take_first(n)
+        else:
+            chosen = self._take_fifo(n)
+        if self._priority is not None and not self.bucket_window:
+            chosen.sort(key=lambda e: (-self._priority(e.req), e.order))
+        else:
+            chosen.sort(key=lambda e: e.order)
         if fits is not None:
             for i, e in enumerate(chosen):
                 if not fits(e.req):
@@ -87,6 +100,14 @@ class SlotScheduler(Generic[R]):
 
     def _take_fifo(self, n: int) -> list[_Entry[R]]:
         return [self._queue.popleft() for _ in range(n)]
+
+    def _take_first(self, n: int) -> list[_Entry[R]]:
+        """The n queued entries of highest priority (earliest arrival among equals); the rest keep
+        their order."""
+        ranked = sorted(self._queue, key=lambda e: (-self._priority(e.req), e.order))[:n]
+        taken = {id(e) for e in ranked}
+        self._queue = deque(e for e in self._queue if id(e) not in taken)
+        return ranked
 
     def _take_bucketed(self, n: int) -> list[_Entry[R]]:
         size = min(len(self._queue), max(self.bucket_window, n))

@@ -49,6 +49,7 @@ class EngineOptions:
     dtype: str = "auto"
     device: str | None = None            # None: cuda when available, else cpu
     bucket_window: int = 0               # > 0: admit similar prompt lengths together
+    longest_first: bool = True           # admit the largest max_tokens of the lookahead first (a short tail)
     prefill_tokens: int = 8192           # padded tokens per prefill forward
     wave: float = 0.125                  # admit when this share of the slots is free (or nothing runs)
     page_size: int | None = None         # KV rows per page (None: 64 on GPU, 16 on CPU)
@@ -289,7 +290,9 @@ class Engine:
         Admission comes in waves: once a share of the slots is free (or nothing runs, or the
         queue is that short), every queued request whose pages fit is admitted and prefilled in
         a few large forwards, rather than a forward for each slot that frees up."""
-        sched: SlotScheduler[Request] = SlotScheduler(self.num_slots, bucket_window=self.opts.bucket_window)
+        sched: SlotScheduler[Request] = SlotScheduler(
+            self.num_slots, bucket_window=self.opts.bucket_window,
+            priority=(lambda r: r.max_new) if self.opts.longest_first else None)
         source = iter(items)
         lookahead = max(2 * self.num_slots, self.opts.bucket_window)
         wave = max(1, math.ceil(self.opts.wave * self.num_slots))
