@@ -3,13 +3,17 @@
 GPU on a local Ray), with the same rows per GPU; and a worker SIGKILLed mid-job, then the rerun.
 
     python benchmarks/scale_out.py --gpus 1 --gpus 2 --gpus 8 --ray --kill-test --out runs/scale
+    python benchmarks/scale_out.py --device cpu --gpus 1 --gpus 2 --model-dir specbatch/assets/demo/target \
+        --rows-per-gpu 12 --kill-test        # the same machinery with CPU workers (a smoke test)
 
 The model: Llama-3.1-8B shapes with random weights (bf16), saved once to --model-dir with the
 demo's tokenizer (vocabulary resized to it, so outputs decode), since nothing is downloaded. Rows:
 random token-id prompts, lognormal lengths (median 256, sigma 0.8, max 1,536) and max_tokens
 (median 200, sigma 0.6, max 768), EOS ignored: the mix of `specbatch bench --job`. Recipe vanilla
 (`specbatch run` has no simulated acceptance; a real draft for random weights accepts nothing).
-Scaling efficiency = tok/s(N) / (N x tok/s(1)). Writes scale_out.json / scale_out.md.
+Scaling efficiency = tok/s(N) / (N x tok/s(1)). With --device cpu the counts are CPU worker
+processes (`--workers N`) and an existing --model-dir is used as it is. Writes scale_out.json /
+scale_out.md.
 """
 from __future__ import annotations
 
@@ -53,18 +57,23 @@ def build_model(model_dir: Path, shapes: str) -> None:
     print(f"built {model_dir} in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def write_rows(path: Path, n: int, vocab: int, seed: int = 0) -> int:
-    """n rows of the bench's job mix; returns the output tokens asked for."""
+def write_rows(path: Path, n: int, vocab: int, seed: int = 0, max_output: int = 768) -> int:
+    """n rows of the bench's job mix (outputs clipped at max_output); returns the output tokens asked for."""
     rng = random.Random(seed)
     total = 0
     with path.open("w") as f:
         for i in range(n):
             p = int(min(1536, max(1, round(math.exp(rng.gauss(math.log(256), 0.8))))))
-            o = int(min(768, max(1, round(math.exp(rng.gauss(math.log(200), 0.6))))))
+            o = int(min(max_output, max(1, round(math.exp(rng.gauss(math.log(200), 0.6))))))
             total += o
             f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": [rng.randrange(vocab) for _ in range(p)],
                                 "max_tokens": o, "ignore_eos": True}) + "\n")
     return total
+
+
+def parallel_flags(n: int, device: str) -> list[str]:
+    """The `specbatch run` flags for n engine processes: --gpus N, or --workers N on the CPU."""
+    return ["--gpus", str(n)] if device == "cuda" else ["--workers", str(n), "--device", "cpu"]
 
 
 def run_cli(rows: Path, out: Path, model: Path, extra: list[str], log: Path) -> dict:
@@ -87,21 +96,24 @@ RAY_DRIVER = """
 import json, sys, time
 import ray
 from specbatch.ray import ProcessorConfig, build_processor
-rows, out, model, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+rows, device, model, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 t0 = time.perf_counter()
-ray.init(num_gpus=n, include_dashboard=False)
+if device == "cuda":
+    ray.init(num_gpus=n, include_dashboard=False)
+else:
+    ray.init(num_cpus=n + 1, include_dashboard=False)
 ds = ray.data.read_json(rows).map(lambda r: {"id": r["id"], "tokenized_prompt": r["prompt_token_ids"],
     "sampling_params": {"max_tokens": r["max_tokens"], "ignore_eos": True, "temperature": 0.0}})
 proc = build_processor(ProcessorConfig(model_source=model, recipe="vanilla", concurrency=n, batch_size=64,
-                                       max_concurrent_batches=16))
+                                       max_concurrent_batches=16, engine_kwargs={"device": device}))
 res = proc(ds).select_columns(["id", "num_generated_tokens"]).take_all()
 wall = time.perf_counter() - t0
 print(json.dumps({"wall_s": wall, "tokens": sum(r["num_generated_tokens"] for r in res), "rows": len(res)}))
 """
 
 
-def run_ray(rows: Path, model: Path, n: int, log: Path) -> dict:
-    cmd = [sys.executable, "-c", RAY_DRIVER, str(rows), "-", str(model), str(n)]  # out unused: rows come back
+def run_ray(rows: Path, model: Path, n: int, device: str, log: Path) -> dict:
+    cmd = [sys.executable, "-c", RAY_DRIVER, str(rows), device, str(model), str(n)]
     print(f"ray: {n} actor(s) on {rows}", flush=True)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -113,80 +125,118 @@ def run_ray(rows: Path, model: Path, n: int, log: Path) -> dict:
             "rows": r["rows"]}
 
 
-def kill_test(rows: Path, out: Path, model: Path, gpus: int, after_s: float, log: Path) -> dict:
-    """SIGKILL one worker process mid-job; then rerun to completion and check every id exactly once."""
-    import psutil
+def children(pid: int) -> list[int]:
+    """Every descendant of `pid` (Linux /proc)."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.append(k)
+            todo.append(k)
+    return out
 
+
+def _is_worker(pid: int) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return False
+    return b"multiprocessing" in cmd and b"resource_tracker" not in cmd
+
+
+def kill_test(rows: Path, out: Path, model: Path, flags: list[str], log: Path, after_s: float = 2.0) -> dict:
+    """SIGKILL one engine process `after_s` into generation (after the `started:` line, once every
+    engine is loaded); then rerun to completion and check every id exactly once."""
     cmd = [sys.executable, "-m", "specbatch", "run", str(rows), "-o", str(out), "--model", str(model),
-           "--recipe", "vanilla", "--temperature", "0", "-q", "--gpus", str(gpus)]
-    with log.open("w") as f:
-        parent = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-        time.sleep(after_s)
-        kids = [c for c in psutil.Process(parent.pid).children(recursive=True)
-                if "resource_tracker" not in " ".join(c.cmdline())]
-        victim = kids[0].pid if kids else None
-        if victim:
-            os.kill(victim, signal.SIGKILL)
-        first_rc = parent.wait()
-        second_rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+           "--recipe", "vanilla", "--temperature", "0", "--progress-every", "1000", *flags]
+    parent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in parent.stderr:
+        seen.append(line)
+        if line.startswith("started:"):
+            break
+    time.sleep(after_s)
+    workers = [k for k in children(parent.pid) if _is_worker(k)]
+    victim = workers[0] if workers and parent.poll() is None else None
+    if victim:
+        os.kill(victim, signal.SIGKILL)
+    seen.append(parent.stderr.read())
+    first_rc = parent.wait()
+    again = subprocess.run(cmd, capture_output=True, text=True)
+    log.write_text("".join(seen) + "\n--- rerun ---\n" + again.stderr)
     import pyarrow.parquet as pq
 
     ids = pq.read_table(out, columns=["id"]).column("id").to_pylist()
     want = [json.loads(line)["id"] for line in rows.open()]
-    return {"killed_pid": victim, "first_rc": first_rc, "rerun_rc": second_rc, "rows": len(ids),
+    return {"killed_pid": victim, "first_rc": first_rc, "rerun_rc": again.returncode, "rows": len(ids),
             "unique": len(set(ids)), "missing": len(set(want) - set(ids)), "expected": len(want)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpus", type=int, action="append", help="GPU counts to run (repeatable; default 1 and all)")
+    ap.add_argument("--gpus", type=int, action="append",
+                    help="GPU counts to run (repeatable; default 1 and all); with --device cpu, worker counts")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--rows-per-gpu", type=int, default=1024)
     ap.add_argument("--shapes", default="llama-3.1-8b")
     ap.add_argument("--model-dir", default="/tmp/specbatch-random-8b")
     ap.add_argument("--ray", action="store_true", help="also through specbatch.ray (needs ray[data])")
     ap.add_argument("--kill-test", action="store_true", help="SIGKILL a worker mid-job, rerun, count rows")
+    ap.add_argument("--max-output", type=int, default=768, help="clip of the output lengths")
+    ap.add_argument("--kill-after", type=float, default=2.0, help="seconds into generation of the kill")
     ap.add_argument("--out", default="runs/scale")
     args = ap.parse_args()
     import torch
 
-    count = torch.cuda.device_count()
+    count = torch.cuda.device_count() if args.device == "cuda" else 2
     counts = sorted(set(args.gpus or [1, count]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = Path(args.model_dir)
-    build_model(model, args.shapes)
+    if args.device == "cuda":
+        build_model(model, args.shapes)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     results = []
     for n in counts:
         rows = out / f"rows-{n}.jsonl"
-        write_rows(rows, n * args.rows_per_gpu, vocab)
-        paths = [(f"specbatch run --gpus {n}", ["--gpus", str(n)])]
+        write_rows(rows, n * args.rows_per_gpu, vocab, max_output=args.max_output)
+        flags = parallel_flags(n, args.device)
+        paths = [("parallel", "specbatch run " + " ".join(flags[:2]), flags)]
         if n == 1:
-            paths.insert(0, ("specbatch run (one process)", []))
-        for name, extra in paths:
-            dst = out / f"out-{n}-{len(extra)}.parquet"
-            r = run_cli(rows, dst, model, extra, out / f"log-{n}-{len(extra)}.txt")
-            results.append({"gpus": n, "path": name, **r})
+            paths.insert(0, ("one", "specbatch run (one process)", [] if args.device == "cuda" else ["--device", "cpu"]))
+        for kind, name, extra in paths:
+            dst = out / f"out-{n}-{kind}.parquet"
+            r = run_cli(rows, dst, model, extra, out / f"log-{n}-{kind}.txt")
+            results.append({"gpus": n, "kind": kind, "path": name, **r})
             print(results[-1], flush=True)
         if args.ray:
-            r = run_ray(rows, model, n, out / f"log-ray-{n}.txt")
-            results.append({"gpus": n, "path": "specbatch.ray", **r})
+            r = run_ray(rows, model, n, args.device, out / f"log-ray-{n}.txt")
+            results.append({"gpus": n, "kind": "ray", "path": "specbatch.ray", **r})
             print(results[-1], flush=True)
-    one = {r["path"].split(" --gpus")[0]: r["job_tok_s"] for r in results if r["gpus"] == 1}
+    one = {r["kind"]: r["job_tok_s"] for r in results if r["gpus"] == 1}
     lines = ["| GPUs | path | rows | output tokens | wall s | job tok/s (wall) | generation tok/s | efficiency |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        base = one.get(r["path"].split(" --gpus")[0])
+        base = one.get(r["kind"])
         eff = f"{r['job_tok_s'] / (r['gpus'] * base):.3f}" if base else "-"
         gen = f"{r['gen_tok_s']:,.0f}" if "gen_tok_s" in r else "-"
         lines.append(f"| {r['gpus']} | {r['path']} | {r['gpus'] * args.rows_per_gpu} | {r['tokens']:,} | "
                      f"{r['wall_s']:.1f} | {r['job_tok_s']:,.0f} | {gen} | {eff} |")
-    report = {"device": torch.cuda.get_device_name(0), "gpus_available": count, "results": results}
+    report = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+              "gpus_available": count, "results": results}
     if args.kill_test:
         n = max(counts)
         rows = out / "rows-kill.jsonl"
-        write_rows(rows, n * args.rows_per_gpu // 2, vocab, seed=1)
-        report["kill_test"] = kill_test(rows, out / "out-kill.parquet", model, n, 25.0, out / "log-kill.txt")
+        write_rows(rows, n * args.rows_per_gpu // 2, vocab, seed=1, max_output=args.max_output)
+        report["kill_test"] = kill_test(rows, out / "out-kill.parquet", model, parallel_flags(n, args.device),
+                                        out / "log-kill.txt", args.kill_after)
         lines += ["", f"Kill test ({n} GPU(s)): {report['kill_test']}"]
     (out / "scale_out.json").write_text(json.dumps(report, indent=1))
     (out / "scale_out.md").write_text("\n".join(lines) + "\n")
