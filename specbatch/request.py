@@ -29,7 +29,7 @@ class Request:
     logprobs: list | None = None        # per kept token: (logprob, top ids, top logprobs); None: not asked
     prompt_logprobs: list | None = None  # per prompt token after the first: (logprob, rank, top ids, top logprobs)
     choice: int = 0                     # which of the row's n completions
-    group: Any = None                   # the row's choices (engine.Choices) when n > 1
+    group: Any = None                   # the row's choices (engine.rows.Choices) when n > 1
     verify_steps: int = 0               # target forwards that emitted tokens (the prefill counts)
     draft_tokens: int = 0               # draft tokens proposed
     accepted_tokens: int = 0            # draft tokens accepted

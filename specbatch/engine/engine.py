@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -15,6 +15,7 @@ import torch
 
 from .cycle import SlotState, Slotted, SpecCycle, exact_acceptance
 from .logprobs import add_logprobs, emitted_logprobs, prompt_token_logprobs
+from .rows import RowConverter
 from .pool import plan_pool
 from .profile import CycleTime
 from ..data import RowError, RowRequest
@@ -24,18 +25,16 @@ from ..models.eagle3 import Eagle3Head
 from ..models.llama import CausalLM, fuse_projections
 from ..models.loader import load_target
 from ..models.mtp import MTPLayer
-from ..prompts import PromptError, encode_row, load_tokenizer, too_long
+from ..prompts import load_tokenizer
 from ..request import Request, StopChecker
 from ..runtime.kv_cache import PagedKVCache
 from ..runtime.pages import PageAllocator
-from ..params import SamplingError, SamplingParams
+from ..params import SamplingParams
 from ..processors import Processors, count_tokens, reset_slots
 from ..sampling import BatchSampling, sample
 from ..scheduler import SlotScheduler
 from ..speculative.drafter import Drafter
 from ..speculative.factory import SpecConfig, make_drafter
-from ..records import Finished, completion_record, error_record, logprob_entries, prompt_logprob_entries
-from ..stats import combined_spec_stats, spec_stats
 
 # A source may yield WAIT: "no row ready now, more may come" (a worker fed over a queue); the
 # engine decodes what it has and asks again. None still means the input ended.
@@ -61,15 +60,6 @@ class EngineOptions:
     adaptive: bool | None = None         # greedy batches verify the proposal prefix that pays best
                                          # (adaptive.py; None: on CUDA; off: every cycle verifies it all)
     simulate_acceptance: tuple[float, ...] | None = None   # bench only: per-position acceptance
-
-
-@dataclass
-class Choices:
-    """The n completions of one row: one record when the last of them finishes. Greedy rows run
-    one request and repeat it (the n choices of a greedy row are identical)."""
-    n: int
-    reqs: list[Request] = field(default_factory=list)
-    done: int = 0
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -148,8 +138,8 @@ class Engine:
                                acceptor=acceptor, max_len=self.max_len, graphs=opts.graphs,
                                fused=self.fused, profile=opts.profile,
                                adaptive=self.device.type == "cuda" if opts.adaptive is None else opts.adaptive)
+        self.rows = RowConverter(self.tokenizer, self.cfg, self.max_len, self.stops, self.model_defaults)
         self.prefill_forwards = 0
-        self._token_text: dict[int, str] = {}     # token id -> its text, for logprobs
         self.prefill_s = 0.0                 # host clock (synchronised) when profiling
         self.occupancy: list[int] = []       # active slots per cycle when profiling
         self.waited = 0                      # admissions a request waited for pages
@@ -178,104 +168,6 @@ class Engine:
     @property
     def lens(self) -> torch.Tensor:
         return self.state.lens
-
-    # ---- rows -> requests -------------------------------------------------------------------
-
-    def make_request(self, item: RowRequest | RowError, defaults: SamplingParams) -> Request | dict:
-        """A Request ready to schedule, or an error record for a row that cannot run."""
-        if isinstance(item, RowError):
-            return error_record(item.row, item.id, item.error, item.keep)
-        # Whatever goes wrong with one row is that row's error record, never the job's end.
-        where = item.where or f"row {item.row}"
-        try:
-            ids = encode_row(self.tokenizer, item, self.cfg.vocab_size, max_tokens_allowed=self.max_len)
-        except PromptError as e:
-            return error_record(item.row, item.id, str(e), item.keep)
-        except Exception as e:
-            from ..prompts import exception_line
-
-            return error_record(item.row, item.id, f"{where}: cannot tokenize the prompt ({exception_line(e)})",
-                                item.keep)
-        if len(ids) >= self.max_len:
-            return error_record(item.row, item.id, str(too_long(where, self.max_len, f"{len(ids)} tokens")),
-                                item.keep, prompt_tokens=len(ids))
-        try:
-            params = defaults.for_row(item.overrides, item.row, self.model_defaults)
-        except SamplingError as e:
-            prefix = "body." if item.batch_line else ""
-            return error_record(item.row, item.id, f"{where}: field '{prefix}{e.field}': {e.detail}",
-                                item.keep, prompt_tokens=len(ids))
-        except Exception as e:
-            from ..prompts import exception_line
-
-            return error_record(item.row, item.id, f"{where}: invalid sampling parameters ({exception_line(e)})",
-                                item.keep, prompt_tokens=len(ids))
-        outside = [t for t, _ in params.logit_bias if t >= self.cfg.vocab_size]
-        if outside:
-            name = ("body.logit_bias" if item.batch_line else "logit_bias") if "logit_bias" in item.overrides \
-                else "logit_bias (--logit-bias or the recipe's sampling.logit_bias)"
-            return error_record(item.row, item.id, f"{where}: field '{name}': token id {outside[0]} is outside "
-                                f"the model's vocabulary (size {self.cfg.vocab_size})", item.keep, prompt_tokens=len(ids))
-        return Request(row=item.row, id=item.id, prompt_ids=ids, params=params,
-                       max_new=min(params.max_tokens, self.max_len - len(ids)), keep=item.keep,
-                       endpoint=item.endpoint, request_model=item.request_model, batch_line=item.batch_line,
-                       logprobs=None if params.logprobs is None else [])
-
-    def choices(self, req: Request) -> list[Request]:
-        """The requests that run for a row: itself, or its n choices (choice i on its own seed
-        stream; a greedy row runs once, its choices being identical)."""
-        n = req.params.n
-        if n == 1:
-            return [req]
-        group = Choices(n=n)
-        runs = 1 if req.params.greedy else n
-        group.reqs = [req] + [replace(req, params=req.params.for_choice(i), choice=i, output_ids=[], histogram=[],
-                                      logprobs=None if req.logprobs is None else [])
-                              for i in range(1, runs)]
-        for r in group.reqs:
-            r.group = group
-        return group.reqs
-
-    def _token(self, tok: int) -> str:
-        text = self._token_text.get(tok)
-        if text is None:
-            text = self._token_text[tok] = self.tokenizer.decode([tok], skip_special_tokens=False)
-        return text
-
-    def _logprobs(self, req: Request) -> list[dict[str, Any]] | None:
-        if req.logprobs is None:
-            return None
-        return logprob_entries(req.output_ids, req.logprobs, self._token)
-
-    def _prompt_logprobs(self, req: Request) -> list[dict[str, Any] | None] | None:
-        if req.prompt_logprobs is None:
-            return None
-        return prompt_logprob_entries(req.prompt_ids, req.prompt_logprobs, self._token)
-
-    def record(self, req: Request) -> dict[str, Any]:
-        return completion_record(Finished(
-            row=req.row, id=req.id, text=self.stops.completion_text(req), prompt_tokens=len(req.prompt_ids),
-            output_ids=req.output_ids, finish_reason=req.finish_reason, spec=spec_stats(req),
-            endpoint=req.endpoint, request_model=req.request_model, batch_line=req.batch_line,
-            logprobs=self._logprobs(req), prompt_logprobs=self._prompt_logprobs(req)), req.keep)
-
-    def group_record(self, group: Choices) -> dict[str, Any]:
-        """One record for a row's n choices: choice 0 in the top-level columns, every choice in
-        `choices`; completion_tokens and spec count every request that ran."""
-        ran = sorted(group.reqs, key=lambda r: r.choice)
-        choices = []
-        for i in range(group.n):
-            r = ran[i] if i < len(ran) else ran[0]
-            choices.append({"index": i, "completion": self.stops.completion_text(r),
-                            "completion_tokens": len(r.output_ids), "finish_reason": r.finish_reason,
-                            "logprobs": self._logprobs(r), "output_token_ids": list(r.output_ids)})
-        first = ran[0]
-        return completion_record(Finished(
-            row=first.row, id=first.id, text=choices[0]["completion"], prompt_tokens=len(first.prompt_ids),
-            output_ids=first.output_ids, finish_reason=first.finish_reason, spec=combined_spec_stats(ran),
-            endpoint=first.endpoint, request_model=first.request_model, batch_line=first.batch_line,
-            logprobs=choices[0]["logprobs"], prompt_logprobs=self._prompt_logprobs(first), choices=choices),
-            first.keep)
 
     def _rows_needed(self, req: Request) -> int:
         return len(req.prompt_ids) + req.max_new + self.headroom
@@ -307,11 +199,11 @@ class Engine:
                     if not sched.active() and not sched.queued():
                         time.sleep(0.002)        # idle: nothing to decode until rows arrive
                     break
-                req = self.make_request(item, defaults)
+                req = self.rows.request(item, defaults)
                 if isinstance(req, dict):
                     yield req
                 else:
-                    for r in self.choices(req):
+                    for r in self.rows.choices(req):
                         sched.add(r)
             active = sched.active()
             free = self.num_slots - len(active)
@@ -351,11 +243,11 @@ class Engine:
             self.pages.release(slot)
             group = req.group
             if group is None:
-                yield self.record(req)
+                yield self.rows.record(req)
             else:
                 group.done += 1
                 if group.done == len(group.reqs):
-                    yield self.group_record(group)
+                    yield self.rows.group_record(group)
 
     # ---- prefill ------------------------------------------------------------------------------
 

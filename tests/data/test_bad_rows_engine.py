@@ -22,7 +22,7 @@ def engine(tiny_model):
 
 def test_tokenizer_exception_is_the_rows_error(engine):
     bad = RowRequest(row=0, id="a", prompt="ab\ud800c", where="in.jsonl:1")   # built without parse_row
-    rec = engine.make_request(bad, SamplingDefaults())
+    rec = engine.rows.request(bad, SamplingDefaults())
     assert isinstance(rec, dict) and rec["id"] == "a"
     assert rec["error"].startswith("in.jsonl:1: cannot tokenize the prompt (TypeError: ")
     assert "\n" not in rec["error"]
@@ -30,14 +30,14 @@ def test_tokenizer_exception_is_the_rows_error(engine):
 
 def test_any_exception_while_encoding_is_the_rows_error(engine):
     bad = RowRequest(row=4, id=4, messages=[{"role": "user", "content": 5}])   # built without parse_row
-    rec = engine.make_request(bad, SamplingDefaults())
+    rec = engine.rows.request(bad, SamplingDefaults())
     assert isinstance(rec, dict) and rec["error"].startswith("row 4: cannot tokenize the prompt (")
     assert "Error: " in rec["error"] and "\n" not in rec["error"]
 
 
 def test_sampling_parameter_exception_is_the_rows_error(engine):
     bad = RowRequest(row=1, id="b", prompt="def add(a, b):", overrides={"top_k": "lots"})
-    rec = engine.make_request(bad, SamplingDefaults())
+    rec = engine.rows.request(bad, SamplingDefaults())
     assert isinstance(rec, dict) and rec["error"].startswith("row 1: ") and "ValueError" in rec["error"]
 
 
@@ -86,14 +86,14 @@ def test_tiny_temperature_is_greedy(engine, temperature):
 def test_huge_prompt_is_rejected_without_tokenizing(engine):
     text = "def add(a, b):\n    return a + b\n" * 100_000                # 3.2 MB
     t0 = time.perf_counter()
-    rec = engine.make_request(RowRequest(row=0, id=0, prompt=text, where="in.jsonl:1"), SamplingDefaults())
+    rec = engine.rows.request(RowRequest(row=0, id=0, prompt=text, where="in.jsonl:1"), SamplingDefaults())
     took = time.perf_counter() - t0
     assert rec["error"].startswith(f"in.jsonl:1: prompt has {len(text)} bytes, more than the context of "
                                    f"{engine.max_len} tokens")
     assert took < 0.3, took
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
     t0 = time.perf_counter()
-    rec = engine.make_request(RowRequest(row=1, id=1, messages=msgs), SamplingDefaults())
+    rec = engine.rows.request(RowRequest(row=1, id=1, messages=msgs), SamplingDefaults())
     assert f"prompt has {len(text) + 8} bytes" in rec["error"] and time.perf_counter() - t0 < 0.3
 
 
@@ -111,7 +111,7 @@ def test_long_prompt_is_tokenized_by_a_prefix_first(engine, monkeypatch):
 
     monkeypatch.setattr(type(engine.tokenizer), "__call__", spy)
     t0 = time.perf_counter()
-    rec = engine.make_request(RowRequest(row=0, id=0, prompt=text, where="in.jsonl:1"), SamplingDefaults())
+    rec = engine.rows.request(RowRequest(row=0, id=0, prompt=text, where="in.jsonl:1"), SamplingDefaults())
     assert time.perf_counter() - t0 < 0.5
     assert rec["error"] == (f"in.jsonl:1: prompt has more than {engine.max_len} tokens but the context is "
                             f"{engine.max_len} tokens (the model's limit, --max-model-len, or what the KV pool holds)")
@@ -123,10 +123,10 @@ def test_prompts_near_the_context_keep_the_usual_messages(engine):
 
     assert max_bytes_per_token(engine.tokenizer) >= 16
     text = "def add(a, b):\n    return a + b\n" * 6                            # > 64 tokens, < 64 * 8 bytes
-    rec = engine.make_request(RowRequest(row=0, id=0, prompt=text, where="w"), SamplingDefaults())
+    rec = engine.rows.request(RowRequest(row=0, id=0, prompt=text, where="w"), SamplingDefaults())
     assert rec["error"].startswith("w: prompt has ") and "tokens but the context is 64 tokens" in rec["error"]
     assert rec["prompt_tokens"] > 64
-    req = engine.make_request(RowRequest(row=0, id=0, prompt="def add(a, b):"), SamplingDefaults())
+    req = engine.rows.request(RowRequest(row=0, id=0, prompt="def add(a, b):"), SamplingDefaults())
     assert not isinstance(req, dict)
 
 
