@@ -182,12 +182,19 @@ class _Runner:
             per = self.pool.per_worker()
             forwards = sum(w.get("target_forwards", 0) for w in per)
             tokens = sum(w.get("tokens_emitted", 0) for w in per)
+            widths: dict[int, int] = {}
+            for w in per:
+                for k, n in (w.get("verify_widths") or {}).items():
+                    widths[int(k)] = widths.get(int(k), 0) + n
             return dict(target_forwards=forwards, graphs=any(w["device"].startswith("cuda") for w in per) and
                         not self.pool.eager, capture_s=self.capture_s, workers=per,
-                        tokens_per_target_forward=tokens / max(forwards, 1))
+                        tokens_per_target_forward=tokens / max(forwards, 1),
+                        waited_for_pages=sum(w.get("waited_for_pages", 0) for w in per),
+                        verify_widths=dict(sorted(widths.items())))
         eng = self.llm.engine
         return dict(target_forwards=eng.target_forwards, graphs=eng.graphs is not None, capture_s=eng.capture_seconds,
                     tokens_per_target_forward=eng.tokens_emitted / max(eng.target_forwards, 1),
+                    waited_for_pages=eng.waited,
                     verify_widths={w: n for w, n in sorted(eng.cycle.policy.used.items())})
 
 

@@ -111,6 +111,8 @@ def print_summary(err: Console, s: dict[str, Any]) -> None:
         ("wall time", f"{s['wall_s']:.1f} s (model load {s['load_s']:.1f} s, generation {s['generate_s']:.1f} s)"), ("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB"),
         ("CUDA graphs", f"captured in {s['capture_s']:.2f} s" if s.get("graphs") else "off (eager)"),
     ]
+    if s.get("waited_for_pages"):                     # admission control, never out of memory
+        rows.append(("waited for KV pages", f"{s['waited_for_pages']} admissions left rows queued until pages freed"))
     if len(s.get("verify_widths") or {}) > 1:         # adaptive: how many draft nodes the cycles verified
         rows.append(("verify widths", ", ".join(f"{w} nodes: {n} cycles" for w, n in s["verify_widths"].items())))
     for k, v in rows:

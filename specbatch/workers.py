@@ -130,7 +130,8 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
         for rec in llm.stream(feed()):
             outbox.send(("rec", wid, rec))
         outbox.send(("done", wid, {"device": str(eng.device), "target_forwards": eng.target_forwards,
-                                  "tokens_emitted": eng.tokens_emitted, "capture_s": eng.capture_seconds}))
+                                  "tokens_emitted": eng.tokens_emitted, "capture_s": eng.capture_seconds,
+                                  "waited_for_pages": eng.waited, "verify_widths": dict(eng.cycle.policy.used)}))
     except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
         text = " ".join(str(e).split()) or type(e).__name__
         try:

@@ -91,3 +91,35 @@ def test_default_slots_do_not_depend_on_the_models_whole_context(monkeypatch):
                            max_model_len=8192, page_size=None, kv_rows=None, prefill_tokens=8192)
     assert 16 <= small.num_slots < pool.MAX_DEFAULT_SLOTS
     assert small.num_pages * small.page_size >= small.max_len
+
+
+def test_the_summary_says_how_many_admissions_waited_for_pages(tiny_model, tmp_path, monkeypatch):
+    """A pool too small for every slot at once: rows wait (never out of memory), and the run's
+    summary, its JSON and its table say so."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from specbatch.job import JobOptions, run_job
+    from specbatch.llm import LLM
+    from specbatch.progress import print_summary
+    from specbatch.recipe import load_recipe
+
+    real = LLM.__init__
+
+    def small_pool(self, *a, **kw):               # the job's engine with a pool of 160 rows
+        real(self, *a, **kw)
+        self.engine = Engine(tiny_model, EngineOptions(device="cpu", dtype="float32", batch_size=8,
+                                                       max_model_len=64, kv_rows=160, page_size=8))
+
+    monkeypatch.setattr(LLM, "__init__", small_pool)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt_token_ids": r.prompt_token_ids, "max_tokens": 12}) + "\n"
+                           for r in _rows(30)))
+    recipe = load_recipe("vanilla").with_overrides(model=str(tiny_model), batch_size=8, ignore_eos=True)
+    s = run_job(str(inp), recipe, JobOptions(output=str(tmp_path / "out.jsonl"), device="cpu"))
+    assert s["waited_for_pages"] > 0 and s["errors"] == 0 and s["requests"] == 30
+    buf = io.StringIO()
+    print_summary(Console(file=buf, width=200), s)
+    assert "waited for KV pages" in buf.getvalue()
