@@ -20,18 +20,13 @@ from specbatch.kernels.activation import silu_mul
 from specbatch.kernels.norm import rms_norm
 from specbatch.kernels.rope import rope_write_kv
 from specbatch.models.attention import AttnMetadata, write_kv
+from specbatch.bench.configs import BUILTIN
 from specbatch.models.config import DecoderConfig
 from specbatch.models.llama import RMSNorm, rope_cos_sin, rope_inv_freq, rotate_half
 
 DTYPE = torch.bfloat16
 CACHE_ROWS = 2048
-CFG = DecoderConfig(
-    architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-    num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-    rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    max_position_embeddings=131072, tie_word_embeddings=False, qkv_bias=False, o_bias=False,
-    mlp_bias=False, qk_norm=False, sliding_window=None, torch_dtype="bfloat16")
+CFG = DecoderConfig.from_dict(BUILTIN["llama-3.1-8b"])
 
 
 def graph_us(fn, calls: int, replays: int) -> float:

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -57,18 +55,21 @@ def build_model(model_dir: Path, shapes: str) -> None:
     print(f"built {model_dir} in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def write_rows(path: Path, n: int, vocab: int, seed: int = 0, max_output: int = 768) -> int:
-    """n rows of the bench's job mix (outputs clipped at max_output); returns the output tokens asked for."""
-    rng = random.Random(seed)
-    total = 0
+def write_rows(path: Path, n: int, vocab: int, seed: int = 0, max_output: int = 768) -> None:
+    """n rows of `specbatch bench --job`'s mix, drawn as the bench draws them (its lognormal lengths,
+    then random ids, from one generator: seed 0 gives the bench's own lengths), outputs clipped at
+    max_output."""
+    import torch
+
+    from specbatch.bench.job import JobMix, lognormal_lengths
+
+    mix, gen = JobMix(), torch.Generator().manual_seed(seed)
+    p_lens = lognormal_lengths(n, mix.prompt_median, mix.prompt_sigma, mix.prompt_max, gen)
+    o_lens = lognormal_lengths(n, mix.output_median, mix.output_sigma, min(mix.output_max, max_output), gen)
     with path.open("w") as f:
-        for i in range(n):
-            p = int(min(1536, max(1, round(math.exp(rng.gauss(math.log(256), 0.8))))))
-            o = int(min(max_output, max(1, round(math.exp(rng.gauss(math.log(200), 0.6))))))
-            total += o
-            f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": [rng.randrange(vocab) for _ in range(p)],
+        for i, (p, o) in enumerate(zip(p_lens, o_lens)):
+            f.write(json.dumps({"id": f"r{i}", "prompt_token_ids": torch.randint(0, vocab, (p,), generator=gen).tolist(),
                                 "max_tokens": o, "ignore_eos": True}) + "\n")
-    return total
 
 
 def parallel_flags(n: int, device: str) -> list[str]:
@@ -76,10 +77,15 @@ def parallel_flags(n: int, device: str) -> list[str]:
     return ["--gpus", str(n)] if device == "cuda" else ["--workers", str(n), "--device", "cpu"]
 
 
+def run_command(rows: Path, out: Path, model: Path, *extra: str) -> list[str]:
+    """`specbatch run` of the rows with the vanilla recipe, greedy, and `extra` flags."""
+    return [sys.executable, "-m", "specbatch", "run", str(rows), "-o", str(out), "--model", str(model),
+            "--recipe", "vanilla", "--temperature", "0", *extra]
+
+
 def run_cli(rows: Path, out: Path, model: Path, extra: list[str], log: Path) -> dict:
     stats = out.with_suffix(".stats.json")
-    cmd = [sys.executable, "-m", "specbatch", "run", str(rows), "-o", str(out), "--model", str(model),
-           "--recipe", "vanilla", "--temperature", "0", "--stats-json", str(stats), "-q", *extra]
+    cmd = run_command(rows, out, model, "--stats-json", str(stats), "-q", *extra)
     print(" ".join(cmd), flush=True)
     t0 = time.perf_counter()
     with log.open("w") as f:
@@ -154,8 +160,7 @@ def _is_worker(pid: int) -> bool:
 def kill_test(rows: Path, out: Path, model: Path, flags: list[str], log: Path, after_s: float = 2.0) -> dict:
     """SIGKILL one engine process `after_s` into generation (after the `started:` line, once every
     engine is loaded); then rerun to completion and check every id exactly once."""
-    cmd = [sys.executable, "-m", "specbatch", "run", str(rows), "-o", str(out), "--model", str(model),
-           "--recipe", "vanilla", "--temperature", "0", "--progress-every", "1000", *flags]
+    cmd = run_command(rows, out, model, "--progress-every", "1000", *flags)
     parent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen = []
     for line in parent.stderr:

@@ -237,20 +237,20 @@ _BUILTIN_ALGORITHMS: set[str] = set()
 _BUILTIN_DRAFTERS: set[str] = set()
 
 
-def get_algorithm(name: str) -> Algorithm:
+def _lookup(table: Mapping[str, Any], what: str, name: str) -> Any:
     try:
-        return _algorithms[name]
+        return table[name]
     except (KeyError, TypeError):
-        raise AlgorithmError(f"algorithm {name!r} is not available in this version "
-                             f"(available: {', '.join(_algorithms)})") from None
+        raise AlgorithmError(f"{what} {name!r} is not available in this version "
+                             f"(available: {', '.join(table)})") from None
+
+
+def get_algorithm(name: str) -> Algorithm:
+    return _lookup(_algorithms, "algorithm", name)
 
 
 def get_drafter(name: str) -> DrafterKind:
-    try:
-        return _drafters[name]
-    except (KeyError, TypeError):
-        raise AlgorithmError(f"drafter {name!r} is not available in this version "
-                             f"(available: {', '.join(_drafters)})") from None
+    return _lookup(_drafters, "drafter", name)
 
 
 def load_function(path: str | Callable[..., Any]) -> Callable[..., Any]:

@@ -40,12 +40,15 @@ def _logprob(x: float) -> float:
     return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
+def _top(ids: Sequence[int], vals: Sequence[float], text: Callable[[int], str]) -> list[dict[str, Any]]:
+    return [{"token_id": i, "token": text(i), "logprob": _logprob(v)} for i, v in zip(ids, vals)]
+
+
 def logprob_entries(ids: Sequence[int], logprobs: Sequence[tuple[float, list[int], list[float]]],
                     text: Callable[[int], str]) -> list[dict[str, Any]]:
     """The `logprobs` column of one completion: per generated token {token_id, token, logprob,
     top_logprobs: [{token_id, token, logprob}, ...]}; `text(id)` gives a token's text."""
-    return [{"token_id": tok, "token": text(tok), "logprob": _logprob(lp),
-             "top_logprobs": [{"token_id": i, "token": text(i), "logprob": _logprob(v)} for i, v in zip(top, vals)]}
+    return [{"token_id": tok, "token": text(tok), "logprob": _logprob(lp), "top_logprobs": _top(top, vals, text)}
             for tok, (lp, top, vals) in zip(ids, logprobs)]
 
 
@@ -54,8 +57,7 @@ def prompt_logprob_entries(prompt_ids: Sequence[int], logprobs: Sequence[tuple[f
     """The `prompt_logprobs` column: None for the first prompt token (nothing predicts it), then
     per token {token_id, token, logprob, rank (1 = the likeliest), top_logprobs}."""
     return [None] + [{"token_id": tok, "token": text(tok), "logprob": _logprob(lp), "rank": rank,
-                      "top_logprobs": [{"token_id": i, "token": text(i), "logprob": _logprob(v)}
-                                       for i, v in zip(top, vals)]}
+                      "top_logprobs": _top(top, vals, text)}
                      for tok, (lp, rank, top, vals) in zip(prompt_ids[1:], logprobs)]
 
 
@@ -120,6 +122,8 @@ COLUMNS: list[Column] = [
     Column("created", pa.int64(), lambda f: f.created, "unix time the completion finished", option="openai"),
 ]
 NAMES: tuple[str, ...] = tuple(c.name for c in COLUMNS)
+# Columns written when some row of the job asked for them: each is its own option.
+ON_REQUEST: tuple[str, ...] = ("logprobs", "prompt_logprobs", "choices")
 
 
 def columns(options: Mapping[str, bool] | None = None) -> list[Column]:

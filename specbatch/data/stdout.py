@@ -48,7 +48,7 @@ class StdoutWriter:
             self.output_format = "openai" if rec.get("batch_line") else "native"
         out = {c.name: _struct_value(rec.get(c.name), c.type) if c.type is not None and pa.types.is_struct(c.type)
                else rec.get(c.name) for c in self.standard}
-        for name in ("logprobs", "prompt_logprobs", "choices"):        # on the rows that asked for them
+        for name in records.ON_REQUEST:             # on the rows that asked for them
             if rec.get(name) is not None:
                 out[name] = rec[name]
         if self.output_format == "openai":

@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from . import manifest
 from .digests import Expected, RowSet, block_digests, block_size
 from .files import file_hash, fs_error, fsync_dir, write_atomic
+from ..records import ON_REQUEST
 from .lock import OutputLock
 from .openai_out import from_openai_line
 from .merge import (
@@ -347,8 +348,8 @@ class OutputWriter:
     def _part_table(self, items: list[tuple[dict, bytes]]) -> pa.Table:
         # Parts hold every column a final format may need (the OpenAI ones, logprobs and choices too).
         return part_table([r for r, _ in items], [d for _, d in items],
-                          options={"save_token_ids": self.save_token_ids, "openai": True, "logprobs": True,
-                                   "prompt_logprobs": True, "choices": True},
+                          options={"save_token_ids": self.save_token_ids, "openai": True,
+                                   **{name: True for name in ON_REQUEST}},
                           keep_columns=self.keep_columns, json_typed=self.format == "jsonl")
 
     def _part_name(self) -> str:
@@ -413,8 +414,7 @@ class OutputWriter:
             parts = self._part_paths()
             openai = self._openai_output(parts)
             options = {"save_token_ids": self.save_token_ids, "openai": openai,
-                       "logprobs": self._any_set(parts, "logprobs"), "choices": self._any_set(parts, "choices"),
-                       "prompt_logprobs": self._any_set(parts, "prompt_logprobs")}
+                       **{name: self._any_set(parts, name) for name in ON_REQUEST}}
             schema, as_json = merged_schema([pq.read_schema(p) for p in parts], options, self.keep_columns)
             rows, digests = part_rows(parts)
         except OSError as e:

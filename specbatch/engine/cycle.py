@@ -19,7 +19,6 @@ node with the state that node's path implies, before the acceptance walk; batche
 """
 from __future__ import annotations
 
-import bisect
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -32,7 +31,7 @@ from ..processors import Processors, count_tokens, processors_key
 from ..request import Request, StopChecker
 from .adaptive import WidthPolicy
 from .logprobs import add_logprobs, emitted_logprobs
-from .graphs import GraphRunner, capture_sizes
+from .graphs import GraphRunner, capture_sizes, padded_size
 from .profile import CycleTime, StageTimer
 from ..runtime.kv_cache import compact_path
 from ..sampling import BatchSampling, SamplingParams
@@ -137,7 +136,7 @@ class SpecCycle:
     def __call__(self, active: Slotted) -> Slotted:
         """One cycle over the active slots; returns those whose request finished."""
         t0 = time.perf_counter()
-        bucket = self.sizes[bisect.bisect_left(self.sizes, len(active))]
+        bucket = padded_size(self.sizes, len(active))      # the graph size it replays (eager: would)
         b, stages = self._stages(active, bucket)
         t1 = time.perf_counter()              # after any graph capture: the policy times the cycle itself
         marks = []

@@ -300,7 +300,7 @@ class Engine:
                 lp, top = emitted_logprobs(logits[:, None, :], zero, first[:, None], sp, max(asked))
                 lps, lp_ids = lp.tolist(), top.tolist()
             for i, (_, req) in enumerate(group):
-                if req.params.prompt_logprobs is not None:
+                if req.params.prompt_logprobs is not None and req.choice == 0:   # a row's n choices share them
                     req.prompt_logprobs = prompt_token_logprobs(self.model.logits, hidden[i, : lens[i]],
                                                                 ids[i, : lens[i]], req.params.prompt_logprobs)
             self.drafter.prefill(slots, ids, lengths, captured, first)

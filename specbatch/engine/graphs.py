@@ -28,6 +28,14 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted({s for s in steps if s < max_batch} | {max_batch})
 
 
+def padded_size(sizes: list[int], rows: int) -> int:
+    """The smallest of the sorted `sizes` that holds `rows` rows."""
+    i = bisect.bisect_left(sizes, rows)
+    if i == len(sizes):
+        raise ValueError(f"batch of {rows} rows exceeds the largest captured size {sizes[-1]}")
+    return sizes[i]
+
+
 @contextlib.contextmanager
 def _no_collection():
     """Collect garbage now, and none while capturing: an unreachable engine of an earlier job
@@ -66,10 +74,7 @@ class GraphRunner:
                 self._capture(size, variant)
 
     def padded(self, rows: int) -> int:
-        i = bisect.bisect_left(self.sizes, rows)
-        if i == len(self.sizes):
-            raise ValueError(f"batch of {rows} rows exceeds the largest captured size {self.sizes[-1]}")
-        return self.sizes[i]
+        return padded_size(self.sizes, rows)
 
     def get(self, rows: int, variant: Hashable) -> Captured:
         """The graphs for `rows` active rows (captured now if this variant was not used yet)."""

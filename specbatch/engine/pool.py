@@ -45,10 +45,11 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
     if device.type == "cuda":
         elem = torch.empty((), dtype=dtype).element_size()
         act = prefill_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * elem
-        logits = (batch_size or MAX_DEFAULT_SLOTS) * headroom * cfg.vocab_size * 6
+        most = batch_size or MAX_DEFAULT_SLOTS                 # slots at most
+        logits = most * headroom * cfg.vocab_size * 6
         # penalty state (cycle.SlotState.penalty_state), allocated when a row first asks for a
         # penalty: int32 counts + a bool prompt mask per slot and vocabulary entry
-        penalties = ((batch_size or MAX_DEFAULT_SLOTS) + 1) * cfg.vocab_size * 5
+        penalties = (most + 1) * cfg.vocab_size * 5
         reserve = 2 * GiB + act + logits + penalties
     budget_pages = memory_budget(device, reserve) // (row_bytes * P)
     dummy = math.ceil(headroom / P)

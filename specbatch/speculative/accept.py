@@ -13,6 +13,7 @@ with the correction drawn from norm(max(p - q, 0)), q being the draft's one-hot 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -52,12 +53,7 @@ def accept(node_tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tenso
         onehot = torch.nn.functional.one_hot(argmax, V).to(probs.dtype)
         probs = torch.where((sp.temperature == 0)[:, None, None], onehot, probs)
 
-    cur = torch.zeros(B, dtype=torch.int64, device=dev)
-    alive = torch.ones(B, dtype=torch.bool, device=dev)
-    num = torch.zeros(B, dtype=torch.int64, device=dev)
-    tokens = torch.zeros(B, max_depth + 1, dtype=torch.int64, device=dev)
-    path = torch.zeros(B, max_depth + 1, dtype=torch.int64, device=dev)
-    for d in range(max_depth + 1):
+    def level(d: int, cur: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         kids = kids_of[rows, cur]                                            # [B, N]
         if probs is None:
             tok = argmax[rows, cur]
@@ -66,7 +62,26 @@ def accept(node_tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tenso
             tok, hit = _sample_level(probs[rows, cur], node_tokens, kids, sp, start + 1 + d)
         accepted = hit.any(dim=1)
         nxt = hit.to(torch.int8).argmax(dim=1)                               # first hit
-        tokens[:, d] = torch.where(alive, torch.where(accepted, node_tokens[rows, nxt], tok), tokens[:, d])
+        return torch.where(accepted, node_tokens[rows, nxt], tok), accepted, nxt
+
+    return walk(B, max_depth, dev, level)
+
+
+Level = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def walk(B: int, max_depth: int, device: torch.device, level: Level) -> Acceptance:
+    """The root-to-leaf walk every acceptance shares: at depth d, `level(d, cur)` gives for the
+    current node cur [B] the emitted token [B], whether a child was accepted [B] and that child
+    [B]; a row stops at its first rejection (its token then is the correction)."""
+    cur = torch.zeros(B, dtype=torch.int64, device=device)
+    alive = torch.ones(B, dtype=torch.bool, device=device)
+    num = torch.zeros(B, dtype=torch.int64, device=device)
+    tokens = torch.zeros(B, max_depth + 1, dtype=torch.int64, device=device)
+    path = torch.zeros(B, max_depth + 1, dtype=torch.int64, device=device)
+    for d in range(max_depth + 1):
+        tok, accepted, nxt = level(d, cur)
+        tokens[:, d] = torch.where(alive, tok, tokens[:, d])
         num += alive.to(torch.int64)
         alive &= accepted
         cur = torch.where(alive, nxt, cur)

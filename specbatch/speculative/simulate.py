@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .accept import Acceptance
+from .accept import Acceptance, walk
 from .drafter import Drafter, Proposal
 from .tree import ancestor_mask
 
@@ -55,22 +55,13 @@ def simulate_acceptance(prop: Proposal, target_argmax: torch.Tensor, probs: torc
     u = torch.rand(B, max_depth + 1, device=dev, generator=generator)
     p = probs.float()[:max_depth]
     accept_p = torch.cat([p, p.new_zeros(max_depth + 1 - p.numel())])     # none past the list / deepest level
-    cur = torch.zeros(B, dtype=torch.int64, device=dev)
-    alive = torch.ones(B, dtype=torch.bool, device=dev)
-    num = torch.zeros(B, dtype=torch.int64, device=dev)
-    tokens = torch.zeros(B, max_depth + 1, dtype=torch.int64, device=dev)
-    path = torch.zeros(B, max_depth + 1, dtype=torch.int64, device=dev)
-    for d in range(max_depth + 1):
+
+    def level(d: int, cur: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         child = child_of[rows, cur]
         ok = has_child[rows, cur] & (u[:, d] < accept_p[d])
-        tok = torch.where(ok, prop.tokens[rows, child], target_argmax[rows, cur])
-        tokens[:, d] = torch.where(alive, tok, tokens[:, d])
-        num += alive.to(torch.int64)
-        alive &= ok
-        cur = torch.where(alive, child, cur)
-        if d < max_depth:
-            path[:, d + 1] = cur
-    return Acceptance(tokens=tokens, num=num, path=path)
+        return torch.where(ok, prop.tokens[rows, child], target_argmax[rows, cur]), ok, child
+
+    return walk(B, max_depth, dev, level)
 
 
 def simulated_acceptor(probs: tuple[float, ...], max_depth: int, device: torch.device):

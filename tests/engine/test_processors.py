@@ -12,7 +12,7 @@ from specbatch.processors import Processors, count_tokens, processors_key, reset
 from specbatch.sampling import BatchSampling
 from specbatch.speculative.tree import ancestor_mask
 
-from processors_helpers import processed
+from processors_helpers import law, processed
 
 V = 12
 EOS = (0,)
@@ -97,32 +97,14 @@ def test_min_tokens_boundary_and_the_key():
     assert processors_key([(SamplingParams(repetition_penalty=1.1), 3)], EOS, V) == (0, 0, True)
 
 
-def _reference_probs(logits: torch.Tensor, t: float, min_p: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Temperature, then min-p on its probabilities, then top-k, then top-p (float64, plain loops)."""
-    q = (logits.double() / t).softmax(-1)
-    keep = q >= min_p * q.max()
-    order = [int(v) for v in q.argsort(descending=True) if keep[v]]
-    if top_k:
-        order = order[:top_k]
-    mass, chosen = 0.0, []
-    total = float(q[order].sum())
-    for v in order:
-        if chosen and mass >= top_p:
-            break
-        chosen.append(v)
-        mass += float(q[v]) / total
-    out = torch.zeros_like(q)
-    out[chosen] = q[chosen]
-    return out / out.sum()
-
-
 @pytest.mark.parametrize("t,min_p,top_k,top_p", [(1.0, 0.1, 0, 1.0), (0.7, 0.3, 0, 1.0), (1.3, 0.05, 3, 1.0),
                                                  (1.0, 0.2, 0, 0.6), (0.8, 0.0, 4, 0.9)])
 def test_min_p_follows_temperature_before_top_k_top_p(t, min_p, top_k, top_p):
     logits = torch.tensor([[2.0, 1.6, 1.1, 0.4, 0.0, -0.7, -1.5, -3.0]])
-    sp = BatchSampling.build([SamplingParams(temperature=t, min_p=min_p, top_k=top_k, top_p=top_p)], torch.device("cpu"))
+    p = SamplingParams(temperature=t, min_p=min_p, top_k=top_k, top_p=top_p)
+    sp = BatchSampling.build([p], torch.device("cpu"))
     got = sp.target_probs(logits)[0].double()
-    want = _reference_probs(logits[0], t, min_p, top_k, top_p)
+    want = law(logits[0], p, [], [])          # the float64 reference: temperature, min-p, top-k, top-p
     assert torch.allclose(got, want, atol=1e-6), (got, want)
     lp = sp.target_logprobs(logits)[0]
     assert torch.equal(torch.isinf(lp), want == 0)

@@ -4,7 +4,6 @@ vLLM's order of processing), with drafts accepted at depth 1 and 2 of a tree (th
 often drawn at a node whose penalty state must count the second) and rejected (residual draws)."""
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
