@@ -221,10 +221,12 @@ def main() -> None:
             r = run_cli(rows, dst, model, extra, out / f"log-{n}-{kind}.txt")
             results.append({"gpus": n, "kind": kind, "path": name, **r})
             print(results[-1], flush=True)
+            (out / "scale_out.partial.json").write_text(json.dumps(results, indent=1))
         if args.ray:
             r = run_ray(rows, model, n, args.device, out / f"log-ray-{n}.txt")
             results.append({"gpus": n, "kind": "ray", "path": "specbatch.ray", **r})
             print(results[-1], flush=True)
+            (out / "scale_out.partial.json").write_text(json.dumps(results, indent=1))
     one = {r["kind"]: r["job_tok_s"] for r in results if r["gpus"] == 1}
     lines = ["| GPUs | path | rows | output tokens | wall s | job tok/s (wall) | generation tok/s | efficiency |",
              "|---|---|---|---|---|---|---|---|"]

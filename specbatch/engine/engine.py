@@ -100,6 +100,9 @@ class Engine:
             self.model, self.device, self.tokenizer = model, model.lm_head.weight.device, tokenizer
             eos = model.cfg.eos_token_ids
             self.model_defaults = {}
+        if self.device.type == "cuda" and self.device.index is not None:
+            # graph capture streams, Triton launches and the memory planner use the current device
+            torch.cuda.set_device(self.device)
         fuse_projections(self.model)
         self.cfg = self.model.cfg
         self.dtype = self.model.lm_head.weight.dtype

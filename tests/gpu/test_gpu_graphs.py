@@ -113,3 +113,20 @@ def test_profile_records_stage_times(target_dir, eagle3_dir):
     t = eng.cycle_times[0]
     assert t.draft_ms > 0 and t.verify_ms > 0 and t.extend_ms > 0 and t.wall_ms >= t.verify_ms
     assert sum(c.tokens for c in eng.cycle_times) > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_engine_on_a_second_gpu_equals_the_first(target_dir, eagle3_dir):
+    """An engine on cuda:N (what `--gpus` workers use) captures and replays on its own device."""
+    spec = _spec("eagle3_topk1", eagle3_dir)
+    last = f"cuda:{torch.cuda.device_count() - 1}"
+    ref, _, _ = _run(target_dir, spec, 4, graphs=True)
+    try:
+        eng = Engine(target_dir, EngineOptions(batch_size=4, device=last, dtype="float32", spec=spec, graphs=True,
+                                               adaptive=False))
+        assert torch.cuda.current_device() == torch.cuda.device_count() - 1
+        recs = sorted(eng.generate(_rows(), SamplingDefaults()), key=lambda r: r["row"])
+    finally:
+        torch.cuda.set_device(0)
+    assert eng.cache.layers[0][0].device == torch.device(last) and eng.graphs is not None
+    assert [r["output_token_ids"] for r in recs] == ref
