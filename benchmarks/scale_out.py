@@ -1,6 +1,7 @@
 """Data-parallel scaling (issues 16 and 17): the same job through plain `specbatch run`, through
 `specbatch run --gpus N` (one engine process per GPU) and through `specbatch.ray` (one actor per
-GPU on a local Ray), with the same rows per GPU; and a worker SIGKILLed mid-job, then the rerun.
+GPU on a local Ray), with the same rows per GPU; and a worker, then a parent, SIGKILLed mid-job,
+each followed by the rerun.
 
     python benchmarks/scale_out.py --gpus 1 --gpus 2 --gpus 8 --ray --kill-test --out runs/scale
     python benchmarks/scale_out.py --device cpu --gpus 1 --gpus 2 --model-dir specbatch/assets/demo/target \
@@ -11,15 +12,19 @@ demo's tokenizer (vocabulary resized to it, so outputs decode), since nothing is
 random token-id prompts, lognormal lengths (median 256, sigma 0.8, max 1,536) and max_tokens
 (median 200, sigma 0.6, max 768), EOS ignored: the mix of `specbatch bench --job`. Recipe vanilla
 (`specbatch run` has no simulated acceptance; a real draft for random weights accepts nothing).
-Scaling efficiency = tok/s(N) / (N x tok/s(1)). With --device cpu the counts are CPU worker
+Scaling efficiency = tok/s(N) / (N x tok/s(1)), on the wall clock (process start, model load and
+Ray start included) and on generation alone (from every engine loaded to the end: what a long job
+sees). With --device cpu the counts are CPU worker
 processes (`--workers N`) and an existing --model-dir is used as it is. Writes scale_out.json /
 scale_out.md.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -102,7 +107,7 @@ RAY_DRIVER = """
 import json, sys, time
 import ray
 from specbatch.ray import ProcessorConfig, build_processor
-rows, device, model, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+rows, device, model, n, k = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 t0 = time.perf_counter()
 if device == "cuda":
     ray.init(num_gpus=n, include_dashboard=False)
@@ -111,15 +116,21 @@ else:
 ds = ray.data.read_json(rows).map(lambda r: {"id": r["id"], "tokenized_prompt": r["prompt_token_ids"],
     "sampling_params": {"max_tokens": r["max_tokens"], "ignore_eos": True, "temperature": 0.0}})
 proc = build_processor(ProcessorConfig(model_source=model, recipe="vanilla", concurrency=n, batch_size=64,
-                                       max_concurrent_batches=16, engine_kwargs={"device": device}))
+                                       max_concurrent_batches=k, engine_kwargs={"device": device}))
 res = proc(ds).select_columns(["id", "num_generated_tokens"]).take_all()
 wall = time.perf_counter() - t0
-print(json.dumps({"wall_s": wall, "tokens": sum(r["num_generated_tokens"] for r in res), "rows": len(res)}))
+print(json.dumps({"wall_s": wall, "end": time.time(), "tokens": sum(r["num_generated_tokens"] for r in res),
+                  "rows": len(res)}))
 """
 
+READY = re.compile(r"specbatch: engine ready at (\d\d:\d\d:\d\d\.\d{3})")
 
-def run_ray(rows: Path, model: Path, n: int, device: str, log: Path) -> dict:
-    cmd = [sys.executable, "-c", RAY_DRIVER, str(rows), device, str(model), str(n)]
+
+def run_ray(rows: Path, model: Path, n: int, device: str, log: Path, in_flight: int) -> dict:
+    """The rows through `specbatch.ray` with n actors, `in_flight` batches of 64 per actor. Its
+    generation rate runs from the last actor's "engine ready" line (batches are handed out once
+    every actor is up) to the end, as `specbatch run`'s runs from every worker loaded."""
+    cmd = [sys.executable, "-c", RAY_DRIVER, str(rows), device, str(model), str(n), str(in_flight)]
     print(f"ray: {n} actor(s) on {rows}", flush=True)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -127,8 +138,13 @@ def run_ray(rows: Path, model: Path, n: int, device: str, log: Path) -> dict:
     if p.returncode != 0:
         raise SystemExit(f"the Ray driver exited {p.returncode}: see {log}")
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    return {"wall_s": time.perf_counter() - t0, "tokens": r["tokens"], "job_tok_s": r["tokens"] / r["wall_s"],
-            "rows": r["rows"]}
+    out = {"wall_s": time.perf_counter() - t0, "tokens": r["tokens"], "job_tok_s": r["tokens"] / r["wall_s"],
+           "rows": r["rows"]}
+    ready = [datetime.datetime.combine(datetime.date.today(), datetime.time.fromisoformat(t)).timestamp()
+             for t in READY.findall(p.stdout + p.stderr)]
+    if len(ready) >= n:
+        out["gen_tok_s"] = r["tokens"] / (r["end"] - max(ready))
+    return out
 
 
 def children(pid: int) -> list[int]:
@@ -157,10 +173,13 @@ def _is_worker(pid: int) -> bool:
     return b"multiprocessing" in cmd and b"resource_tracker" not in cmd
 
 
-def kill_test(rows: Path, out: Path, model: Path, flags: list[str], log: Path, after_s: float = 2.0) -> dict:
-    """SIGKILL one engine process `after_s` into generation (after the `started:` line, once every
-    engine is loaded); then rerun to completion and check every id exactly once."""
-    cmd = run_command(rows, out, model, "--progress-every", "1000", *flags)
+def kill_test(rows: Path, out: Path, model: Path, flags: list[str], log: Path, after_s: float = 2.0,
+              victim: str = "worker") -> dict:
+    """SIGKILL one engine process (victim "worker": the job goes on, its rows go to the others) or
+    the parent ("parent": its workers die with it) `after_s` into generation (after the `started:`
+    line, once every engine is loaded); rerun to completion; check every id exactly once."""
+    stats = out.with_suffix(".stats.json")
+    cmd = run_command(rows, out, model, "--progress-every", "1000", "--stats-json", str(stats), *flags)
     parent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen = []
     for line in parent.stderr:
@@ -169,9 +188,11 @@ def kill_test(rows: Path, out: Path, model: Path, flags: list[str], log: Path, a
             break
     time.sleep(after_s)
     workers = [k for k in children(parent.pid) if _is_worker(k)]
-    victim = workers[0] if workers and parent.poll() is None else None
-    if victim:
-        os.kill(victim, signal.SIGKILL)
+    pid = None
+    if parent.poll() is None:
+        pid = parent.pid if victim == "parent" else (workers[0] if workers else None)
+    if pid:
+        os.kill(pid, signal.SIGKILL)
     seen.append(parent.stderr.read())
     first_rc = parent.wait()
     again = subprocess.run(cmd, capture_output=True, text=True)
@@ -180,8 +201,10 @@ def kill_test(rows: Path, out: Path, model: Path, flags: list[str], log: Path, a
 
     ids = pq.read_table(out, columns=["id"]).column("id").to_pylist()
     want = [json.loads(line)["id"] for line in rows.open()]
-    return {"killed_pid": victim, "first_rc": first_rc, "rerun_rc": again.returncode, "rows": len(ids),
-            "unique": len(set(ids)), "missing": len(set(want) - set(ids)), "expected": len(want)}
+    resumed = json.loads(stats.read_text()).get("resumed") if stats.exists() else None
+    return {"victim": victim, "killed_pid": pid, "first_rc": first_rc, "rerun_rc": again.returncode,
+            "resumed_rows": resumed, "rows": len(ids), "unique": len(set(ids)),
+            "missing": len(set(want) - set(ids)), "expected": len(want)}
 
 
 def main() -> None:
@@ -193,7 +216,11 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama-3.1-8b")
     ap.add_argument("--model-dir", default="/tmp/specbatch-random-8b")
     ap.add_argument("--ray", action="store_true", help="also through specbatch.ray (needs ray[data])")
-    ap.add_argument("--kill-test", action="store_true", help="SIGKILL a worker mid-job, rerun, count rows")
+    ap.add_argument("--kill-test", action="store_true",
+                    help="SIGKILL a worker mid-job, then the parent of another job; rerun each, count rows")
+    ap.add_argument("--kill-rows", type=int, default=512, help="rows of each kill test's job")
+    ap.add_argument("--ray-in-flight", type=int, default=16,
+                    help="batches of 64 rows in flight per Ray actor (2 x 512 slots: 16)")
     ap.add_argument("--max-output", type=int, default=768, help="clip of the output lengths")
     ap.add_argument("--kill-after", type=float, default=2.0, help="seconds into generation of the kill")
     ap.add_argument("--out", default="runs/scale")
@@ -223,28 +250,41 @@ def main() -> None:
             print(results[-1], flush=True)
             (out / "scale_out.partial.json").write_text(json.dumps(results, indent=1))
         if args.ray:
-            r = run_ray(rows, model, n, args.device, out / f"log-ray-{n}.txt")
+            r = run_ray(rows, model, n, args.device, out / f"log-ray-{n}.txt", args.ray_in_flight)
             results.append({"gpus": n, "kind": "ray", "path": "specbatch.ray", **r})
             print(results[-1], flush=True)
             (out / "scale_out.partial.json").write_text(json.dumps(results, indent=1))
-    one = {r["kind"]: r["job_tok_s"] for r in results if r["gpus"] == 1}
-    lines = ["| GPUs | path | rows | output tokens | wall s | job tok/s (wall) | generation tok/s | efficiency |",
-             "|---|---|---|---|---|---|---|---|"]
+    one = {r["kind"]: r for r in results if r["gpus"] == 1}
+    lines = ["| GPUs | path | rows | output tokens | wall s | job tok/s (wall) | efficiency (wall) | "
+             "generation tok/s | efficiency (generation) | generation vs N x one process |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def eff(r: dict, key: str) -> str:
+        base = one.get(r["kind"], {}).get(key)
+        return f"{r[key] / (r['gpus'] * base):.3f}" if base and key in r else "-"
+
+    def vs_one(r: dict) -> str:
+        base = one.get("one", {}).get("gen_tok_s")
+        return f"{r['gen_tok_s'] / (r['gpus'] * base):.3f}" if base and "gen_tok_s" in r else "-"
+
     for r in results:
-        base = one.get(r["kind"])
-        eff = f"{r['job_tok_s'] / (r['gpus'] * base):.3f}" if base else "-"
         gen = f"{r['gen_tok_s']:,.0f}" if "gen_tok_s" in r else "-"
         lines.append(f"| {r['gpus']} | {r['path']} | {r['gpus'] * args.rows_per_gpu} | {r['tokens']:,} | "
-                     f"{r['wall_s']:.1f} | {r['job_tok_s']:,.0f} | {gen} | {eff} |")
+                     f"{r['wall_s']:.1f} | {r['job_tok_s']:,.0f} | {eff(r, 'job_tok_s')} | {gen} | "
+                     f"{eff(r, 'gen_tok_s')} | {vs_one(r)} |")
     report = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
               "gpus_available": count, "results": results}
     if args.kill_test:
         n = max(counts)
         rows = out / "rows-kill.jsonl"
-        write_rows(rows, n * args.rows_per_gpu // 2, vocab, seed=1, max_output=args.max_output)
-        report["kill_test"] = kill_test(rows, out / "out-kill.parquet", model, parallel_flags(n, args.device),
-                                        out / "log-kill.txt", args.kill_after)
-        lines += ["", f"Kill test ({n} GPU(s)): {report['kill_test']}"]
+        write_rows(rows, args.kill_rows, vocab, seed=1, max_output=args.max_output)
+        report["kill_test"] = []
+        for victim in ("worker", "parent"):
+            report["kill_test"].append(kill_test(rows, out / f"out-kill-{victim}.parquet", model,
+                                                 parallel_flags(n, args.device), out / f"log-kill-{victim}.txt",
+                                                 args.kill_after, victim))
+            lines += ["", f"Kill test ({n} GPU(s)): {report['kill_test'][-1]}"]
+            print(lines[-1], flush=True)
     (out / "scale_out.json").write_text(json.dumps(report, indent=1))
     (out / "scale_out.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

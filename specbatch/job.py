@@ -190,6 +190,7 @@ class _Runner:
                         not self.pool.eager, capture_s=self.capture_s, workers=per,
                         tokens_per_target_forward=tokens / max(forwards, 1),
                         waited_for_pages=sum(w.get("waited_for_pages", 0) for w in per),
+                        peak_memory_bytes=max((w.get("peak_memory_bytes", 0) for w in per), default=0),
                         verify_widths=dict(sorted(widths.items())))
         eng = self.llm.engine
         return dict(target_forwards=eng.target_forwards, graphs=eng.graphs is not None, capture_s=eng.capture_seconds,

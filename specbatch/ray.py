@@ -67,7 +67,13 @@ class SpecbatchPredictor:
                  should_continue_on_error: bool = False):
         from .llm import LLM
 
+        t0 = time.perf_counter()
         self.llm = LLM(model=model_source, recipe=recipe, draft=draft, **(engine_kwargs or {}))
+        eng = self.llm.engine
+        # one line in the driver's log per actor: when it can take rows, and what keeps it full
+        print(f"specbatch: engine ready at {time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d} on "
+              f"{eng.device} (loaded in {time.perf_counter() - t0:.1f} s, {eng.num_slots} slots: keep batch_size x "
+              f"max_concurrent_batches >= {2 * eng.num_slots} rows in flight to keep them full)", flush=True)
         self.apply_chat_template = apply_chat_template
         self.continue_on_error = should_continue_on_error
         self.inbox: queue.Queue = queue.Queue()
@@ -182,6 +188,10 @@ class ProcessorConfig:
     apply_chat_template: bool = True
     num_gpus: float | None = None            # per actor (None: 1 unless engine_kwargs device is cpu)
     num_cpus: float = 1                      # per actor
+    # hand out batches once every actor has loaded its engine (up to this many seconds, then Ray
+    # raises), so that the first actor up does not take every batch of a short dataset; None:
+    # Ray's default (batches go to actors as they come up). Set on the dataset's DataContext.
+    wait_for_actors_s: float | None = 1800.0
 
 
 def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
@@ -207,6 +217,8 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
                             accelerator_type=config.accelerator_type, runtime_env=config.runtime_env)
         if postprocess is not None:
             ds = ds.map(postprocess)
+        if config.wait_for_actors_s is not None:
+            ds.context.wait_for_min_actors_s = config.wait_for_actors_s
         return ds
 
     return process

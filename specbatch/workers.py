@@ -129,7 +129,10 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
 
         for rec in llm.stream(feed()):
             outbox.send(("rec", wid, rec))
+        from .stats import peak_memory
+
         outbox.send(("done", wid, {"device": str(eng.device), "target_forwards": eng.target_forwards,
+                                  "peak_memory_bytes": peak_memory(eng.device),
                                   "tokens_emitted": eng.tokens_emitted, "capture_s": eng.capture_seconds,
                                   "waited_for_pages": eng.waited, "verify_widths": dict(eng.cycle.policy.used)}))
     except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
@@ -285,7 +288,11 @@ class WorkerPool:
     def _bury(self, w: _Worker, redo: list) -> None:
         w.dead = True
         if not self.last_error:
-            self.last_error = f"{w.device}: worker exited with code {w.proc.exitcode}"
+            w.proc.join(timeout=1)           # its pipe closed first: reap it for the exit code
+            code = w.proc.exitcode
+            how = (f"killed by signal {-code}" if code is not None and code < 0 else
+                   f"exited with code {code}" if code is not None else "stopped answering")
+            self.last_error = f"{w.device}: worker {how}"
         print(f"warning: worker on {w.device} died ({self.last_error}); its {len(w.held)} unfinished rows "
               "go to the other workers", file=sys.stderr)
         redo.extend(w.held.values())

@@ -146,3 +146,12 @@ def test_an_actor_killed_mid_batch_costs_nothing_and_checkpoints_resume(cluster,
         assert pq.read_table(out).num_rows == N and len(os.listdir(out)) >= len(before)
     finally:
         ctx.checkpoint_config = None
+
+
+def test_batches_wait_for_every_actor_unless_asked_not_to(cluster):
+    """A short dataset must not all go to the first actor up (Ray's default hands batches out as
+    actors come up): the processor's dataset waits for the whole pool, or not when set to None."""
+    from specbatch.ray import build_processor
+
+    assert build_processor(_config())(ray.data.range(4)).context.wait_for_min_actors_s == 1800
+    assert build_processor(_config(wait_for_actors_s=None))(ray.data.range(4)).context.wait_for_min_actors_s == -1
