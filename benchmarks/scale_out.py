@@ -137,7 +137,8 @@ def run_ray(rows: Path, model: Path, n: int, device: str, log: Path, in_flight: 
     log.write_text(p.stdout + p.stderr)
     if p.returncode != 0:
         raise SystemExit(f"the Ray driver exited {p.returncode}: see {log}")
-    r = json.loads(p.stdout.strip().splitlines()[-1])
+    # Ray may forward the actors' last log lines after the driver's own
+    r = json.loads(next(line for line in reversed(p.stdout.splitlines()) if line.startswith('{"wall_s"')))
     out = {"wall_s": time.perf_counter() - t0, "tokens": r["tokens"], "job_tok_s": r["tokens"] / r["wall_s"],
            "rows": r["rows"]}
     ready = [datetime.datetime.combine(datetime.date.today(), datetime.time.fromisoformat(t)).timestamp()

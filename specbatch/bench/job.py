@@ -158,16 +158,16 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
         try:
             engine = build_engine(eopts, src, head)
             list(engine.generate(rows[:8], SamplingDefaults(max_tokens=4, ignore_eos=True, temperature=0.0, repetition_penalty=1.0)))     # warm-up
-            points.append(_measure_job(engine, rows, recipe.name, src, bandwidth, rate))
+            # the same engine admitting in input order first, then as runs do (longest first)
+            for order in (("arrival", False), ("longest", True)) if opts.arrival_order_too else (("longest", True),):
+                engine.opts.longest_first = order[1]
+                name = recipe.name if order[1] else f"{recipe.name} (input order)"
+                points.append(_measure_job(engine, rows, name, src, bandwidth, rate))
+                _log_point(points[-1], log)
         except Exception as e:                          # noqa: BLE001 - recorded, the next recipe runs
             points.append({"recipe": recipe.name, "failed": True, "error": failure_message(e)})
             log(f"{recipe.name}: FAILED ({points[-1]['error']})")
             engine = None
-        else:
-            p = points[-1]
-            log(f"{recipe.name}: {p['job_tokens_per_s']:.0f} tok/s, wall {p['wall_s']:.1f} s (prefill "
-                f"{p['prefill_s']:.1f} s in {p['prefill_forwards']} forwards, decode {p['decode_s']:.1f} s), "
-                f"{100 * p['floor_fraction']:.0f}% of the floor, occupancy {p['mean_occupancy']:.0f}/{p['slots']}")
         del engine
         free_memory(device)
     base = next((p for p in points if p["recipe"] == "vanilla" and not p.get("failed")), None)
@@ -175,6 +175,13 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
         if base and not p.get("failed"):
             p["speedup_vs_vanilla"] = p["job_tokens_per_s"] / base["job_tokens_per_s"]
     return {"meta": meta, "points": points}
+
+
+def _log_point(p: dict[str, Any], log: Log) -> None:
+    log(f"{p['recipe']}: {p['job_tokens_per_s']:.0f} tok/s, wall {p['wall_s']:.1f} s (prefill "
+        f"{p['prefill_s']:.1f} s in {p['prefill_forwards']} forwards, decode {p['decode_s']:.1f} s, "
+        f"{p['cycles']} cycles), {100 * p['floor_fraction']:.0f}% of the floor, occupancy "
+        f"{p['mean_occupancy']:.0f}/{p['slots']}")
 
 
 def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source, bandwidth: float,
@@ -227,7 +234,7 @@ def job_markdown(result: dict[str, Any]) -> str:
              f"{meta['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", ""]
     if meta.get("command"):
         lines += [f"`{meta['command']}`", ""]
-    lines += ["| recipe | job tok/s | vs vanilla | wall s | prefill s (forwards) | decode s | floor s | "
+    lines += ["| recipe | job tok/s | vs vanilla | wall s | prefill s (forwards) | decode s (cycles) | floor s | "
               "of floor | occupancy | accept len | verify widths (cycles) | peak GiB |", "|" + "---|" * 12]
     for p in result["points"]:
         if p.get("failed"):
@@ -236,7 +243,7 @@ def job_markdown(result: dict[str, Any]) -> str:
         mem = f"{p['peak_memory_bytes'] / 2**30:.1f}" if p.get("peak_memory_bytes") else "-"
         widths = " ".join(f"{w}: {n}" for w, n in p.get("verify_widths", {}).items()) or "-"
         lines.append(f"| {p['recipe']} | {p['job_tokens_per_s']:,.0f} | {p.get('speedup_vs_vanilla', 0):.2f}x | "
-                     f"{p['wall_s']:.1f} | {p['prefill_s']:.1f} ({p['prefill_forwards']}) | {p['decode_s']:.1f} | "
+                     f"{p['wall_s']:.1f} | {p['prefill_s']:.1f} ({p['prefill_forwards']}) | {p['decode_s']:.1f} ({p['cycles']}) | "
                      f"{p['floor_s']:.1f} | {100 * p['floor_fraction']:.0f}% | "
                      f"{p['mean_occupancy']:.0f}/{p['slots']} | {p['accept_length']:.2f} | {widths} | {mem} |")
     lines += ["", "Floor: plain decoding of this mix at the engine's slot count on this machine (prefill "

@@ -50,6 +50,7 @@ class BenchOptions:
     max_model_len: int | None = None         # None: longest prompt + max_tokens
     warmup: bool = True                      # a short run on each new engine before measuring
     fixed_width: bool = False                # --job: every cycle verifies the whole proposal (no adaptive width)
+    arrival_order_too: bool = False          # --job: each recipe also admits rows in input order
     seed: int = 0
 
 

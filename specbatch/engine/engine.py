@@ -91,6 +91,7 @@ class Engine:
         self.opts = opts = opts or EngineOptions()
         if model is None:
             self.device = resolve_device(opts.device)
+            self._on_device()
             self.model, _ = load_target(model_dir, opts.dtype, self.device)
             self.tokenizer = load_tokenizer(model_dir)
             eos = generation_eos_ids(model_dir) or self.model.cfg.eos_token_ids
@@ -100,9 +101,7 @@ class Engine:
             self.model, self.device, self.tokenizer = model, model.lm_head.weight.device, tokenizer
             eos = model.cfg.eos_token_ids
             self.model_defaults = {}
-        if self.device.type == "cuda" and self.device.index is not None:
-            # graph capture streams, Triton launches and the memory planner use the current device
-            torch.cuda.set_device(self.device)
+        self._on_device()
         fuse_projections(self.model)
         self.cfg = self.model.cfg
         self.dtype = self.model.lm_head.weight.dtype
@@ -172,6 +171,12 @@ class Engine:
     def lens(self) -> torch.Tensor:
         return self.state.lens
 
+    def _on_device(self) -> None:
+        """Make this engine's GPU the current one: capture streams, Triton launches and the memory
+        planner use the current device (per thread; another engine of the process may have moved it)."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
+
     def _rows_needed(self, req: Request) -> int:
         return len(req.prompt_ids) + req.max_new + self.headroom
 
@@ -193,6 +198,7 @@ class Engine:
         wave = max(1, math.ceil(self.opts.wave * self.num_slots))
         exhausted = False
         while True:
+            self._on_device()
             while not exhausted and sched.queued() < lookahead:
                 item = next(source, None)
                 if item is None:

@@ -104,7 +104,9 @@ class GraphRunner:
             with warnings.catch_warnings():
                 # a stage with no device work (vanilla's extend) captures an empty graph
                 warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-                with torch.cuda.graph(g, pool=self._pool):
+                # on our own stream: torch's default capture stream is made once per process, on
+                # whichever device was current then
+                with torch.cuda.graph(g, pool=self._pool, stream=side):
                     for stage in group:
                         stage(batch)
             graphs.append(g)

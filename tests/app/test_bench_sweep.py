@@ -231,6 +231,23 @@ def test_job_mode_runs_the_mix_end_to_end_against_its_floor(tiny_config, tmp_pat
     assert "| vanilla |" in (out / "job.md").read_text()
 
 
+def test_job_mode_measures_input_order_admission_on_the_same_engine(tiny_config, tmp_path):
+    """--arrival-order-too: each recipe runs the mix admitting in input order, then longest
+    max_tokens first (as runs do); same tokens, and longest first needs no more decode cycles."""
+    out = tmp_path / "job"
+    r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "--requests", "32", "--prompt-median", "8", "--prompt-max", "16",
+                                 "--output-median", "8", "--output-sigma", "1.0", "--output-max", "40",
+                                 "--slots", "8", "--device", "cpu", "--eager", "--arrival-order-too",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    arrival, longest = json.loads((out / "job.json").read_text())["points"]
+    assert (arrival["recipe"], longest["recipe"]) == ("vanilla (input order)", "vanilla")
+    assert arrival["output_tokens"] == longest["output_tokens"]
+    assert longest["cycles"] < arrival["cycles"]
+    assert longest["speedup_vs_vanilla"] == 1.0
+
+
 def test_lognormal_mix_is_seeded_and_clipped():
     from specbatch.bench.job import lognormal_lengths
 
