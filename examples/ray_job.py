@@ -18,6 +18,7 @@ ray.init()
 ray.data.DataContext.get_current().checkpoint_config = CheckpointConfig(id_column="id", checkpoint_path=dst + ".ckpt")
 processor = build_processor(ProcessorConfig(model_source=model, recipe="eagle3_topk1", draft=draft,
                                             concurrency=int(ray.cluster_resources().get("GPU", 1)),
-                                            batch_size=64, max_concurrent_batches=8,
+                                            # rows in flight per actor ~ 2 x its engine's slots (logged)
+                                            batch_size=64, max_concurrent_batches=16,
                                             should_continue_on_error=True))
 processor(ray.data.read_parquet(src)).write_parquet(dst)
