@@ -26,9 +26,9 @@ class OracleDrafter(Drafter):
         self.seq: dict[int, list[int]] = {}
         self.prompt: dict[int, tuple[int, ...]] = {}
 
-    def prefill(self, slots, input_ids, lengths, captured, first_tokens):
-        for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
-            self.prompt[s] = tuple(input_ids[b, :n].tolist())
+    def prefill(self, rows, captured, first_tokens):
+        for b, (s, prompt) in enumerate(zip(rows.slots.tolist(), rows.prompts)):
+            self.prompt[s] = tuple(prompt)
             self.seq[s] = [int(first_tokens[b])]
 
     def _truth(self, slot: int, count: int) -> list[int]:

@@ -154,8 +154,8 @@ class LikelyTree(Drafter):
         self.depths = torch.tensor([dep])
         self.mask = ancestor_mask(self.parents, 2)
 
-    def prefill(self, slots, input_ids, lengths, captured, first_tokens):
-        for b, s in enumerate(slots.tolist()):
+    def prefill(self, rows, captured, first_tokens):
+        for b, s in enumerate(rows.slots.tolist()):
             self.seq[s] = [int(first_tokens[b])]
 
     def _top(self, history):

@@ -19,6 +19,7 @@ from specbatch.models.attention import AttnMetadata
 from specbatch.models.loader import load_target
 from specbatch.recipe import SamplingDefaults
 from specbatch.runtime.kv_cache import KVCache
+from specbatch.speculative.drafter import PromptRows
 from specbatch.speculative.layer_drafter import LayerDrafter
 from specbatch.train.frozen import FrozenTarget
 from specbatch.train.ttt import ttt_forward
@@ -101,7 +102,7 @@ def check_ttt_matches_drafter_inference(target_dir, target, module, aux: tuple[i
     outs: list[torch.Tensor] = []
     hook = module.register_forward_hook(lambda m, a, o: outs.append(o.detach().clone()))
     with torch.no_grad():
-        drafter.prefill(slots, ids, torch.tensor(lens), fed, first)
+        drafter.prefill(PromptRows.whole(slots, ids, torch.tensor(lens)), fed, first)
         prop = drafter.propose(slots, first, torch.tensor(lens))
     hook.remove()
     assert len(outs) == S and all(o.shape == (B, 1, hidden_size) for o in outs)

@@ -182,6 +182,9 @@ def _log_point(p: dict[str, Any], log: Log) -> None:
         f"{p['prefill_s']:.1f} s in {p['prefill_forwards']} forwards, decode {p['decode_s']:.1f} s, "
         f"{p['cycles']} cycles), {100 * p['floor_fraction']:.0f}% of the floor, occupancy "
         f"{p['mean_occupancy']:.0f}/{p['slots']}")
+    log(f"  cycles: GPU {p['cycles_gpu_s']:.1f} s, host {p['cycles_wall_s']:.1f} s, their floor "
+        f"{p['cycles_floor_s']:.1f} s; between cycles {p['decode_s'] - p['cycles_wall_s']:.1f} s; drain "
+        f"{p['drain_cycles']} cycles under 1/8 full, {p['drain_wall_s']:.1f} s (floor {p['drain_floor_s']:.1f} s)")
 
 
 def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source, bandwidth: float,
@@ -221,7 +224,27 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated(engine.device)) if cuda else None,
         "capture_s": engine.capture_seconds,
         "verify_widths": {int(w): n for w, n in sorted(engine.cycle.policy.used.items())},   # width -> cycles
+        **cycle_split(engine, src, bandwidth, rate),
     }
+
+
+def cycle_split(engine: Engine, src: Source, bandwidth: float, rate: float) -> dict[str, float]:
+    """Where decode time went: the cycles' GPU time (stage events), their host wall time, each
+    cycle's own floor (weights + its rows' K/V at the bandwidth, or one token per row's FLOPs),
+    and the time between cycles (admission, records); the drain's share: cycles under 1/8 full."""
+    times = engine.cycle_times
+    model = src.model
+    dtype = model.lm_head.weight.dtype
+    w_bytes = weight_bytes(model)
+    flops = 2 * w_bytes / torch.empty((), dtype=dtype).element_size()
+    floors = [max((w_bytes + kv_bytes(model.cfg, dtype, c.context)) / bandwidth, flops * c.batch / rate)
+              for c in times]
+    drain = [i for i, c in enumerate(times) if c.batch * 8 < engine.num_slots]
+    wall = sum(c.wall_ms for c in times) / 1e3
+    return {"cycles_gpu_s": sum(c.draft_ms + c.verify_ms + c.extend_ms for c in times) / 1e3,
+            "cycles_wall_s": wall, "cycles_floor_s": sum(floors),
+            "drain_cycles": len(drain), "drain_wall_s": sum(times[i].wall_ms for i in drain) / 1e3,
+            "drain_floor_s": sum(floors[i] for i in drain)}
 
 
 def job_markdown(result: dict[str, Any]) -> str:

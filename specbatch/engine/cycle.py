@@ -136,6 +136,7 @@ class SpecCycle:
     def __call__(self, active: Slotted) -> Slotted:
         """One cycle over the active slots; returns those whose request finished."""
         t0 = time.perf_counter()
+        context = sum(self.state.seq_lens[s] for s, _ in active) if self.timer.enabled else 0
         bucket = padded_size(self.sizes, len(active))      # the graph size it replays (eager: would)
         b, stages = self._stages(active, bucket)
         t1 = time.perf_counter()              # after any graph capture: the policy times the cycle itself
@@ -168,7 +169,7 @@ class SpecCycle:
                 finished.append((slot, req))
         self.tokens_emitted += emitted
         self.forwards += 1
-        self.timer.record(len(active), marks, t0, emitted)
+        self.timer.record(len(active), marks, t0, emitted, context)
         self.policy.record(bucket, N, [row[-1] for row in out], time.perf_counter() - t1)
         return finished
 

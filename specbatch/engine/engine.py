@@ -14,9 +14,9 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from .cycle import SlotState, Slotted, SpecCycle, exact_acceptance
-from .logprobs import add_logprobs, emitted_logprobs, prompt_token_logprobs
 from .rows import RowConverter
 from .pool import plan_pool
+from .prefill import Prefiller, chunk_tokens
 from .profile import CycleTime
 from ..data import RowError, RowRequest
 from ..models.attention import AttnMetadata
@@ -30,8 +30,6 @@ from ..request import Request, StopChecker
 from ..runtime.kv_cache import PagedKVCache
 from ..runtime.pages import PageAllocator
 from ..params import SamplingParams
-from ..processors import Processors, count_tokens, reset_slots
-from ..sampling import BatchSampling, sample
 from ..scheduler import SlotScheduler
 from ..speculative.drafter import Drafter
 from ..speculative.factory import SpecConfig, make_drafter
@@ -49,7 +47,7 @@ class EngineOptions:
     device: str | None = None            # None: cuda when available, else cpu
     bucket_window: int = 0               # > 0: admit similar prompt lengths together
     longest_first: bool = True           # admit the largest max_tokens of the lookahead first (a short tail)
-    prefill_tokens: int = 8192           # padded tokens per prefill forward
+    prefill_tokens: int = 8192           # prompt tokens per prefill forward (prefill.py: rows of C, packed)
     wave: float = 0.125                  # admit when this share of the slots is free (or nothing runs)
     page_size: int | None = None         # KV rows per page (None: 64 on GPU, 16 on CPU)
     kv_rows: int | None = None           # KV pool capacity in rows (None: what memory allows)
@@ -118,8 +116,10 @@ class Engine:
                          kv_rows=opts.kv_rows, prefill_tokens=opts.prefill_tokens)
         self.num_slots, self.max_len, self.page_size, self.num_pages = (
             plan.num_slots, plan.max_len, plan.page_size, plan.num_pages)
+        # table columns for the longest request, and for a prefill row's padding past it (trash page)
+        past = max(self.headroom, chunk_tokens(self.cfg.num_heads, self.cfg.num_kv_heads))
         self.pages = PageAllocator(self.num_pages, self.page_size, self.num_slots,
-                                   math.ceil((self.max_len + self.headroom) / self.page_size),
+                                   math.ceil((self.max_len + past) / self.page_size),
                                    self.device, dummy_rows=self.headroom)
         self.cache = PagedKVCache(self.cfg, self.pages.layout, self.dtype, self.device)
         self.drafter = drafter or make_drafter(opts.spec, self.model, self.num_slots, self.max_len,
@@ -141,7 +141,8 @@ class Engine:
                                fused=self.fused, profile=opts.profile,
                                adaptive=self.device.type == "cuda" if opts.adaptive is None else opts.adaptive)
         self.rows = RowConverter(self.tokenizer, self.cfg, self.max_len, self.stops, self.model_defaults)
-        self.prefill_forwards = 0
+        self.prefiller = Prefiller(self.model, self._target, self.drafter, self.state, self.stops,
+                                   self.pages.layout.page_table, opts.prefill_tokens)
         self.prefill_s = 0.0                 # host clock (synchronised) when profiling
         self.occupancy: list[int] = []       # active slots per cycle when profiling
         self.waited = 0                      # admissions a request waited for pages
@@ -160,7 +161,11 @@ class Engine:
 
     @property
     def tokens_emitted(self) -> int:
-        return self.cycle.tokens_emitted + self._prefill_tokens_emitted
+        return self.cycle.tokens_emitted + self.prefiller.tokens_emitted
+
+    @property
+    def prefill_forwards(self) -> int:
+        return self.prefiller.forwards
 
     @property
     def target_forwards(self) -> int:
@@ -260,70 +265,10 @@ class Engine:
 
     # ---- prefill ------------------------------------------------------------------------------
 
-    _prefill_tokens_emitted = 0
-
     def _prefill(self, admitted: Slotted) -> Slotted:
-        """Prompts in padded groups of similar length, each group one target forward (the
-        Triton kernel on CUDA attends in causal query tiles, no mask materialised), then the
-        first token and the drafter's catch-up."""
+        """Packed prefill forwards (prefill.py), timed when profiling."""
         t0 = time.perf_counter()
-        finished: Slotted = []
-        st = self.state
-        for group in _prefill_groups(admitted, self.opts.prefill_tokens):
-            lens = [len(r.prompt_ids) for _, r in group]
-            B, T = len(group), max(lens)
-            ids = torch.zeros(B, T, dtype=torch.int64)
-            for i, (_, r) in enumerate(group):
-                ids[i, : lens[i]] = torch.tensor(r.prompt_ids)
-            ids = ids.to(self.device)
-            slots = self._tensor([s for s, _ in group])
-            lengths = self._tensor(lens)
-            meta = AttnMetadata(slots=slots, positions=torch.arange(T, device=self.device).expand(B, T),
-                                prefix_lens=torch.zeros_like(slots), kv_len=T, page_table=self.pages.layout.page_table)
-            hidden, captured = self._target(ids, meta)
-            self.prefill_forwards += 1
-            last = hidden[torch.arange(B, device=self.device), lengths - 1]          # [B, H]
-            params = [r.params for _, r in group]
-            sp = BatchSampling.build(params, self.device)
-            logits = self.model.logits(last)
-            rows = [(p, n) for p, n in zip(params, lens)]
-            counts = None
-            if any(p.uses_processors for p in params):
-                # the first token: nothing generated yet (min_tokens), counts zero, the prompt present
-                proc = Processors.build(rows, self.eos_ids, self.cfg.vocab_size, self.device)
-                pm = None
-                if proc.penalties:
-                    counts, prompt_mask = st.penalty_state(self.cfg.vocab_size)
-                    reset_slots(counts, prompt_mask, slots, ids, lengths)
-                    pm = prompt_mask[slots]
-                zero = torch.zeros(B, 1, dtype=torch.int64, device=self.device)
-                logits = proc.apply(logits[:, None, :], zero, zero[:, 0], zero, None,
-                                    None if counts is None else counts[slots], pm)[:, 0]
-            first = sample(logits, sp, lengths)
-            if counts is not None:
-                count_tokens(counts, slots, first[:, None], torch.ones_like(first))
-            lps = lp_ids = None
-            asked = [p.logprobs for p in params if p.logprobs is not None]
-            if asked:
-                zero = torch.zeros(B, 1, dtype=torch.int64, device=self.device)
-                lp, top = emitted_logprobs(logits[:, None, :], zero, first[:, None], sp, max(asked))
-                lps, lp_ids = lp.tolist(), top.tolist()
-            for i, (_, req) in enumerate(group):
-                if req.params.prompt_logprobs is not None and req.choice == 0:   # a row's n choices share them
-                    req.prompt_logprobs = prompt_token_logprobs(self.model.logits, hidden[i, : lens[i]],
-                                                                ids[i, : lens[i]], req.params.prompt_logprobs)
-            self.drafter.prefill(slots, ids, lengths, captured, first)
-            st.lens[slots], st.last[slots] = lengths, first
-            for i, ((slot, req), tok, n) in enumerate(zip(group, first.tolist(), lens)):
-                st.seq_lens[slot] = n
-                req.histogram = [0] * (self.drafter.max_depth + 1)
-                req.verify_steps = 1                 # the prefill: a forward that verified no drafts
-                kept = self.stops.append(req, [tok])
-                self._prefill_tokens_emitted += kept
-                if req.logprobs is not None:
-                    add_logprobs(req, lps[i][:kept], lp_ids[i][:kept])
-                if req.finished:
-                    finished.append((slot, req))
+        finished = self.prefiller(admitted)
         if self.opts.profile:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -335,16 +280,4 @@ class Engine:
         hidden, captured = self.model(ids, meta, self.cache.layers, self.drafter.capture_layers)
         return hidden, [hidden] if self.drafter.reads_final_hidden else captured
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-
-def _prefill_groups(admitted: Slotted, budget: int) -> list[Slotted]:
-    """Split by prompt length so each padded prefill forward stays within `budget` tokens."""
-    groups: list[Slotted] = []
-    for item in sorted(admitted, key=lambda sr: len(sr[1].prompt_ids)):
-        if groups and len(item[1].prompt_ids) * (len(groups[-1]) + 1) <= budget:
-            groups[-1].append(item)
-        else:
-            groups.append([item])
-    return groups

@@ -16,6 +16,7 @@ class CycleTime:
     extend_ms: float
     wall_ms: float             # the whole cycle on the host clock, host bookkeeping included
     tokens: int                # tokens emitted
+    context: int = 0           # committed cache rows of the active rows at the cycle's start
 
 
 class StageTimer:
@@ -34,7 +35,7 @@ class StageTimer:
             return e
         return time.perf_counter()
 
-    def record(self, rows: int, marks: list, t0: float, tokens: int) -> None:
+    def record(self, rows: int, marks: list, t0: float, tokens: int, context: int = 0) -> None:
         if not self.enabled:
             return
         if self.device.type == "cuda":
@@ -45,4 +46,5 @@ class StageTimer:
         if len(ms) == 1:                     # one fused graph: all of it counts as verify
             ms = [0.0, ms[0], 0.0]
         self.times.append(CycleTime(batch=rows, draft_ms=ms[0], verify_ms=ms[1], extend_ms=ms[2],
-                                    wall_ms=(time.perf_counter() - t0) * 1e3, tokens=tokens))
+                                    wall_ms=(time.perf_counter() - t0) * 1e3, tokens=tokens,
+                                    context=context))

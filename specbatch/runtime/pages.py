@@ -3,8 +3,8 @@
 Admission reserves, per request, the pages for everything it can write (prompt, max_tokens and
 the drafts' scratch rows), so a running request never waits for memory and none is ever lost to
 it; a request that does not fit waits until finished ones give their pages back. Page 0 is a
-trash page: table entries past a slot's reservation point at it (finite zeros; never read
-unmasked, never written).
+trash page: table entries past a slot's reservation point at it (never read unmasked; the
+padding of a prompt's last prefill row may write there).
 """
 from __future__ import annotations
 

@@ -5,8 +5,44 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.attention import AttnMetadata
 from .accept import Acceptance
 from .tree import chain
+
+
+@dataclass
+class PromptRows:
+    """Prompt tokens as a prefill forward of the target saw them: R rows of C tokens, each row a
+    run of one prompt's positions (prefix_lens = its first position; a prompt's rows may span
+    forwards). The prompts whose last token is in this forward are the B `finished` ones."""
+    meta: AttnMetadata            # slots [R], positions [R, C], prefix_lens [R]: C new tokens a row
+    next_ids: torch.Tensor        # [R, C] the token after each position (0 past a prompt's end and
+                                  # at a finished prompt's last position: its first generated token)
+    last_rows: torch.Tensor       # [B] the row of each finished prompt's last token
+    last_cols: torch.Tensor       # [B] ... and its column
+    slots: torch.Tensor           # [B] the finished prompts' slots
+    prompts: list[list[int]]      # [B] the finished prompts' token ids (host)
+    out_cols: torch.Tensor        # [R] the column whose output a drafter keeps (finished: the last)
+
+    def next_tokens(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        """[R, C] next tokens with the finished prompts' first generated tokens in place."""
+        tokens = self.next_ids.clone()
+        tokens[self.last_rows, self.last_cols] = first_tokens
+        return tokens
+
+    @classmethod
+    def whole(cls, slots: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
+              page_table: torch.Tensor | None = None) -> "PromptRows":
+        """One row per prompt: input_ids [B, T] right-padded, lengths [B], every prompt finished."""
+        B, T = input_ids.shape
+        dev = input_ids.device
+        meta = AttnMetadata(slots=slots, positions=torch.arange(T, device=dev).expand(B, T),
+                            prefix_lens=torch.zeros_like(slots), kv_len=T, page_table=page_table)
+        nxt = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+        nxt = nxt * (torch.arange(T, device=dev)[None, :] < (lengths - 1)[:, None])
+        rows = torch.arange(B, device=dev)
+        return cls(meta=meta, next_ids=nxt, last_rows=rows, last_cols=lengths - 1, slots=slots,
+                   prompts=[p[:n] for p, n in zip(input_ids.tolist(), lengths.tolist())], out_cols=lengths - 1)
 
 
 @dataclass
@@ -40,9 +76,9 @@ class Drafter:
     graphable: bool = True                    # propose/extend are pure tensor work (CUDA graphs)
     scratch_rows: int = 0                     # cache rows past a slot's committed length it writes
 
-    def prefill(self, slots: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
-                captured: list[torch.Tensor], first_tokens: torch.Tensor) -> None:
-        """Catch up on prompts the target just prefilled ([B, T] right-padded) and their first tokens."""
+    def prefill(self, rows: PromptRows, captured: list[torch.Tensor], first_tokens: torch.Tensor) -> None:
+        """Catch up on the prompt rows the target just prefilled (captured: its states, [R, C, H]),
+        and on the first tokens [B] of the prompts that finished."""
 
     def propose(self, slots: torch.Tensor, last_tokens: torch.Tensor, lens: torch.Tensor,
                 kv_bound: int | None = None) -> Proposal:

@@ -18,7 +18,7 @@ from ..models.mtp import MTPLayer
 from ..models.llama import fuse_projections
 from ..runtime.kv_cache import KVCache, PagedKVCache, PageLayout
 from .accept import Acceptance
-from .drafter import Drafter, Proposal
+from .drafter import Drafter, PromptRows, Proposal
 from .topk import topk_logprobs
 from .tree import chain, child_scores, choose_tree
 
@@ -58,15 +58,14 @@ class LayerDrafter(Drafter):
 
     # ---- catch-up: prefill and extend ---------------------------------------------------------
 
-    def prefill(self, slots, input_ids, lengths, captured, first_tokens):
-        B, T = input_ids.shape
-        tokens = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
-        tokens[torch.arange(B, device=tokens.device), lengths - 1] = first_tokens
-        meta = AttnMetadata(slots=slots, positions=torch.arange(T, device=slots.device).expand(B, T),
-                            prefix_lens=torch.zeros_like(slots), kv_len=T, page_table=self.page_table)
-        h = self.head(tokens, torch.cat(captured, dim=-1), meta, self.cache.layers[0], features=True,
-                      out_rows=lengths - 1)
-        self._keep(slots, h[:, 0])
+    def prefill(self, rows: PromptRows, captured, first_tokens):
+        m = rows.meta
+        meta = AttnMetadata(slots=m.slots, positions=m.positions, prefix_lens=m.prefix_lens, kv_len=m.kv_len,
+                            page_table=self.page_table)
+        h = self.head(rows.next_tokens(first_tokens), torch.cat(captured, dim=-1), meta, self.cache.layers[0],
+                      features=True, out_rows=rows.out_cols)
+        if rows.slots.numel():
+            self._keep(rows.slots, h[rows.last_rows, 0])
 
     def extend(self, slots, lens, acc: Acceptance, captured, kv_bound=None):
         # Row lens+j: (emitted token j, target state at the node that emitted it). Rows past

@@ -99,9 +99,9 @@ class PromptLookup(Drafter):
     def build(cls, spec, target, num_slots, max_len, *, head=None, target_dir=None, layout=None):
         return cls(spec.num_steps)
 
-    def prefill(self, slots, input_ids, lengths, captured, first_tokens):
-        for b, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
-            self.seq[s] = input_ids[b, :n].tolist() + [int(first_tokens[b])]
+    def prefill(self, rows, captured, first_tokens):
+        for b, (s, prompt) in enumerate(zip(rows.slots.tolist(), rows.prompts)):
+            self.seq[s] = list(prompt) + [int(first_tokens[b])]
 
     def _drafts(self, seq: list[int]) -> list[int]:
         L = len(seq)

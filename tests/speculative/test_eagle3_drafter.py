@@ -11,6 +11,7 @@ from eagle3_helpers import CPU, H, V, Ref, causal_meta, head, head_dir, target  
 from specbatch.models.attention import AttnMetadata
 from specbatch.runtime.kv_cache import KVCache
 from specbatch.speculative.factory import SpecConfig, make_drafter
+from specbatch.speculative.drafter import PromptRows
 from specbatch.speculative.layer_drafter import LayerDrafter
 
 
@@ -97,7 +98,7 @@ def _prefilled(target, head_dir, S, k, N, num_slots=3):
                         prefix_lens=torch.zeros_like(slots), kv_len=T)
     hidden, captured = target(ids, meta, cache.layers, drafter.capture_layers)
     first = target.logits(hidden[torch.arange(B), lengths - 1]).argmax(-1)
-    drafter.prefill(slots, ids, lengths, captured, first)
+    drafter.prefill(PromptRows.whole(slots, ids, lengths), captured, first)
     return drafter, slots, lengths, first, torch.cat(captured, -1)
 
 

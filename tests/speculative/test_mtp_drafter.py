@@ -16,6 +16,7 @@ from specbatch.models.loader import load_target
 from specbatch.recipe import SamplingDefaults
 from specbatch.runtime.kv_cache import KVCache
 from specbatch.speculative import layer_drafter
+from specbatch.speculative.drafter import PromptRows
 from specbatch.speculative.factory import SpecConfig, make_drafter
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -74,9 +75,9 @@ def test_engine_feeds_final_hidden_and_drafts_like_the_reference(mtp_dirs, layou
     d, rec = eng.drafter, {}
     real_prefill, real_propose, real_extend = d.prefill, d.propose, d.extend
 
-    def prefill(slots, input_ids, lengths, captured, first):
-        real_prefill(slots, input_ids, lengths, captured, first)
-        rec["prefill"] = [c.clone() for c in captured], int(first[0]), d.first_logp[slots].clone()
+    def prefill(rows, captured, first):
+        real_prefill(rows, captured, first)
+        rec["prefill"] = [c.clone() for c in captured], int(first[0]), d.first_logp[rows.slots].clone()
 
     def propose(*args, **kw):
         return rec.setdefault("prop", real_propose(*args, **kw))
@@ -94,8 +95,9 @@ def test_engine_feeds_final_hidden_and_drafts_like_the_reference(mtp_dirs, layou
     with torch.no_grad():
         final = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1]    # normed
     captured, first, first_logp = rec["prefill"]
-    assert len(captured) == 1 and captured[0].shape == (1, n, H)
-    torch.testing.assert_close(captured[0], final, atol=1e-5, rtol=1e-5)
+    assert len(captured) == 1 and captured[0].shape[-1] == H
+    # prefill rows of C tokens, the prompt's positions in order, then the last row's padding
+    torch.testing.assert_close(captured[0].reshape(-1, H)[None, :n], final, atol=1e-5, rtol=1e-5)
 
     ref = Reference(target_dir, None, layout, "inside")
     ids, hid, chain, logps = prompt[1:] + [first], final[0], [first], []
@@ -151,7 +153,7 @@ def _draft_once(target_dir, device, S=3):
         hidden, captured = target(ids, meta, cache.layers, drafter.capture_layers)
         assert captured == []
         first = target.logits(hidden[torch.arange(B, device=dev), lengths - 1]).argmax(-1)
-        drafter.prefill(slots, ids, lengths, [hidden], first)
+        drafter.prefill(PromptRows.whole(slots, ids, lengths), [hidden], first)
         prop = drafter.propose(slots, first, lengths)
     return prop.tokens.cpu()
 

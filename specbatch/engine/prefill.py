@@ -1,0 +1,220 @@
+"""Prefill: admitted prompts, packed into few target forwards with no padding between prompts.
+
+Each prompt is cut into rows of C tokens (the last row of a prompt padded), row j of a prompt
+bringing positions [jC, jC + C) with prefix_lens = jC. Within a layer every row's K/V are
+written before any row attends, so row j reads rows 0..j-1 of the same forward from the cache:
+one forward computes what one row per prompt would, and the forward's token count is the
+prompts' own (plus < C each), whatever their lengths. C x G (query heads per KV head) is one
+query tile of the attention kernel, so the kernel does the same work as on a whole prompt.
+
+Rows are packed in admission order up to `budget` tokens a forward; a prompt that does not fit
+continues in the next forward (chunked prefill: a long prompt never needs a forward of its
+length). Prompts whose last row ran get their first token sampled (processors, logprobs), their
+prompt logprobs, and the drafter's catch-up (speculative.drafter.PromptRows).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..models.attention import AttnMetadata
+from ..processors import Processors, count_tokens, reset_slots
+from ..request import Request, StopChecker
+from ..sampling import BatchSampling, sample
+from ..speculative.drafter import Drafter, PromptRows
+from .cycle import SlotState, Slotted
+from .logprobs import add_logprobs, emitted_logprobs, prompt_token_logprobs
+
+TILE_QUERIES = 128        # query rows of one attention tile (kernels.attention.MAX_QUERY_ROWS)
+
+
+def chunk_tokens(num_heads: int, num_kv_heads: int) -> int:
+    """C: prompt tokens a row (one query tile: C x G query rows), at least 16."""
+    return max(16, TILE_QUERIES // max(1, num_heads // num_kv_heads))
+
+
+@dataclass
+class Part:
+    """Rows [start, end) (in chunks of C) of one admitted prompt, in one forward."""
+    slot: int
+    req: Request
+    start: int
+    end: int
+    last: bool                       # the prompt's last row is in this forward
+
+
+def pack(admitted: Slotted, budget: int, C: int) -> list[list[Part]]:
+    """Forwards of at most max(1, budget // C) rows, prompts in order, split where a forward fills."""
+    cap = max(1, budget // C)
+    forwards: list[list[Part]] = []
+    cur: list[Part] = []
+    used = 0
+    for slot, req in admitted:
+        n = math.ceil(len(req.prompt_ids) / C)
+        j = 0
+        while j < n:
+            take = min(n - j, cap - used)
+            cur.append(Part(slot, req, j, j + take, j + take == n))
+            used, j = used + take, j + take
+            if used == cap:
+                forwards.append(cur)
+                cur, used = [], 0
+    if cur:
+        forwards.append(cur)
+    return forwards
+
+
+class Prefiller:
+    """Runs the prefill forwards of admitted requests: the target, the first token, the drafter."""
+
+    def __init__(self, model, target: Callable, drafter: Drafter, state: SlotState, stops: StopChecker,
+                 page_table: torch.Tensor | None, budget: int):
+        self.model, self.target, self.drafter, self.state, self.stops = model, target, drafter, state, stops
+        self.page_table, self.budget = page_table, budget
+        cfg = model.cfg
+        self.C = chunk_tokens(cfg.num_heads, cfg.num_kv_heads)
+        self.device = state.lens.device
+        self.forwards = 0
+        self.tokens_emitted = 0
+
+    def __call__(self, admitted: Slotted) -> Slotted:
+        """Prefill every admitted request; returns those finished by their first token. Every
+        forward is launched before the first host copy, so the host builds the next forward
+        while the GPU runs this one."""
+        launched = [self._forward(parts) for parts in pack(admitted, self.budget, self.C)]
+        finished: Slotted = []
+        for done, first, lps in launched:
+            finished += self._commit(done, first, lps)
+        return finished
+
+    def _rows(self, parts: list[Part]) -> tuple[torch.Tensor, PromptRows]:
+        """Host-built [R, C] ids and their PromptRows, copied to the device."""
+        C = self.C
+        R = sum(p.end - p.start for p in parts)
+        ids = torch.zeros(R * C, dtype=torch.int64)
+        nxt = torch.zeros(R * C, dtype=torch.int64)
+        slots, prefix, out_cols = [], [], []
+        last_rows, last_cols, done = [], [], []
+        r = 0
+        for p in parts:
+            prompt, L = p.req.prompt_ids, len(p.req.prompt_ids)
+            a, b = p.start * C, min(p.end * C, L)
+            ids[r * C: r * C + b - a] = torch.tensor(prompt[a:b])
+            nb = min(b + 1, L)
+            nxt[r * C: r * C + nb - a - 1] = torch.tensor(prompt[a + 1: nb])
+            n = p.end - p.start
+            slots += [p.slot] * n
+            prefix += [j * C for j in range(p.start, p.end)]
+            out_cols += [C - 1] * n
+            if p.last:
+                last_rows.append(r + n - 1)
+                last_cols.append((L - 1) % C)
+                out_cols[-1] = last_cols[-1]
+                done.append(p)
+            r += n
+        dev = self.device
+        prefix_t = torch.tensor(prefix, dtype=torch.int64)
+        positions = (prefix_t[:, None] + torch.arange(C)).to(dev, non_blocking=True)
+        meta = AttnMetadata(slots=_on(slots, dev), positions=positions, prefix_lens=prefix_t.to(dev, non_blocking=True),
+                            kv_len=max(prefix) + C, page_table=self.page_table)
+        rows = PromptRows(meta=meta, next_ids=nxt.view(R, C).to(dev, non_blocking=True),
+                          last_rows=_on(last_rows, dev), last_cols=_on(last_cols, dev),
+                          slots=_on([p.slot for p in done], dev), prompts=[p.req.prompt_ids for p in done],
+                          out_cols=_on(out_cols, dev))
+        return ids.view(R, C).to(dev, non_blocking=True), rows
+
+    def _forward(self, parts: list[Part]) -> tuple[list[Part], torch.Tensor | None, tuple | None]:
+        """The device half of one forward: the target, the first tokens, the drafter, the slots'
+        lengths and roots; returns (the finished prompts' parts, their first tokens, logprobs)."""
+        ids, rows = self._rows(parts)
+        hidden, captured = self.target(ids, rows.meta)                           # [R, C, H]
+        self.forwards += 1
+        C, H = self.C, hidden.shape[-1]
+        flat = hidden.view(-1, H)
+        r = 0
+        for p in parts:                       # prompt logprobs of the positions in this forward
+            n = p.end - p.start
+            if p.req.params.prompt_logprobs is not None and p.req.choice == 0:   # n choices share them
+                L = len(p.req.prompt_ids)
+                a, b = p.start * C, min(p.end * C, L)
+                got = prompt_token_logprobs(self.model.logits, flat[r * C: r * C + b - a],
+                                            ids.new_tensor(p.req.prompt_ids[a: min(b + 1, L)]),
+                                            p.req.params.prompt_logprobs)
+                p.req.prompt_logprobs = (p.req.prompt_logprobs or []) + got
+            r += n
+        done = [p for p in parts if p.last]
+        if not done:                          # a long prompt's first rows: only the drafter's K/V
+            self.drafter.prefill(rows, captured, torch.zeros(0, dtype=torch.int64, device=self.device))
+            return done, None, None
+        first, lps = self._first_tokens(done, rows, hidden)
+        self.drafter.prefill(rows, captured, first)
+        st = self.state
+        lengths = _on([len(p.req.prompt_ids) for p in done], self.device)
+        st.lens[rows.slots], st.last[rows.slots] = lengths, first
+        return done, first, lps
+
+    def _commit(self, done: list[Part], first: torch.Tensor | None, lps) -> Slotted:
+        """The host half: first tokens appended (stops), logprobs, stats."""
+        if not done:
+            return []
+        lps, lp_ids = (None, None) if lps is None else (lps[0].tolist(), lps[1].tolist())
+        finished: Slotted = []
+        for i, (p, tok) in enumerate(zip(done, first.tolist())):
+            req = p.req
+            self.state.seq_lens[p.slot] = len(req.prompt_ids)
+            req.histogram = [0] * (self.drafter.max_depth + 1)
+            req.verify_steps = 1                 # the prefill: a forward that verified no drafts
+            kept = self.stops.append(req, [tok])
+            self.tokens_emitted += kept
+            if req.logprobs is not None:
+                add_logprobs(req, lps[i][:kept], lp_ids[i][:kept])
+            if req.finished:
+                finished.append((p.slot, req))
+        return finished
+
+    def _first_tokens(self, done: list[Part], rows: PromptRows, hidden: torch.Tensor) -> tuple:
+        """The finished prompts' first tokens [B] (processed, sampled), and when a row asked for
+        them, (their logprobs, top ids) on the device (else None)."""
+        B = len(done)
+        dev = self.device
+        slots = rows.slots
+        lengths = _on([len(p.req.prompt_ids) for p in done], dev)
+        params = [p.req.params for p in done]
+        sp = BatchSampling.build(params, dev)
+        logits = self.model.logits(hidden[rows.last_rows, rows.last_cols])        # [B, V]
+        counts = None
+        if any(q.uses_processors for q in params):
+            # the first token: nothing generated yet (min_tokens), counts zero, the prompt present
+            st = self.state
+            vocab = self.model.cfg.vocab_size
+            proc = Processors.build([(q, int(n)) for q, n in zip(params, lengths.tolist())],
+                                    self.stops.eos_ids, vocab, dev)
+            pm = None
+            if proc.penalties:
+                counts, prompt_mask = st.penalty_state(vocab)
+                T = max(len(q) for q in rows.prompts)
+                padded = torch.zeros(B, T, dtype=torch.int64)
+                for i, q in enumerate(rows.prompts):
+                    padded[i, : len(q)] = torch.tensor(q)
+                reset_slots(counts, prompt_mask, slots, padded.to(dev, non_blocking=True), lengths)
+                pm = prompt_mask[slots]
+            zero = torch.zeros(B, 1, dtype=torch.int64, device=dev)
+            logits = proc.apply(logits[:, None, :], zero, zero[:, 0], zero, None,
+                                None if counts is None else counts[slots], pm)[:, 0]
+        first = sample(logits, sp, lengths)
+        if counts is not None:
+            count_tokens(counts, slots, first[:, None], torch.ones_like(first))
+        asked = [q.logprobs for q in params if q.logprobs is not None]
+        if not asked:
+            return first, None
+        zero = torch.zeros(B, 1, dtype=torch.int64, device=dev)
+        return first, emitted_logprobs(logits[:, None, :], zero, first[:, None], sp, max(asked))
+
+
+def _on(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list on the device without waiting for the GPU (a pageable source is staged before
+    the call returns, so non_blocking is safe)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
