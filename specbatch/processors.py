@@ -108,7 +108,7 @@ class Processors:
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
-                v.copy_(getattr(src, f.name))
+                v.copy_(getattr(src, f.name), non_blocking=True)      # stream-ordered (cycle._fill)
 
     def apply(self, logits: torch.Tensor, depths: torch.Tensor, generated: torch.Tensor,
               tokens: torch.Tensor, ancestors: torch.Tensor | None, counts: torch.Tensor | None,

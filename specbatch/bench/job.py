@@ -182,22 +182,23 @@ def _log_point(p: dict[str, Any], log: Log) -> None:
         f"{p['prefill_s']:.1f} s in {p['prefill_forwards']} forwards, decode {p['decode_s']:.1f} s, "
         f"{p['cycles']} cycles), {100 * p['floor_fraction']:.0f}% of the floor, occupancy "
         f"{p['mean_occupancy']:.0f}/{p['slots']}")
-    log(f"  cycles: GPU {p['cycles_gpu_s']:.1f} s, host {p['cycles_wall_s']:.1f} s, their floor "
-        f"{p['cycles_floor_s']:.1f} s; between cycles {p['decode_s'] - p['cycles_wall_s']:.1f} s; drain "
-        f"{p['drain_cycles']} cycles under 1/8 full, {p['drain_wall_s']:.1f} s (floor {p['drain_floor_s']:.1f} s)")
+    log(f"  cycles: GPU {p['cycles_gpu_s']:.1f} s (their own floors {p['cycles_floor_s']:.1f} s); GPU idle "
+        f"~{p['decode_s'] - p['cycles_gpu_s']:.1f} s; {p['prefill_calls']} prefill calls; graph capture in the job "
+        f"{p['capture_in_job_s']:.1f} s; {p['alloc_retries']} allocator retries; drain {p['drain_cycles']} cycles under 1/8 full, {p['drain_wall_s']:.1f} s "
+        f"(floor {p['drain_floor_s']:.1f} s)")
 
 
 def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source, bandwidth: float,
                  rate: float) -> dict[str, Any]:
     cuda = engine.device.type == "cuda"
-    engine.cycle_times.clear()
-    engine.occupancy.clear()
-    engine.prefill_s, engine.waited = 0.0, 0
+    engine.reset_profile()
     engine.cycle.policy.used.clear()
+    capture0 = engine.capture_seconds
     forwards0 = engine.prefill_forwards
     if cuda:
         torch.cuda.synchronize(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
+        retries0 = torch.cuda.memory_stats(engine.device).get("num_alloc_retries", 0)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     recs = list(engine.generate(rows, SamplingDefaults(ignore_eos=True, temperature=0.0, repetition_penalty=1.0)))
@@ -222,7 +223,10 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
         "floor_s": floor["total_s"], "floor_prefill_s": floor["prefill_s"], "floor_decode_s": floor["decode_s"],
         "floor_tokens_per_s": out / floor["total_s"], "floor_fraction": floor["total_s"] / wall,
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated(engine.device)) if cuda else None,
-        "capture_s": engine.capture_seconds,
+        # the caching allocator freed its cache and retried a cudaMalloc (a device sync each)
+        "alloc_retries": torch.cuda.memory_stats(engine.device).get("num_alloc_retries", 0) - retries0 if cuda else 0,
+        "capture_s": engine.capture_seconds, "capture_in_job_s": engine.capture_seconds - capture0,
+        "prefill_calls": engine.prefill_calls,
         "verify_widths": {int(w): n for w, n in sorted(engine.cycle.policy.used.items())},   # width -> cycles
         **cycle_split(engine, src, bandwidth, rate),
     }
@@ -271,6 +275,6 @@ def job_markdown(result: dict[str, Any]) -> str:
                      f"{p['mean_occupancy']:.0f}/{p['slots']} | {p['accept_length']:.2f} | {widths} | {mem} |")
     lines += ["", "Floor: plain decoding of this mix at the engine's slot count on this machine (prefill "
               "FLOPs at the matmul rate + decode bytes at the copy bandwidth, or decode FLOPs if larger). "
-              "Occupancy: mean active sequences per cycle / slots. Prefill s: host clock around the "
-              "prefill forwards (synchronised); decode s: the rest of the wall time."]
+              "Occupancy: mean active sequences per cycle / slots. Prefill s: GPU time of the "
+              "prefill forwards; decode s: the rest of the wall time."]
     return "\n".join(lines) + "\n"

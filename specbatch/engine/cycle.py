@@ -73,6 +73,20 @@ class Batch:
     lp_ids: torch.Tensor | None = None       # [B, D + 1, lp_k]: the top alternatives' ids
 
 
+@dataclass
+class Launched:
+    """A cycle enqueued on the device (SpecCycle.launch), its results on their way to the host."""
+    active: Slotted
+    width: int
+    bucket: int
+    host: list[torch.Tensor]                 # emitted tokens + counts [B, D + 2] (+ logprobs, top ids)
+    ready: object                            # CUDA event after the host copies (None on CPU)
+    marks: list                              # stage timer marks (profiling)
+    clock: list                              # the policy's clock around the device stages
+    t0: float                                # host clock at launch
+    context: int                             # committed rows of the active rows at launch (profiling)
+
+
 class SlotState:
     """Per slot (the last one is the dummy slot of pad rows): committed cache rows and the last
     emitted token (not yet in the cache), on the device; the host mirrors the lengths."""
@@ -134,27 +148,51 @@ class SpecCycle:
         return self.graphs.capture_seconds if self.graphs else 0.0
 
     def __call__(self, active: Slotted) -> Slotted:
-        """One cycle over the active slots; returns those whose request finished."""
+        """One cycle over the active slots, waited for; returns those whose request finished."""
+        return self.finish(self.launch(active))
+
+    def launch(self, active: Slotted) -> "Launched":
+        """Enqueue one cycle over the active slots (device stages and the copy of their results
+        to the host) without waiting for it. The engine launches cycle k + 1 before finishing
+        cycle k, so the host's commit of k runs while the GPU runs k + 1; a request that
+        finished in cycle k then rides in k + 1 once more, its results dropped (its pages hold
+        the rows it writes: prompt + max_tokens + headroom)."""
         t0 = time.perf_counter()
         context = sum(self.state.seq_lens[s] for s, _ in active) if self.timer.enabled else 0
         bucket = padded_size(self.sizes, len(active))      # the graph size it replays (eager: would)
         b, stages = self._stages(active, bucket)
-        t1 = time.perf_counter()              # after any graph capture: the policy times the cycle itself
+        clock = [self._now()]                 # after any graph capture: the policy times the cycle itself
         marks = []
         for stage in stages:                  # propose; verify + accept + device commit; extend
             marks.append(self.timer.mark())
             stage()
         marks.append(self.timer.mark())
-        out = b.out[: len(active)].tolist()   # the host copy of the results
-        lps = lp_ids = None
-        if b.lp_k is not None:
-            lps, lp_ids = b.lp_out[: len(active)].tolist(), b.lp_ids[: len(active)].tolist()
+        clock.append(self._now())
+        n = len(active)
+        host = [b.out[:n]] + ([b.lp_out[:n], b.lp_ids[:n]] if b.lp_k is not None else [])
+        if self.device.type == "cuda":        # pinned copies, read once `ready` has passed
+            host = [t.to("cpu", non_blocking=True) for t in host]
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = [t.clone() for t in host], None
+        return Launched(active, b.width, bucket, host, ready, marks, clock, t0, context)
 
-        # commit on the host: stop checks, stats (device lengths and KV were committed in _verify)
+    def finish(self, c: "Launched") -> Slotted:
+        """Wait for a launched cycle's results and commit them on the host: stop checks, stats
+        (device lengths and KV were committed in _verify); returns the requests that finished."""
+        if c.ready is not None:
+            c.ready.synchronize()
+        out = c.host[0].tolist()
+        lps = lp_ids = None
+        if len(c.host) > 1:
+            lps, lp_ids = c.host[1].tolist(), c.host[2].tolist()
         finished: Slotted = []
         emitted = 0
-        N = b.width
-        for i, ((slot, req), row) in enumerate(zip(active, out)):
+        N = c.width
+        for i, ((slot, req), row) in enumerate(zip(c.active, out)):
+            if req.finished:                  # finished in the cycle before: this one's tokens are not its
+                continue
             n = row[-1]
             self.state.seq_lens[slot] += n
             kept = self.stops.append(req, row[:n])
@@ -169,9 +207,27 @@ class SpecCycle:
                 finished.append((slot, req))
         self.tokens_emitted += emitted
         self.forwards += 1
-        self.timer.record(len(active), marks, t0, emitted, context)
-        self.policy.record(bucket, N, [row[-1] for row in out], time.perf_counter() - t1)
+        now = time.perf_counter()
+        # the cycle's share of the wall clock: since its launch or the previous cycle's finish
+        self.timer.record(len(c.active), c.marks, max(c.t0, self._finished_at), emitted, c.context)
+        self._finished_at = now
+        self.policy.record(c.bucket, N, [row[-1] for row in out], self._seconds(c.clock))
         return finished
+
+    _finished_at = 0.0
+
+    def _now(self) -> object:
+        """A point on the cycle's clock: a CUDA event (GPU time: the host runs ahead), else the host's."""
+        if self.device.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def _seconds(self, clock) -> float:
+        """Seconds between two points of _now() (CUDA: waits for the second)."""
+        a, b = clock
+        return a.elapsed_time(b) / 1e3 if self.device.type == "cuda" else b - a
 
     def _stages(self, active: Slotted, bucket: int) -> tuple[Batch, list]:
         """The batch of this cycle and its stages as callables: graph replays, or eager calls."""
@@ -196,7 +252,8 @@ class SpecCycle:
         asked = [p.logprobs for p in params if p.logprobs is not None]
         b = Batch(slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
                   sp=BatchSampling.build(params, self.device),
-                  kv_bound=max(self.state.seq_lens[s] for s in slots),
+                  # host lengths may lag the device by the cycle in flight (launch / finish)
+                  kv_bound=min(self.max_len, max(self.state.seq_lens[s] for s in slots) + self.drafter.num_draft_tokens),
                   width=self.policy.choose(bucket, all(p.greedy for p in params)),
                   proc=None if pkey is None else Processors.build(rows, self.stops.eos_ids, self.vocab, self.device),
                   lp_k=max(asked) if asked else None)
@@ -272,15 +329,17 @@ class SpecCycle:
         return b
 
     def _fill(self, b: Batch, active: Slotted) -> None:
-        """Lay the active rows out in a captured batch's buffers; the rest become pad rows."""
+        """Lay the active rows out in a captured batch's buffers; the rest become pad rows. The
+        copies are stream-ordered and do not wait: the cycle in flight may read these buffers,
+        and it runs before them (a pageable source is staged before the call returns)."""
         pad = b.slots.shape[0] - len(active)
         params = [r.params for _, r in active] + [SamplingParams()] * pad
         src = BatchSampling.build(params, torch.device("cpu"))
-        b.slots.copy_(torch.tensor([s for s, _ in active] + [self.state.dummy] * pad))
+        b.slots.copy_(torch.tensor([s for s, _ in active] + [self.state.dummy] * pad), non_blocking=True)
         for name in ("temperature", "top_k", "top_p", "seed_lo", "seed_hi"):
-            getattr(b.sp, name).copy_(getattr(src, name))
+            getattr(b.sp, name).copy_(getattr(src, name), non_blocking=True)
         if b.sp.min_p is not None:
-            b.sp.min_p.copy_(src.min_p if src.min_p is not None else torch.zeros(len(params)))
+            b.sp.min_p.copy_(src.min_p if src.min_p is not None else torch.zeros(len(params)), non_blocking=True)
         if b.proc is not None:
             rows = [(r.params, len(r.prompt_ids)) for _, r in active] + [(SamplingParams(), 0)] * pad
             key = (b.proc.stop_ids.shape[1], b.proc.bias_ids.shape[1], b.proc.penalties)

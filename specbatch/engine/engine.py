@@ -58,6 +58,7 @@ class EngineOptions:
     adaptive: bool | None = None         # greedy batches verify the proposal prefix that pays best
                                          # (adaptive.py; None: on CUDA; off: every cycle verifies it all)
     simulate_acceptance: tuple[float, ...] | None = None   # bench only: per-position acceptance
+    overlap: bool = True                 # launch cycle k + 1 before the host commits cycle k
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -143,7 +144,8 @@ class Engine:
         self.rows = RowConverter(self.tokenizer, self.cfg, self.max_len, self.stops, self.model_defaults)
         self.prefiller = Prefiller(self.model, self._target, self.drafter, self.state, self.stops,
                                    self.pages.layout.page_table, opts.prefill_tokens)
-        self.prefill_s = 0.0                 # host clock (synchronised) when profiling
+        self._prefill_clock: list = []       # (start, end) per prefill call when profiling: CUDA events / host clock
+        self.prefill_calls = 0
         self.occupancy: list[int] = []       # active slots per cycle when profiling
         self.waited = 0                      # admissions a request waited for pages
 
@@ -202,6 +204,7 @@ class Engine:
         lookahead = max(2 * self.num_slots, self.opts.bucket_window)
         wave = max(1, math.ceil(self.opts.wave * self.num_slots))
         exhausted = False
+        pending = None                           # the cycle in flight (launched, not finished)
         while True:
             self._on_device()
             while not exhausted and sched.queued() < lookahead:
@@ -227,12 +230,22 @@ class Engine:
                     yield from self._release(sched, self._prefill(admitted))
                 active = sched.active()
             if not active:
+                if pending is not None:          # only rows that had finished rode in it
+                    yield from self._release(sched, self.cycle.finish(pending))
+                    pending = None
                 if exhausted and sched.queued() == 0:
                     return
                 continue
             if self.opts.profile:
                 self.occupancy.append(len(active))
-            yield from self._release(sched, self.cycle(active))
+            # cycle k + 1 goes to the GPU before the host commits cycle k (cycle.launch)
+            launched = self.cycle.launch(active)
+            if pending is not None:
+                yield from self._release(sched, self.cycle.finish(pending))
+            pending = launched
+            if not self.opts.overlap:
+                yield from self._release(sched, self.cycle.finish(pending))
+                pending = None
 
     def _admit(self, sched: SlotScheduler) -> Slotted:
         """Queued requests into free slots, in order, while their pages fit (reserved here)."""
@@ -266,14 +279,25 @@ class Engine:
     # ---- prefill ------------------------------------------------------------------------------
 
     def _prefill(self, admitted: Slotted) -> Slotted:
-        """Packed prefill forwards (prefill.py), timed when profiling."""
-        t0 = time.perf_counter()
+        """Packed prefill forwards (prefill.py), timed when profiling (GPU time: no host wait)."""
+        self.prefill_calls += 1
+        if not self.opts.profile:
+            return self.prefiller(admitted)
+        start = self.cycle._now()
         finished = self.prefiller(admitted)
-        if self.opts.profile:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.prefill_s += time.perf_counter() - t0
+        self._prefill_clock.append((start, self.cycle._now()))
         return finished
+
+    @property
+    def prefill_s(self) -> float:
+        """Seconds the prefill forwards took (profiling): their GPU time on CUDA."""
+        return sum(self.cycle._seconds(pair) for pair in self._prefill_clock)
+
+    def reset_profile(self) -> None:
+        self._prefill_clock.clear()
+        self.cycle_times.clear()
+        self.occupancy.clear()
+        self.waited = self.prefill_calls = 0
 
     def _target(self, ids: torch.Tensor, meta: AttnMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The target forward: (final-normed hidden, the states the drafter reads)."""

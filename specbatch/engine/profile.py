@@ -14,7 +14,8 @@ class CycleTime:
     draft_ms: float
     verify_ms: float           # verify + accept + commit (the whole cycle when fused in one graph)
     extend_ms: float
-    wall_ms: float             # the whole cycle on the host clock, host bookkeeping included
+    wall_ms: float             # its share of the wall clock: launch (or the previous cycle's
+                               # finish, if later) to its finish; cycles overlap the host's commit
     tokens: int                # tokens emitted
     context: int = 0           # committed cache rows of the active rows at the cycle's start
 

@@ -94,7 +94,7 @@ def test_gpu_profile_of_the_fused_cycle(drafter, target_dir, mtp_target_dir, eag
     assert eng.cycle_times
     for t in eng.cycle_times:
         assert t.draft_ms == 0.0 and t.extend_ms == 0.0                  # the whole cycle is one graph
-        assert t.verify_ms > 0 and t.wall_ms >= t.verify_ms
+        assert t.verify_ms > 0 and t.wall_ms > 0      # wall: its share (cycles overlap the host)
     assert sum(c.tokens for c in eng.cycle_times) > 0
     _, _, eng3 = _gpu_run(model, spec, 4, rows=_gpu_rows(6), profile=True, fused=False)
     t = eng3.cycle_times[0]
