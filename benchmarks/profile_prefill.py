@@ -23,12 +23,7 @@ from specbatch.data import RowRequest
 from specbatch.engine import Engine, EngineOptions
 from specbatch.recipe import SamplingDefaults
 
-
-class _Tok:
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
+from profile_step import NullTokenizer      # benchmarks/ is on the path when run as a script
 
 
 def main() -> None:
@@ -36,13 +31,14 @@ def main() -> None:
     ap.add_argument("--shapes", default="8x1024,32x256,64x128,5x1536,1x64,1x256")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kernels", type=int, default=14)
+    ap.add_argument("--host", action="store_true", help="also print where the host time of each shape goes (cProfile)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     target = random_target(BUILTIN["llama-3.1-8b"], torch.bfloat16, dev)
     rate = matmul_rate(dev, torch.bfloat16)
     params = weight_bytes(target) / 2
     eng = Engine(None, EngineOptions(batch_size=64, max_model_len=2048, profile=True),
-                 model=target, tokenizer=_Tok())
+                 model=target, tokenizer=NullTokenizer())
     g = torch.Generator().manual_seed(0)
     sd = SamplingDefaults(max_tokens=1, ignore_eos=True, temperature=0.0)
     print(f"matmul {rate / 1e12:.0f} TFLOP/s; params {params / 1e9:.2f} G")
@@ -77,6 +73,16 @@ def main() -> None:
               f"floor {floor * 1e3:.1f} ms -> {floor / med:.0%} of floor (GPU busy {gpu / 1e3 / (med * 1e3):.0%})")
         for name, (t, n) in sorted(by.items(), key=lambda kv: -kv[1][0])[:args.kernels]:
             print(f"  {t / 1e3:8.2f} ms {t / gpu:5.1%} {n:5d} calls  {name[:100]}")
+        if args.host:
+            import cProfile
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            list(eng.generate(rows, sd))
+            torch.cuda.synchronize()
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(12)
 
 
 if __name__ == "__main__":

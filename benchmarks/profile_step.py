@@ -22,7 +22,9 @@ from specbatch.recipe import SamplingDefaults, load_recipe
 from specbatch.speculative.factory import SpecConfig
 
 
-class _Tok:
+class NullTokenizer:
+    """Random token ids need no text: a tokenizer that decodes to nothing (also profile_prefill.py)."""
+
     eos_token_id = None
 
     def decode(self, ids, skip_special_tokens=True):
@@ -49,7 +51,7 @@ def main() -> None:
     total = args.cycles * 2 + 16
     eng = Engine(None, EngineOptions(batch_size=args.batch, max_model_len=args.ctx + 4 * total + 64,
                                      spec=spec, profile=True, simulate_acceptance=sim),
-                 model=target, tokenizer=_Tok(), draft_head=head)
+                 model=target, tokenizer=NullTokenizer(), draft_head=head)
     print(f"capture {eng.capture_seconds:.2f} s")
     g = torch.Generator().manual_seed(0)
     rows = [RowRequest(row=i, id=str(i), prompt_token_ids=torch.randint(0, 128000, (args.ctx,), generator=g).tolist())

@@ -182,6 +182,7 @@ def _log_point(p: dict[str, Any], log: Log) -> None:
         f"{p['prefill_s']:.1f} s in {p['prefill_forwards']} forwards, decode {p['decode_s']:.1f} s, "
         f"{p['cycles']} cycles), {100 * p['floor_fraction']:.0f}% of the floor, occupancy "
         f"{p['mean_occupancy']:.0f}/{p['slots']}")
+    log("  prefill calls (s): " + " ".join(f"{t:.2f}" for t in p["prefill_call_s"]))
     log(f"  cycles: GPU {p['cycles_gpu_s']:.1f} s (their own floors {p['cycles_floor_s']:.1f} s); GPU idle "
         f"~{p['decode_s'] - p['cycles_gpu_s']:.1f} s; {p['prefill_calls']} prefill calls; graph capture in the job "
         f"{p['capture_in_job_s']:.1f} s; {p['alloc_retries']} allocator retries; drain {p['drain_cycles']} cycles under 1/8 full, {p['drain_wall_s']:.1f} s "
@@ -226,7 +227,7 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
         # the caching allocator freed its cache and retried a cudaMalloc (a device sync each)
         "alloc_retries": torch.cuda.memory_stats(engine.device).get("num_alloc_retries", 0) - retries0 if cuda else 0,
         "capture_s": engine.capture_seconds, "capture_in_job_s": engine.capture_seconds - capture0,
-        "prefill_calls": engine.prefill_calls,
+        "prefill_calls": engine.prefill_calls, "prefill_call_s": engine.prefill_call_s,
         "verify_widths": {int(w): n for w, n in sorted(engine.cycle.policy.used.items())},   # width -> cycles
         **cycle_split(engine, src, bandwidth, rate),
     }

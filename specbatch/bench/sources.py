@@ -199,7 +199,7 @@ def free_memory(device: torch.device) -> None:
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
-        return torch.cuda.getdevice_name(device)
+        return torch.cuda.get_device_name(device)
     import platform
 
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

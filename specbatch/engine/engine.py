@@ -52,7 +52,7 @@ class EngineOptions:
     page_size: int | None = None         # KV rows per page (None: 64 on GPU, 16 on CPU)
     kv_rows: int | None = None           # KV pool capacity in rows (None: what memory allows)
     spec: SpecConfig = SpecConfig()      # the drafter (vanilla: none)
-    graphs: bool = True                  # CUDA graphs for the cycle on CUDA (False: --eager)
+    graphs: bool = True                  # CUDA graphs for the cycle and small prefills on CUDA (False: --eager)
     fused: bool | None = None            # the cycle as ONE graph (None: the recipe's choice, naive_2token)
     profile: bool = False                # record per-cycle stage timings and prefill time
     adaptive: bool | None = None         # greedy batches verify the proposal prefix that pays best
@@ -143,7 +143,8 @@ class Engine:
                                adaptive=self.device.type == "cuda" if opts.adaptive is None else opts.adaptive)
         self.rows = RowConverter(self.tokenizer, self.cfg, self.max_len, self.stops, self.model_defaults)
         self.prefiller = Prefiller(self.model, self._target, self.drafter, self.state, self.stops,
-                                   self.pages.layout.page_table, opts.prefill_tokens)
+                                   self.pages.layout.page_table, opts.prefill_tokens, max_len=self.max_len,
+                                   graphs=opts.graphs)
         self._prefill_clock: list = []       # (start, end) per prefill call when profiling: CUDA events / host clock
         self.prefill_calls = 0
         self.occupancy: list[int] = []       # active slots per cycle when profiling
@@ -151,7 +152,7 @@ class Engine:
 
     @property
     def capture_seconds(self) -> float:
-        return self.cycle.capture_seconds
+        return self.cycle.capture_seconds + self.prefiller.capture_seconds
 
     @property
     def graphs(self):
@@ -289,9 +290,13 @@ class Engine:
         return finished
 
     @property
+    def prefill_call_s(self) -> list[float]:
+        """Seconds each prefill call's forwards took (profiling): GPU time on CUDA."""
+        return [self.cycle._seconds(pair) for pair in self._prefill_clock]
+
+    @property
     def prefill_s(self) -> float:
-        """Seconds the prefill forwards took (profiling): their GPU time on CUDA."""
-        return sum(self.cycle._seconds(pair) for pair in self._prefill_clock)
+        return sum(self.prefill_call_s)
 
     def reset_profile(self) -> None:
         self._prefill_clock.clear()

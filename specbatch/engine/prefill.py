@@ -26,14 +26,29 @@ from ..request import Request, StopChecker
 from ..sampling import BatchSampling, sample
 from ..speculative.drafter import Drafter, PromptRows
 from .cycle import SlotState, Slotted
+from .graphs import GraphRunner
 from .logprobs import add_logprobs, emitted_logprobs, prompt_token_logprobs
 
 TILE_QUERIES = 128        # query rows of one attention tile (kernels.attention.MAX_QUERY_ROWS)
+# Prefills of at most this many rows (a few short prompts: a refill) replay a captured target
+# forward: eager, its ~500 launches cost more host time than a short prompt's GPU time.
+GRAPH_ROWS = (1, 2, 4, 8, 16, 32)
 
 
 def chunk_tokens(num_heads: int, num_kv_heads: int) -> int:
     """C: prompt tokens a row (one query tile: C x G query rows), at least 16."""
     return max(16, TILE_QUERIES // max(1, num_heads // num_kv_heads))
+
+
+@dataclass
+class _Static:
+    """A captured prefill forward's buffers: rows past the live ones are pad rows (dummy slot)."""
+    ids: torch.Tensor                # [size, C]
+    slots: torch.Tensor              # [size]
+    positions: torch.Tensor          # [size, C]
+    prefix_lens: torch.Tensor        # [size]
+    hidden: torch.Tensor | None = None
+    captured: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -71,14 +86,55 @@ class Prefiller:
     """Runs the prefill forwards of admitted requests: the target, the first token, the drafter."""
 
     def __init__(self, model, target: Callable, drafter: Drafter, state: SlotState, stops: StopChecker,
-                 page_table: torch.Tensor | None, budget: int):
+                 page_table: torch.Tensor | None, budget: int, *, max_len: int, graphs: bool):
         self.model, self.target, self.drafter, self.state, self.stops = model, target, drafter, state, stops
-        self.page_table, self.budget = page_table, budget
+        self.page_table, self.budget, self.max_len = page_table, budget, max_len
         cfg = model.cfg
         self.C = chunk_tokens(cfg.num_heads, cfg.num_kv_heads)
         self.device = state.lens.device
         self.forwards = 0
         self.tokens_emitted = 0
+        self.graphs: GraphRunner | None = None
+        if graphs and self.device.type == "cuda":
+            self.graphs = GraphRunner(self._static, [[self._graph_forward]], list(GRAPH_ROWS))
+            with torch.inference_mode():
+                self.graphs.capture_all(None)
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.graphs.capture_seconds if self.graphs else 0.0
+
+    def _static(self, size: int, variant) -> _Static:
+        C, dev = self.C, self.device
+        return _Static(ids=torch.zeros(size, C, dtype=torch.int64, device=dev),
+                       slots=torch.full((size,), self.state.dummy, dtype=torch.int64, device=dev),
+                       positions=torch.arange(C, device=dev).repeat(size, 1),
+                       prefix_lens=torch.zeros(size, dtype=torch.int64, device=dev))
+
+    def _graph_forward(self, b: _Static) -> None:
+        # metadata made inside the capture: it caches tensors derived from the buffers (cache rows)
+        meta = AttnMetadata(slots=b.slots, positions=b.positions, prefix_lens=b.prefix_lens,
+                            kv_len=self.max_len + self.C, page_table=self.page_table)
+        b.hidden, b.captured = self.target(b.ids, meta)
+
+    def _run_target(self, ids: torch.Tensor, meta: AttnMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The target forward over R rows: a captured one for a few rows, else eager."""
+        R = ids.shape[0]
+        if self.graphs is None or R > GRAPH_ROWS[-1]:
+            return self.target(ids, meta)
+        cap = self.graphs.get(R, None)
+        b: _Static = cap.batch
+        size, C = b.ids.shape
+        pad = size - R
+        # whole buffers each time: pad rows of an earlier, larger prefill go back to the dummy slot
+        b.ids.copy_(torch.cat([ids, ids.new_zeros(pad, C)]), non_blocking=True)
+        b.slots.copy_(torch.cat([meta.slots, meta.slots.new_full((pad,), self.state.dummy)]), non_blocking=True)
+        b.prefix_lens.copy_(torch.cat([meta.prefix_lens, meta.prefix_lens.new_zeros(pad)]), non_blocking=True)
+        b.positions.copy_(torch.cat([meta.positions, b.positions[R:].new_zeros(pad, 1) +
+                                     torch.arange(C, device=self.device)]), non_blocking=True)
+        for g in cap.graphs:
+            g.replay()
+        return b.hidden[:R], [c[:R] for c in b.captured]
 
     def __call__(self, admitted: Slotted) -> Slotted:
         """Prefill every admitted request; returns those finished by their first token. Every
@@ -130,7 +186,7 @@ class Prefiller:
         """The device half of one forward: the target, the first tokens, the drafter, the slots'
         lengths and roots; returns (the finished prompts' parts, their first tokens, logprobs)."""
         ids, rows = self._rows(parts)
-        hidden, captured = self.target(ids, rows.meta)                           # [R, C, H]
+        hidden, captured = self._run_target(ids, rows.meta)                      # [R, C, H]
         self.forwards += 1
         C, H = self.C, hidden.shape[-1]
         flat = hidden.view(-1, H)

@@ -255,3 +255,11 @@ def test_lognormal_mix_is_seeded_and_clipped():
     b = lognormal_lengths(2000, 256, 0.8, 1536, torch.Generator().manual_seed(0))
     assert a == b and min(a) >= 1 and max(a) == 1536
     assert 230 < sorted(a)[1000] < 280                      # the median
+
+
+def test_device_name_of_a_cuda_device(monkeypatch):
+    """The GPU branch, with the CUDA call stubbed (CI has no GPU)."""
+    from specbatch.bench import sources
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: f"GPU {d}")
+    assert sources.device_name(torch.device("cuda:0")) == "GPU cuda:0"

@@ -55,13 +55,17 @@ def test_cuda_bfloat16_runs_and_sizes_cache_from_memory(tiny_model):
 
 def test_cuda_prefill_rows_split_across_forwards_equal_whole_prompts(tiny_model):
     """Packed prefill on the Triton kernels: prompts cut into rows that span forwards (a budget
-    of one row) give the tokens of a budget holding every prompt whole, and the CPU's."""
+    of one row; a few rows: captured forwards of 1-8 rows, pad rows between) give the tokens of
+    a budget holding every prompt whole (eager), of --eager, and the CPU's."""
     g = torch.Generator().manual_seed(5)
     rows = [RowRequest(row=i, id=str(i), prompt_token_ids=torch.randint(1, 320, (n,), generator=g).tolist())
             for i, n in enumerate([3, 31, 32, 33, 70, 150, 9])]
     outs = {}
-    for device, budget in (("cuda", 1), ("cuda", 8192), ("cpu", 8192)):
-        eng = Engine(tiny_model, EngineOptions(batch_size=4, device=device, dtype="float32", prefill_tokens=budget))
+    for device, budget, graphs in (("cuda", 1, True), ("cuda", 100, True), ("cuda", 8192, True),
+                                   ("cuda", 100, False), ("cpu", 8192, False)):
+        eng = Engine(tiny_model, EngineOptions(batch_size=4, device=device, dtype="float32", prefill_tokens=budget,
+                                               graphs=graphs))
+        assert (eng.prefiller.graphs is not None) == (device == "cuda" and graphs)
         recs = eng.generate(rows, SamplingDefaults(max_tokens=8, ignore_eos=True))
-        outs[device, budget] = [r["output_token_ids"] for r in sorted(recs, key=lambda r: r["row"])]
-    assert outs["cuda", 1] == outs["cuda", 8192] == outs["cpu", 8192]
+        outs[device, budget, graphs] = [r["output_token_ids"] for r in sorted(recs, key=lambda r: r["row"])]
+    assert len({str(o) for o in outs.values()}) == 1, outs
