@@ -125,7 +125,7 @@ def load_eagle3(head_dir: str | Path, target_cfg: DecoderConfig, target_embeddin
                          f"{cfg.layer.hidden_size} differs from the target's {target_cfg.hidden_size}")
     with torch.device("meta"):
         head = Eagle3Head(cfg, target_cfg.vocab_size, fc_bias="fc.bias" in names, own_embedding=own)
-    head = head.to_empty(device=device).to(dtype)
+    head = head.to(dtype).to_empty(device=device)        # meta .to() is free: allocate in dtype
     head.inv_freq = rope_inv_freq(cfg.layer).to(device)
     head.d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64, device=device)
     head.t2d = torch.ones(target_cfg.vocab_size, dtype=torch.bool, device=device)

@@ -95,7 +95,9 @@ def load_target(model_dir: str | Path, dtype: str = "auto",
     torch_dtype = resolve_dtype(dtype, cfg, device)
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg)
-    model = model.to_empty(device=device).to(torch_dtype)
+    # the dtype on meta first: to_empty(...).to(dtype) would materialise float32 weights (twice a
+    # bf16 model's bytes) whose freed blocks then stay in torch's cache
+    model = model.to(torch_dtype).to_empty(device=device)
     model.inv_freq = rope_inv_freq(cfg).to(device)       # float32 even when weights are not
     tie = "lm_head.weight" not in tensor_names(files)
     if tie:

@@ -166,7 +166,7 @@ def load_mtp(target: CausalLM, target_dir: str | Path | None, draft_dir: str | P
     with torch.device("meta"):
         layer = MTPLayer(cfg, own_embedding="embed_tokens.weight" in canon,
                          own_head="shared_head.head.weight" in canon, proj_bias="eh_proj.bias" in canon)
-    layer = layer.to_empty(device=device).to(dtype)
+    layer = layer.to(dtype).to_empty(device=device)      # meta .to() is free: allocate in dtype
     layer.inv_freq = rope_inv_freq(layer_cfg).to(device)
     params = dict(layer.named_parameters())
     unknown = [full for name, full in canon.items() if name not in params]

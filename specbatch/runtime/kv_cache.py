@@ -60,6 +60,7 @@ def bytes_per_row(cfg: DecoderConfig, dtype: torch.dtype) -> int:
 def memory_budget(device: torch.device, reserve: int) -> int:
     """Bytes the cache may take: 90% of free GPU memory, or a quarter of available RAM (<= 8 GiB)."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()           # blocks torch holds but no tensor uses (load, fusing) are free
         free, _ = torch.cuda.mem_get_info(device)
         return max(int(free * 0.9) - reserve, 0)
     avail = 16 * GiB

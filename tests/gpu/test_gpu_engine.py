@@ -69,3 +69,19 @@ def test_cuda_prefill_rows_split_across_forwards_equal_whole_prompts(tiny_model)
         recs = eng.generate(rows, SamplingDefaults(max_tokens=8, ignore_eos=True))
         outs[device, budget, graphs] = [r["output_token_ids"] for r in sorted(recs, key=lambda r: r["row"])]
     assert len({str(o) for o in outs.values()}) == 1, outs
+
+
+def test_loading_in_bfloat16_never_holds_float32_weights(tiny_model):
+    """Weights are allocated in their dtype (a float32 copy first would double the peak and leave
+    its blocks in torch's cache, where the KV pool's sizing would not see them as free)."""
+    from specbatch.models.loader import load_target
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model, _ = load_target(tiny_model, "bfloat16", "cuda")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert next(model.parameters()).dtype == torch.bfloat16
+    largest = max(p.numel() * p.element_size() for p in model.parameters())   # one tensor in flight
+    assert torch.cuda.max_memory_allocated() - base < weights + largest + (1 << 20)
