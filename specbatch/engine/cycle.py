@@ -161,13 +161,13 @@ class SpecCycle:
         context = sum(self.state.seq_lens[s] for s, _ in active) if self.timer.enabled else 0
         bucket = padded_size(self.sizes, len(active))      # the graph size it replays (eager: would)
         b, stages = self._stages(active, bucket)
-        clock = [self._now()]                 # after any graph capture: the policy times the cycle itself
+        clock = [self.now()]                 # after any graph capture: the policy times the cycle itself
         marks = []
         for stage in stages:                  # propose; verify + accept + device commit; extend
             marks.append(self.timer.mark())
             stage()
         marks.append(self.timer.mark())
-        clock.append(self._now())
+        clock.append(self.now())
         n = len(active)
         host = [b.out[:n]] + ([b.lp_out[:n], b.lp_ids[:n]] if b.lp_k is not None else [])
         if self.device.type == "cuda":        # pinned copies, read once `ready` has passed
@@ -211,12 +211,12 @@ class SpecCycle:
         # the cycle's share of the wall clock: since its launch or the previous cycle's finish
         self.timer.record(len(c.active), c.marks, max(c.t0, self._finished_at), emitted, c.context)
         self._finished_at = now
-        self.policy.record(c.bucket, N, [row[-1] for row in out], self._seconds(c.clock))
+        self.policy.record(c.bucket, N, [row[-1] for row in out], self.elapsed(c.clock))
         return finished
 
     _finished_at = 0.0
 
-    def _now(self) -> object:
+    def now(self) -> object:
         """A point on the cycle's clock: a CUDA event (GPU time: the host runs ahead), else the host's."""
         if self.device.type == "cuda":
             e = torch.cuda.Event(enable_timing=True)
@@ -224,8 +224,8 @@ class SpecCycle:
             return e
         return time.perf_counter()
 
-    def _seconds(self, clock) -> float:
-        """Seconds between two points of _now() (CUDA: waits for the second)."""
+    def elapsed(self, clock) -> float:
+        """Seconds between two points of now() (CUDA: waits for the second)."""
         a, b = clock
         return a.elapsed_time(b) / 1e3 if self.device.type == "cuda" else b - a
 

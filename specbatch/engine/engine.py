@@ -284,15 +284,15 @@ class Engine:
         self.prefill_calls += 1
         if not self.opts.profile:
             return self.prefiller(admitted)
-        start = self.cycle._now()
+        start = self.cycle.now()
         finished = self.prefiller(admitted)
-        self._prefill_clock.append((start, self.cycle._now()))
+        self._prefill_clock.append((start, self.cycle.now()))
         return finished
 
     @property
     def prefill_call_s(self) -> list[float]:
         """Seconds each prefill call's forwards took (profiling): GPU time on CUDA."""
-        return [self.cycle._seconds(pair) for pair in self._prefill_clock]
+        return [self.cycle.elapsed(pair) for pair in self._prefill_clock]
 
     @property
     def prefill_s(self) -> float:
