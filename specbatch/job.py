@@ -190,12 +190,13 @@ class _Runner:
                         not self.pool.eager, capture_s=self.capture_s, workers=per,
                         tokens_per_target_forward=tokens / max(forwards, 1),
                         waited_for_pages=sum(w.get("waited_for_pages", 0) for w in per),
+                        kv_rows=min((w.get("kv_rows", 0) for w in per), default=0),
                         peak_memory_bytes=max((w.get("peak_memory_bytes", 0) for w in per), default=0),
                         verify_widths=dict(sorted(widths.items())))
         eng = self.llm.engine
         return dict(target_forwards=eng.target_forwards, graphs=eng.graphs is not None, capture_s=eng.capture_seconds,
                     tokens_per_target_forward=eng.tokens_emitted / max(eng.target_forwards, 1),
-                    waited_for_pages=eng.waited,
+                    waited_for_pages=eng.waited, **eng.pool_facts(),
                     verify_widths={w: n for w, n in sorted(eng.cycle.policy.used.items())})
 
 

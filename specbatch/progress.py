@@ -112,7 +112,8 @@ def print_summary(err: Console, s: dict[str, Any]) -> None:
         ("CUDA graphs", f"captured in {s['capture_s']:.2f} s" if s.get("graphs") else "off (eager)"),
     ]
     if s.get("waited_for_pages"):                     # admission control, never out of memory
-        rows.append(("waited for KV pages", f"{s['waited_for_pages']} admissions left rows queued until pages freed"))
+        pool = f" (KV pool: {s['kv_rows']:,} rows)" if s.get("kv_rows") else ""
+        rows.append(("waited for KV pages", f"{s['waited_for_pages']} admissions left rows queued until pages freed{pool}"))
     if len(s.get("verify_widths") or {}) > 1:         # adaptive: how many draft nodes the cycles verified
         rows.append(("verify widths", ", ".join(f"{w} nodes: {n} cycles" for w, n in s["verify_widths"].items())))
     for k, v in rows:

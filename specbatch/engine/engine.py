@@ -166,6 +166,11 @@ class Engine:
     def tokens_emitted(self) -> int:
         return self.cycle.tokens_emitted + self.prefiller.tokens_emitted
 
+    def pool_facts(self) -> dict[str, int]:
+        """The KV pool as planned: slots, pages, rows a page, and the rows requests may reserve."""
+        return {"slots": self.num_slots, "kv_pages": self.num_pages, "kv_page_rows": self.page_size,
+                "kv_rows": self.pages.usable * self.page_size}
+
     @property
     def prefill_forwards(self) -> int:
         return self.prefiller.forwards

@@ -120,6 +120,8 @@ def test_the_summary_says_how_many_admissions_waited_for_pages(tiny_model, tmp_p
     recipe = load_recipe("vanilla").with_overrides(model=str(tiny_model), batch_size=8, ignore_eos=True)
     s = run_job(str(inp), recipe, JobOptions(output=str(tmp_path / "out.jsonl"), device="cpu"))
     assert s["waited_for_pages"] > 0 and s["errors"] == 0 and s["requests"] == 30
+    # the pool as planned, beside it: what the waits came from
+    assert s["slots"] == 8 and s["kv_page_rows"] == 8 and 160 <= s["kv_rows"] < 160 + 8
     buf = io.StringIO()
     print_summary(Console(file=buf, width=200), s)
-    assert "waited for KV pages" in buf.getvalue()
+    assert "waited for KV pages" in buf.getvalue() and f"KV pool: {s['kv_rows']:,} rows" in buf.getvalue()
