@@ -108,13 +108,17 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 8192, iters: 
     return 2 * n ** 3 / statistics.median(times)
 
 
+def _weights(model) -> tuple[int, float]:
+    """(weight bytes a forward reads, non-embedding parameters (+ lm_head))."""
+    w_bytes = weight_bytes(model)
+    return w_bytes, w_bytes / model.lm_head.weight.element_size()
+
+
 def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float, rate: float) -> dict[str, float]:
     """Seconds the job cannot beat with plain decoding at `slots` sequences in flight."""
     model = src.model
     dtype = model.lm_head.weight.dtype
-    elem = torch.empty((), dtype=dtype).element_size()
-    w_bytes = weight_bytes(model)
-    params = w_bytes / elem                                       # non-embedding parameters (+ lm_head)
+    w_bytes, params = _weights(model)
     prompt = sum(len(r.prompt_token_ids) for r in rows)
     outputs = [r.overrides["max_tokens"] for r in rows]
     out_tokens = sum(outputs)
@@ -234,15 +238,14 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
 
 
 def cycle_split(engine: Engine, src: Source, bandwidth: float, rate: float) -> dict[str, float]:
-    """Where decode time went: the cycles' GPU time (stage events), their host wall time, each
-    cycle's own floor (weights + its rows' K/V at the bandwidth, or one token per row's FLOPs),
-    and the time between cycles (admission, records); the drain's share: cycles under 1/8 full."""
+    """Where decode time went: the cycles' GPU time (stage events), their shares of the wall
+    clock (CycleTime.wall_ms), each cycle's own floor (weights + its rows' K/V at the bandwidth,
+    or one token per row's FLOPs); and the drain's part of each: cycles under 1/8 full."""
     times = engine.cycle_times
     model = src.model
     dtype = model.lm_head.weight.dtype
-    w_bytes = weight_bytes(model)
-    flops = 2 * w_bytes / torch.empty((), dtype=dtype).element_size()
-    floors = [max((w_bytes + kv_bytes(model.cfg, dtype, c.context)) / bandwidth, flops * c.batch / rate)
+    w_bytes, params = _weights(model)
+    floors = [max((w_bytes + kv_bytes(model.cfg, dtype, c.context)) / bandwidth, 2 * params * c.batch / rate)
               for c in times]
     drain = [i for i, c in enumerate(times) if c.batch * 8 < engine.num_slots]
     wall = sum(c.wall_ms for c in times) / 1e3

@@ -1,6 +1,6 @@
 """The speculative cycle, top to bottom: propose -> verify -> accept -> commit -> extend.
 
-    cycle(active):
+    launch(active), later finish(launched):
         propose   the drafter builds a tree of N nodes per slot, the root the last emitted token
         verify    one target forward over every node (tree mask, positions = length + depth)
         accept    walk the tree with the target's distribution -> emitted tokens, accepted path
@@ -10,7 +10,8 @@
 
 The device half is three stages (propose; verify + accept + device commit; extend), run eagerly
 or replayed as CUDA graphs; the one host synchronisation is the copy of the emitted tokens and
-their counts (and, when a row asked for them, their logprobs). Rows become requests and requests
+their counts (and, when a row asked for them, their logprobs), waited for in `finish` while the
+next cycle runs (host commit in the next launched cycle's shadow). Rows become requests and requests
 become records elsewhere (engine.py).
 
 Logits processors (min_tokens, logit_bias, penalties: processors.py) act in verify on every tree
@@ -146,10 +147,6 @@ class SpecCycle:
     @property
     def capture_seconds(self) -> float:
         return self.graphs.capture_seconds if self.graphs else 0.0
-
-    def __call__(self, active: Slotted) -> Slotted:
-        """One cycle over the active slots, waited for; returns those whose request finished."""
-        return self.finish(self.launch(active))
 
     def launch(self, active: Slotted) -> "Launched":
         """Enqueue one cycle over the active slots (device stages and the copy of their results

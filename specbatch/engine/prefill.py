@@ -205,10 +205,11 @@ class Prefiller:
         if not done:                          # a long prompt's first rows: only the drafter's K/V
             self.drafter.prefill(rows, captured, torch.zeros(0, dtype=torch.int64, device=self.device))
             return done, None, None
-        first, lps = self._first_tokens(done, rows, hidden)
+        lens = [len(p.req.prompt_ids) for p in done]
+        lengths = _on(lens, self.device)
+        first, lps = self._first_tokens(done, rows, hidden, lens, lengths)
         self.drafter.prefill(rows, captured, first)
         st = self.state
-        lengths = _on([len(p.req.prompt_ids) for p in done], self.device)
         st.lens[rows.slots], st.last[rows.slots] = lengths, first
         return done, first, lps
 
@@ -231,13 +232,14 @@ class Prefiller:
                 finished.append((p.slot, req))
         return finished
 
-    def _first_tokens(self, done: list[Part], rows: PromptRows, hidden: torch.Tensor) -> tuple:
+    def _first_tokens(self, done: list[Part], rows: PromptRows, hidden: torch.Tensor, lens: list[int],
+                      lengths: torch.Tensor) -> tuple:
         """The finished prompts' first tokens [B] (processed, sampled), and when a row asked for
-        them, (their logprobs, top ids) on the device (else None)."""
+        them, (their logprobs, top ids) on the device (else None). lens: their prompt lengths,
+        on the host and as `lengths` on the device."""
         B = len(done)
         dev = self.device
         slots = rows.slots
-        lengths = _on([len(p.req.prompt_ids) for p in done], dev)
         params = [p.req.params for p in done]
         sp = BatchSampling.build(params, dev)
         logits = self.model.logits(hidden[rows.last_rows, rows.last_cols])        # [B, V]
@@ -246,7 +248,7 @@ class Prefiller:
             # the first token: nothing generated yet (min_tokens), counts zero, the prompt present
             st = self.state
             vocab = self.model.cfg.vocab_size
-            proc = Processors.build([(q, int(n)) for q, n in zip(params, lengths.tolist())],
+            proc = Processors.build(list(zip(params, lens)),
                                     self.stops.eos_ids, vocab, dev)
             pm = None
             if proc.penalties:

@@ -9,6 +9,8 @@ row and that row's top-k, the first level of the next tree.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..algorithms import one_layer_scratch
@@ -59,9 +61,7 @@ class LayerDrafter(Drafter):
     # ---- catch-up: prefill and extend ---------------------------------------------------------
 
     def prefill(self, rows: PromptRows, captured, first_tokens):
-        m = rows.meta
-        meta = AttnMetadata(slots=m.slots, positions=m.positions, prefix_lens=m.prefix_lens, kv_len=m.kv_len,
-                            page_table=self.page_table)
+        meta = dataclasses.replace(rows.meta, page_table=self.page_table)    # the draft layer's pages
         h = self.head(rows.next_tokens(first_tokens), torch.cat(captured, dim=-1), meta, self.cache.layers[0],
                       features=True, out_rows=rows.out_cols)
         if rows.slots.numel():
