@@ -8,7 +8,9 @@ slot full). Per case: microseconds per call for `kernels.attention.slot_attentio
 plan) and `models.attention.attend`, and the K/V bytes read over the time as a fraction of copy
 bandwidth. Calls rotate over enough layer planes of one cache tensor to overflow L2, as a model's
 layers do, so every call reads from HBM. --sweep times splits x pipeline stages for decode at
-batch 1 and 8, to tune the defaults in kernels/attention.py.
+batch 1 and 8, to tune the defaults in kernels/attention.py. --paged times the job's operating
+point instead: a paged cache (64-row pages in shuffled order), 64 to 512 rows of mixed contexts
+(uniform 100 to 1,100 rows: mean ~600), decode and chain verify of 2 and 4 tokens.
 """
 from __future__ import annotations
 
@@ -84,15 +86,66 @@ def sweep(dev: torch.device, bw: float) -> None:
     kattn._NUM_STAGES = default_stages
 
 
+class PagedCase:
+    """B rows of mixed context lengths in a paged cache [pages, P, Hkv, D] per layer plane."""
+
+    P = 64
+
+    def __init__(self, B: int, T: int, dev: torch.device, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        ctx = torch.randint(100, 1101, (B,), generator=g)
+        self.B, self.T = B, T
+        rows = int((ctx + T).sum())
+        self.read_bytes = 2 * rows * HKV * D * DTYPE.itemsize
+        width = -(-int(ctx.max() + T) // self.P)
+        pages = B * width + 1
+        l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20)
+        self.layers = min(max(2, -(-3 * l2 // self.read_bytes)), 32)
+        self.data = torch.randn(2 * self.layers, pages, self.P, HKV, D, device=dev, dtype=DTYPE)
+        self.table = (torch.randperm(pages - 1, generator=g)[:B * width] + 1).view(B, width).to(dev)
+        self.q = torch.randn(B, T, HQ, D, device=dev, dtype=DTYPE)
+        self.out = torch.empty_like(self.q)
+        self.slots = torch.arange(B, device=dev)
+        self.prefix = ctx.to(dev)
+        self.max_rows = int(ctx.max()) + T
+
+    def kernel(self, layer: int, **kw) -> torch.Tensor:
+        return kattn.slot_attention(self.q, self.data[2 * layer], self.data[2 * layer + 1], self.slots,
+                                    self.prefix, D ** -0.5, max_rows=self.max_rows, out=self.out,
+                                    page_table=self.table, **kw)
+
+
+def paged(dev: torch.device, bw: float) -> None:
+    print("\npaged, mixed contexts 100-1100 (the job's decode and verify)")
+    print(f"{'T':>2s} {'B':>4s} {'GB read':>8s} {'floor us':>9s} {'splits':>6s} {'triton us':>10s} {'of bw':>6s}"
+          "   (then other split counts: us, of bw)")
+    for T, B in itertools.product((1, 2, 4), (16, 32, 64, 128, 320, 512)):
+        case = PagedCase(B, T, dev)
+        floor_us = case.read_bytes / bw * 1e6
+        block_n, _, _ = kattn._config(max(16, T * HQ // HKV), D, DTYPE.itemsize)
+        splits = kattn.choose_splits(B * HKV, case.max_rows, block_n, dev)
+        k_us = graph_us(case.kernel, case.layers)
+        other = [(n, graph_us(functools.partial(case.kernel, num_splits=n), case.layers))
+                 for n in (1, 2, 4, 8) if n != splits and B <= 128]
+        print(f"{T:2d} {B:4d} {case.read_bytes / 1e9:8.3f} {floor_us:9.2f} {splits:6d} {k_us:10.2f} "
+              f"{floor_us / k_us:6.1%}   " + "  ".join(f"{n}: {us:.1f} {floor_us / us:.0%}" for n, us in other))
+        del case
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time splits x stages for decode at batch 1 and 8")
+    ap.add_argument("--paged", action="store_true", help="only the paged job shapes (decode / verify, 64-512 rows)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"{torch.cuda.get_device_name(dev)} ({sms} SMs); copy bandwidth {bw / 1e9:.0f} GB/s; "
           f"Hq {HQ} Hkv {HKV} D {D} {DTYPE}")
+    if args.paged:
+        paged(dev, bw)
+        return
     print(f"{'mode':6s} {'B':>3s} {'ctx':>5s} {'splits':>6s} {'floor us':>9s} "
           f"{'triton us':>10s} {'of bw':>6s} {'torch us':>9s} {'of bw':>6s}")
     for (mode, T), B, ctx in itertools.product(MODES, BATCHES, CONTEXTS):

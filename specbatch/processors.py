@@ -22,6 +22,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from .host import move
 from .params import SamplingParams
 
 Row = tuple[SamplingParams, int]        # a request's params and its prompt length
@@ -100,7 +101,7 @@ class Processors:
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
-                setattr(self, f.name, v.to(device))
+                setattr(self, f.name, move(v, device))
         return self
 
     def copy_(self, src: "Processors") -> None:

@@ -59,6 +59,12 @@ def _content_seed(row: dict[str, Any]) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
+def _clock() -> str:
+    """Wall-clock time of day to the millisecond, for the actors' lines in the driver's log."""
+    now = time.time()
+    return f"{time.strftime('%H:%M:%S', time.localtime(now))}.{int(now * 1000) % 1000:03d}"
+
+
 class SpecbatchPredictor:
     """A stateful callable class for `Dataset.map_batches` (pyarrow batches): one engine per actor."""
 
@@ -71,7 +77,7 @@ class SpecbatchPredictor:
         self.llm = LLM(model=model_source, recipe=recipe, draft=draft, **(engine_kwargs or {}))
         eng = self.llm.engine
         # one line in the driver's log per actor: when it can take rows, and what keeps it full
-        print(f"specbatch: engine ready at {time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d} on "
+        print(f"specbatch: engine ready at {_clock()} on "
               f"{eng.device} (loaded in {time.perf_counter() - t0:.1f} s, {eng.num_slots} slots: keep batch_size x "
               f"max_concurrent_batches >= {2 * eng.num_slots} rows in flight to keep them full)", flush=True)
         self.apply_chat_template = apply_chat_template
@@ -136,6 +142,8 @@ class SpecbatchPredictor:
         if self.failure is not None:
             raise EngineFailure(str(self.failure))
         rows = batch.to_pylist() if hasattr(batch, "to_pylist") else pa.Table.from_pydict(batch).to_pylist()
+        if self.next_row == 0:          # how long Ray took to hand this actor its first rows
+            print(f"specbatch: first rows at {_clock()}", flush=True)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         futures = []

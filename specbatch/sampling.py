@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .host import to_device
 from .params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -94,14 +95,14 @@ class BatchSampling:
         params = [p.resolved() for p in params]          # unset fields: their defaults
         lo, hi = zip(*(split_seed(p.seed or 0) for p in params)) if params else ((), ())
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            seed_lo=torch.tensor(lo, dtype=torch.int64, device=device),
-            seed_hi=torch.tensor(hi, dtype=torch.int64, device=device),
+            temperature=to_device([p.temperature for p in params], torch.float32, device),
+            top_k=to_device([p.top_k for p in params], torch.int64, device),
+            top_p=to_device([p.top_p for p in params], torch.float32, device),
+            seed_lo=to_device(lo, torch.int64, device),
+            seed_hi=to_device(hi, torch.int64, device),
             all_greedy=all(p.greedy for p in params),
             any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params),
-            min_p=torch.tensor([float(p.min_p) for p in params], dtype=torch.float32, device=device)
+            min_p=to_device([float(p.min_p) for p in params], torch.float32, device)
             if any(not p.greedy and p.min_p > 0 for p in params) else None,
         )
 

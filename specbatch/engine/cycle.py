@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from ..models.attention import AttnMetadata
+from ..host import to_device
 from ..params import LOGPROBS_MAX
 from ..processors import Processors, count_tokens, processors_key
 from ..request import Request, StopChecker
@@ -247,7 +248,7 @@ class SpecCycle:
         rows = [(r.params, len(r.prompt_ids)) for _, r in active]
         pkey = processors_key(rows, self.stops.eos_ids, self.vocab)
         asked = [p.logprobs for p in params if p.logprobs is not None]
-        b = Batch(slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
+        b = Batch(slots=to_device(slots, torch.int64, self.device),
                   sp=BatchSampling.build(params, self.device),
                   # host lengths may lag the device by the cycle in flight (launch / finish)
                   kv_bound=min(self.max_len, max(self.state.seq_lens[s] for s in slots) + self.drafter.num_draft_tokens),

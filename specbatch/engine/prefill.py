@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from ..host import to_device
 from ..models.attention import AttnMetadata
 from ..processors import Processors, count_tokens, reset_slots
 from ..request import Request, StopChecker
@@ -174,12 +175,13 @@ class Prefiller:
         dev = self.device
         prefix_t = torch.tensor(prefix, dtype=torch.int64)
         positions = (prefix_t[:, None] + torch.arange(C)).to(dev, non_blocking=True)
-        meta = AttnMetadata(slots=_on(slots, dev), positions=positions, prefix_lens=prefix_t.to(dev, non_blocking=True),
+        meta = AttnMetadata(slots=to_device(slots, torch.int64, dev), positions=positions,
+                            prefix_lens=prefix_t.to(dev, non_blocking=True),
                             kv_len=max(prefix) + C, page_table=self.page_table)
         rows = PromptRows(meta=meta, next_ids=nxt.view(R, C).to(dev, non_blocking=True),
-                          last_rows=_on(last_rows, dev), last_cols=_on(last_cols, dev),
-                          slots=_on([p.slot for p in done], dev), prompts=[p.req.prompt_ids for p in done],
-                          out_cols=_on(out_cols, dev))
+                          last_rows=to_device(last_rows, torch.int64, dev), last_cols=to_device(last_cols, torch.int64, dev),
+                          slots=to_device([p.slot for p in done], torch.int64, dev), prompts=[p.req.prompt_ids for p in done],
+                          out_cols=to_device(out_cols, torch.int64, dev))
         return ids.view(R, C).to(dev, non_blocking=True), rows
 
     def _forward(self, parts: list[Part]) -> tuple[list[Part], torch.Tensor | None, tuple | None]:
@@ -197,7 +199,7 @@ class Prefiller:
                 L = len(p.req.prompt_ids)
                 a, b = p.start * C, min(p.end * C, L)
                 got = prompt_token_logprobs(self.model.logits, flat[r * C: r * C + b - a],
-                                            ids.new_tensor(p.req.prompt_ids[a: min(b + 1, L)]),
+                                            to_device(p.req.prompt_ids[a: min(b + 1, L)], torch.int64, self.device),
                                             p.req.params.prompt_logprobs)
                 p.req.prompt_logprobs = (p.req.prompt_logprobs or []) + got
             r += n
@@ -206,7 +208,7 @@ class Prefiller:
             self.drafter.prefill(rows, captured, torch.zeros(0, dtype=torch.int64, device=self.device))
             return done, None, None
         lens = [len(p.req.prompt_ids) for p in done]
-        lengths = _on(lens, self.device)
+        lengths = to_device(lens, torch.int64, self.device)
         first, lps = self._first_tokens(done, rows, hidden, lens, lengths)
         self.drafter.prefill(rows, captured, first)
         st = self.state
@@ -271,8 +273,3 @@ class Prefiller:
         zero = torch.zeros(B, 1, dtype=torch.int64, device=dev)
         return first, emitted_logprobs(logits[:, None, :], zero, first[:, None], sp, max(asked))
 
-
-def _on(values: list[int], device: torch.device) -> torch.Tensor:
-    """A host list on the device without waiting for the GPU (a pageable source is staged before
-    the call returns, so non_blocking is safe)."""
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)

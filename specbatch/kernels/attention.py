@@ -41,7 +41,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "y
 
 @triton.jit(do_not_specialize=["T", "n_splits", "region", "write_offset", "smb", "smt", "smm", "s_pt"])
 def _slot_attn_kernel(
-    q_ptr, k_ptr, v_ptr, slots_ptr, prefix_ptr, mask_ptr, pos_ptr, out_ptr, pacc_ptr, pm_ptr, pl_ptr,
+    q_ptr, k_ptr, v_ptr, slots_ptr, prefix_ptr, mask_ptr, pos_ptr, out_ptr, pacc_ptr, pm_ptr, pl_ptr, nu_ptr,
     pt_ptr, T, n_splits, region, write_offset, window, qk_scale,
     s_slot, s_pre, s_pt,
     sqb, sqt, sqh, sqd,
@@ -145,12 +145,18 @@ def _slot_attn_kernel(
         m_i = m_new
 
     if SPLIT:
-        # Partials [B, Hkv, S, T*G(, D)]; an empty split stores (0, -1e30, 0): weight 0 when merged.
-        part = (b * n_heads + h) * n_splits + s
-        tl.store(pm_ptr + part * (T * G) + rows, m_i, mask=row_ok)
-        tl.store(pl_ptr + part * (T * G) + rows, l_i, mask=row_ok)
-        tl.store(pacc_ptr + part * (T * G * D) + rows[:, None] * D + dd[None, :], acc,
-                 mask=row_ok[:, None] & d_ok[None, :])
+        # Partials [B, Hkv, S, T*G(, D)] of the splits that read rows: the first `used` (splits are
+        # contiguous chunks), whose count split 0 stores for the merge. A host bound far above the
+        # rows read (a graph captured for max_len) leaves most splits empty: they store nothing.
+        used = tl.maximum(tl.cdiv(n_blk, tl.maximum(per_split, 1)), 1)
+        if s == 0:
+            tl.store(nu_ptr + b * n_heads + h, used)
+        if s < used:
+            part = (b * n_heads + h) * n_splits + s
+            tl.store(pm_ptr + part * (T * G) + rows, m_i, mask=row_ok)
+            tl.store(pl_ptr + part * (T * G) + rows, l_i, mask=row_ok)
+            tl.store(pacc_ptr + part * (T * G * D) + rows[:, None] * D + dd[None, :], acc,
+                     mask=row_ok[:, None] & d_ok[None, :])
     else:
         o = acc / tl.where(row_ok, l_i, 1.0)[:, None]           # pad rows: no 0 / 0
         tl.store(out_ptr + b * sob + t[:, None] * sot + qh[:, None] * soh + dd[None, :] * sod,
@@ -159,7 +165,7 @@ def _slot_attn_kernel(
 
 @triton.jit(do_not_specialize=["n_splits"])
 def _combine_kernel(
-    pacc_ptr, pm_ptr, pl_ptr, out_ptr, n_splits,
+    pacc_ptr, pm_ptr, pl_ptr, nu_ptr, out_ptr, n_splits,
     sob, sot, soh, sod,
     T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -173,14 +179,15 @@ def _combine_kernel(
     dd = tl.arange(0, BLOCK_D)
     ok = row_ok[:, None] & (dd < D)[None, :]
     base = (b * n_heads + h) * n_splits
+    used = tl.load(nu_ptr + b * n_heads + h)          # splits that read rows (the first ones)
 
     m_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    for s in range(n_splits):
+    for s in range(used):
         m_s = tl.load(pm_ptr + (base + s) * (T * G) + rows, mask=row_ok, other=-1.0e30)
         m_max = tl.maximum(m_max, m_s)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(n_splits):
+    for s in range(used):
         m_s = tl.load(pm_ptr + (base + s) * (T * G) + rows, mask=row_ok, other=-1.0e30)
         l_s = tl.load(pl_ptr + (base + s) * (T * G) + rows, mask=row_ok, other=0.0)
         a_s = tl.load(pacc_ptr + (base + s) * (T * G * D) + rows[:, None] * D + dd[None, :], mask=ok, other=0.0)
@@ -271,8 +278,9 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         pacc = torch.empty(B, Hkv, num_splits, T * G, D, dtype=torch.float32, device=q.device)
         pm = torch.empty(B, Hkv, num_splits, T * G, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
+        used = torch.empty(B, Hkv, dtype=torch.int32, device=q.device)
     else:
-        pacc = pm = pl = out        # unused: the kernel writes out directly
+        pacc = pm = pl = used = out        # unused: the kernel writes out directly
     # bool -> uint8 is a view (same bytes); unused pointers get any tensor.
     mask = tree_mask.view(torch.uint8) if tree else slots
     smask = tree_mask.stride() if tree else (0, 0, 0)
@@ -283,7 +291,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     pt = page_table if paged else slots
 
     _slot_attn_kernel[(B, Hkv, n_tiles * num_splits)](
-        q, k_cache, v_cache, slots, prefix_lens, mask, pos, out, pacc, pm, pl,
+        q, k_cache, v_cache, slots, prefix_lens, mask, pos, out, pacc, pm, pl, used,
         pt, T, num_splits, region, write_offset, window, scale * 1.4426950408889634,      # log2(e): exp2 domain
         slots.stride(0), prefix_lens.stride(0), pt.stride(0) if paged else 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *smask, *spos, *out.stride(),
@@ -295,7 +303,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     )
     if split:
         _combine_kernel[(B, Hkv)](
-            pacc, pm, pl, out, num_splits, *out.stride(),
+            pacc, pm, pl, used, out, num_splits, *out.stride(),
             T=T, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=4,
         )
     return out
