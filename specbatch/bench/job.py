@@ -187,7 +187,8 @@ def _log_point(p: dict[str, Any], log: Log) -> None:
         f"{p['cycles']} cycles), {100 * p['floor_fraction']:.0f}% of the floor, occupancy "
         f"{p['mean_occupancy']:.0f}/{p['slots']}")
     log("  prefill calls (s): " + " ".join(f"{t:.2f}" for t in p["prefill_call_s"]))
-    log(f"  cycles: GPU {p['cycles_gpu_s']:.1f} s (their own floors {p['cycles_floor_s']:.1f} s); GPU idle "
+    log(f"  cycles: GPU {p['cycles_gpu_s']:.1f} s (their own floors {p['cycles_floor_s']:.1f} s, GEMMs and "
+        f"attention in sequence {p['cycles_floor_in_sequence_s']:.1f} s); GPU idle "
         f"~{p['decode_s'] - p['cycles_gpu_s']:.1f} s; {p['prefill_calls']} prefill calls; graph capture in the job "
         f"{p['capture_in_job_s']:.1f} s; {p['alloc_retries']} allocator retries; drain {p['drain_cycles']} cycles under 1/8 full, {p['drain_wall_s']:.1f} s "
         f"(floor {p['drain_floor_s']:.1f} s)")
@@ -240,17 +241,22 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
 def cycle_split(engine: Engine, src: Source, bandwidth: float, rate: float) -> dict[str, float]:
     """Where decode time went: the cycles' GPU time (stage events), their shares of the wall
     clock (CycleTime.wall_ms), each cycle's own floor (weights + its rows' K/V at the bandwidth,
-    or one token per row's FLOPs); and the drain's part of each: cycles under 1/8 full."""
+    or one token per row's FLOPs); the same floor with the GEMMs and attention in sequence, as
+    the forward runs them (the larger of weight bytes and FLOPs, then the K/V bytes: at a few
+    hundred rows the GEMMs are compute-bound while attention reads K/V, and one kernel after the
+    other cannot overlap the two); and the drain's part of each: cycles under 1/8 full."""
     times = engine.cycle_times
     model = src.model
     dtype = model.lm_head.weight.dtype
     w_bytes, params = _weights(model)
     floors = [max((w_bytes + kv_bytes(model.cfg, dtype, c.context)) / bandwidth, 2 * params * c.batch / rate)
               for c in times]
+    in_sequence = [max(w_bytes / bandwidth, 2 * params * c.batch / rate) + kv_bytes(model.cfg, dtype, c.context) / bandwidth
+                   for c in times]
     drain = [i for i, c in enumerate(times) if c.batch * 8 < engine.num_slots]
     wall = sum(c.wall_ms for c in times) / 1e3
     return {"cycles_gpu_s": sum(c.draft_ms + c.verify_ms + c.extend_ms for c in times) / 1e3,
-            "cycles_wall_s": wall, "cycles_floor_s": sum(floors),
+            "cycles_wall_s": wall, "cycles_floor_s": sum(floors), "cycles_floor_in_sequence_s": sum(in_sequence),
             "drain_cycles": len(drain), "drain_wall_s": sum(times[i].wall_ms for i in drain) / 1e3,
             "drain_floor_s": sum(floors[i] for i in drain)}
 

@@ -224,6 +224,8 @@ def test_job_mode_runs_the_mix_end_to_end_against_its_floor(tiny_config, tmp_pat
         assert p["job_tokens_per_s"] > 0 and 0 < p["floor_fraction"] and p["floor_s"] > 0
         assert 0 < p["mean_occupancy"] <= 6 and p["prefill_forwards"] >= 1
         assert p["prefill_s"] + p["decode_s"] == pytest.approx(p["wall_s"])
+        # in sequence the GEMMs and attention cannot overlap: never below the overlapped floor
+        assert p["cycles_floor_in_sequence_s"] >= p["cycles_floor_s"] > 0
     assert van["accept_length"] == 1.0 and spec["accept_length"] > 1.5
     assert van["speedup_vs_vanilla"] == 1.0 and spec["speedup_vs_vanilla"] > 0
     # waves: far fewer prefill forwards than rows
