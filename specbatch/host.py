@@ -3,7 +3,9 @@
 `torch.tensor(values, device=cuda)` and a plain `.to(cuda)` copy synchronously: the host waits for
 every kernel already queued (a prefill forward, a cycle in flight) before it can queue the next
 one. A copy from pageable memory with non_blocking=True is staged by the driver before the call
-returns, so the source may be dropped at once and the copy stays stream-ordered.
+returns, so the source may be dropped at once and the copy stays stream-ordered (CUDA allows the
+driver to synchronise while staging; for lists this small it does not, measured on the H100:
+one short prompt's refill 9.2 -> 7.7 ms with the attention change beside it).
 """
 from __future__ import annotations
 

@@ -86,6 +86,7 @@ class SpecbatchPredictor:
         self.waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future, dict]] = {}
         self.lock = threading.Lock()
         self.next_row = 0
+        self.first_logged = False
         self.failure: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="specbatch-engine", daemon=True)
         self.thread.start()
@@ -142,7 +143,8 @@ class SpecbatchPredictor:
         if self.failure is not None:
             raise EngineFailure(str(self.failure))
         rows = batch.to_pylist() if hasattr(batch, "to_pylist") else pa.Table.from_pydict(batch).to_pylist()
-        if self.next_row == 0:          # how long Ray took to hand this actor its first rows
+        if rows and not self.first_logged:      # how long Ray took to hand this actor its first rows
+            self.first_logged = True
             print(f"specbatch: first rows at {_clock()}", flush=True)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
