@@ -33,14 +33,19 @@ BATCHES = [1, 8, 64]
 CONTEXTS = [1024, 4096]
 
 
+def planes(read_bytes: int, dev: torch.device) -> int:
+    """Layer planes to rotate over so that one graph replay reads ~3x the L2 cache from HBM."""
+    l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20)
+    return min(max(2, -(-3 * l2 // read_bytes)), 32)
+
+
 class Case:
     """A cache [2 * layers, B + 1, ctx + T, Hkv, D] with every slot full, and one query per layer."""
 
     def __init__(self, B: int, mode: str, T: int, ctx: int, dev: torch.device):
         self.B, self.T, self.ctx = B, T, ctx
         self.read_bytes = 2 * B * (ctx + T) * HKV * D * DTYPE.itemsize     # K and V, rows read
-        l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20)
-        self.layers = min(max(2, -(-3 * l2 // self.read_bytes)), 32)
+        self.layers = planes(self.read_bytes, dev)
         self.data = torch.randn(2 * self.layers, B + 1, ctx + T, HKV, D, device=dev, dtype=DTYPE)
         self.q = torch.randn(B, T, HQ, D, device=dev, dtype=DTYPE)
         self.out = torch.empty_like(self.q)
@@ -99,8 +104,7 @@ class PagedCase:
         self.read_bytes = 2 * rows * HKV * D * DTYPE.itemsize
         width = -(-int(ctx.max() + T) // self.P)
         pages = B * width + 1
-        l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20)
-        self.layers = min(max(2, -(-3 * l2 // self.read_bytes)), 32)
+        self.layers = planes(self.read_bytes, dev)
         self.data = torch.randn(2 * self.layers, pages, self.P, HKV, D, device=dev, dtype=DTYPE)
         self.table = (torch.randperm(pages - 1, generator=g)[:B * width] + 1).view(B, width).to(dev)
         self.q = torch.randn(B, T, HQ, D, device=dev, dtype=DTYPE)

@@ -16,8 +16,3 @@ import torch
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A (nested) host list as a tensor on `device`, queued behind the stream's work."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-
-def move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`, queued behind the stream's work."""
-    return t.to(device, non_blocking=True)

@@ -22,7 +22,6 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .host import move
 from .params import SamplingParams
 
 Row = tuple[SamplingParams, int]        # a request's params and its prompt length
@@ -101,7 +100,7 @@ class Processors:
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
-                setattr(self, f.name, move(v, device))
+                setattr(self, f.name, v.to(device, non_blocking=True))      # queued: host.py
         return self
 
     def copy_(self, src: "Processors") -> None:

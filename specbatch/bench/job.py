@@ -249,10 +249,9 @@ def cycle_split(engine: Engine, src: Source, bandwidth: float, rate: float) -> d
     model = src.model
     dtype = model.lm_head.weight.dtype
     w_bytes, params = _weights(model)
-    floors = [max((w_bytes + kv_bytes(model.cfg, dtype, c.context)) / bandwidth, 2 * params * c.batch / rate)
-              for c in times]
-    in_sequence = [max(w_bytes / bandwidth, 2 * params * c.batch / rate) + kv_bytes(model.cfg, dtype, c.context) / bandwidth
-                   for c in times]
+    kv = [kv_bytes(model.cfg, dtype, c.context) for c in times]
+    floors = [max((w_bytes + k) / bandwidth, 2 * params * c.batch / rate) for c, k in zip(times, kv)]
+    in_sequence = [max(w_bytes / bandwidth, 2 * params * c.batch / rate) + k / bandwidth for c, k in zip(times, kv)]
     drain = [i for i, c in enumerate(times) if c.batch * 8 < engine.num_slots]
     wall = sum(c.wall_ms for c in times) / 1e3
     return {"cycles_gpu_s": sum(c.draft_ms + c.verify_ms + c.extend_ms for c in times) / 1e3,
