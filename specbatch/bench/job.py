@@ -249,9 +249,12 @@ def cycle_split(engine: Engine, src: Source, bandwidth: float, rate: float) -> d
     model = src.model
     dtype = model.lm_head.weight.dtype
     w_bytes, params = _weights(model)
-    kv = [kv_bytes(model.cfg, dtype, c.context) for c in times]
-    floors = [max((w_bytes + k) / bandwidth, 2 * params * c.batch / rate) for c, k in zip(times, kv)]
-    in_sequence = [max(w_bytes / bandwidth, 2 * params * c.batch / rate) + k / bandwidth for c, k in zip(times, kv)]
+    w_s = w_bytes / bandwidth
+    kv_s = [kv_bytes(model.cfg, dtype, c.context) / bandwidth for c in times]
+    flops_s = [2 * params * c.batch / rate for c in times]
+    # the same terms in both sums, so in_sequence >= floors holds in floating point too
+    floors = [max(w_s + k, f) for k, f in zip(kv_s, flops_s)]
+    in_sequence = [max(w_s, f) + k for k, f in zip(kv_s, flops_s)]
     drain = [i for i, c in enumerate(times) if c.batch * 8 < engine.num_slots]
     wall = sum(c.wall_ms for c in times) / 1e3
     return {"cycles_gpu_s": sum(c.draft_ms + c.verify_ms + c.extend_ms for c in times) / 1e3,
