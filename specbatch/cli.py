@@ -113,6 +113,7 @@ def run(
     output_format: str = typer.Option("auto", help="native | openai (OpenAI Batch output lines, JSONL) | auto: openai for OpenAI batch input written to .jsonl."),
     bucket: int = typer.Option(0, min=0, help="Length-bucketing window: admit similar prompt lengths together (0 = FIFO)."),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs: run every cycle eagerly (the reference path)."),
+    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Prompts that begin alike share the KV pages of their common prefix, and prefill skips it (default; the same outputs, up to the rounding batching already varies)."),
     stats_json: Optional[str] = typer.Option(None, help="Also write the run summary as JSON to this path."),
     fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop at the first bad row (exit 1), assembling the rows that finished."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Discard an existing specbatch output or unfinished parts instead of resuming."),
@@ -151,7 +152,8 @@ def run(
         output=output, limit=limit, prompt_column=prompt_column, id_column=id_column,
         keep_columns=[c.strip() for c in keep_columns.split(",") if c.strip()] if keep_columns else (),
         save_token_ids=save_token_ids, fail_fast=fail_fast, overwrite=overwrite, device=device,
-        bucket_window=bucket, eager=eager, output_format=output_format, gpus=gpus, workers=workers)
+        bucket_window=bucket, eager=eager, output_format=output_format, gpus=gpus, workers=workers,
+        prefix_caching=prefix_caching)
     view = ProgressView(err, quiet=quiet, every=progress_every)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
@@ -269,6 +271,7 @@ def bench(
     output_sigma: float = typer.Option(0.6, min=0.0, help="--job: lognormal sigma of output lengths."),
     output_max: int = typer.Option(768, min=1, help="--job: longest output (clip)."),
     slots: Optional[int] = typer.Option(None, min=1, help="--job: engine slots (default: the recipe's, else from memory)."),
+    shared_prefix: int = typer.Option(0, min=0, help="--job: every prompt begins with the same N tokens (an instruction all rows share), before its own lognormal part."),
 ) -> None:
     """Measure recipes over the same prompts at a sweep of batch sizes, against the memory-bandwidth
     floor; with --job, whole jobs on a length mix against the job's floor."""
@@ -299,7 +302,7 @@ def bench(
 
             mix = JobMix(requests=requests, prompt_median=prompt_median, prompt_sigma=prompt_sigma,
                          prompt_max=prompt_max, output_median=output_median, output_sigma=output_sigma,
-                         output_max=output_max, slots=slots)
+                         output_max=output_max, slots=slots, shared_prefix=shared_prefix)
             result = run_job_bench(opts, mix, log)
         else:
             result = run_bench(opts, log)

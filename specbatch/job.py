@@ -38,6 +38,7 @@ class JobOptions:
     gpus: str | None = None              # all | N | 0,1,...: one engine process per GPU
     workers: int | None = None           # engine processes on --device (CPU by default); 1 = in process
     output_format: str = "auto"          # native | openai (OpenAI Batch lines) | auto: openai for OpenAI batch input
+    prefix_caching: bool = True          # share the KV pages of prompts that begin alike
 
 
 def default_output(input_path: str) -> str:
@@ -156,7 +157,8 @@ class _Runner:
         # --gpus always means one engine process per GPU (a 1-GPU box runs the machinery an 8-GPU box
         # runs); --workers 1 (the default) runs the engine in this process.
         if len(devices) > 1 or opts.gpus is not None:
-            self.pool = WorkerPool(recipe, devices, eager=opts.eager, bucket=opts.bucket_window)
+            self.pool = WorkerPool(recipe, devices, eager=opts.eager, bucket=opts.bucket_window,
+                                   prefix_caching=opts.prefix_caching)
             first = self.pool.wait_ready()
             self.device, self.max_len = ",".join(devices), first["max_model_len"]
             self.capture_s = max(w.get("capture_s", 0.0) for w in self.pool.per_worker())
@@ -164,7 +166,7 @@ class _Runner:
             from .llm import LLM
 
             self.llm = LLM(recipe=recipe, device=opts.device, eager=opts.eager,
-                           bucket=opts.bucket_window)
+                           bucket=opts.bucket_window, enable_prefix_caching=opts.prefix_caching)
             eng = self.llm.engine
             self.device, self.max_len, self.capture_s = str(eng.device), eng.max_len, eng.capture_seconds
 
@@ -190,6 +192,8 @@ class _Runner:
                         not self.pool.eager, capture_s=self.capture_s, workers=per,
                         tokens_per_target_forward=tokens / max(forwards, 1),
                         waited_for_pages=sum(w.get("waited_for_pages", 0) for w in per),
+                        prompt_tokens_admitted=sum(w.get("prompt_tokens_admitted", 0) for w in per),
+                        prompt_tokens_cached=sum(w.get("prompt_tokens_cached", 0) for w in per),
                         kv_rows=min((w.get("kv_rows", 0) for w in per), default=0),
                         peak_memory_bytes=max((w.get("peak_memory_bytes", 0) for w in per), default=0),
                         verify_widths=dict(sorted(widths.items())))

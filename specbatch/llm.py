@@ -81,7 +81,7 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, recipe: str | Recipe = "vanilla", *,
                  draft: str | Path | None = None, device: str | None = None, eager: bool = False,
-                 bucket: int = 0, **overrides: Any):
+                 bucket: int = 0, enable_prefix_caching: bool = True, **overrides: Any):
         from .engine import Engine, EngineOptions      # torch is imported here, not at package import
 
         base = recipe if isinstance(recipe, Recipe) else load_recipe(str(recipe))
@@ -93,7 +93,7 @@ class LLM:
         r = self.recipe
         self.engine = Engine(self.model_dir, EngineOptions(
             batch_size=r.batch_size, max_model_len=r.max_model_len, dtype=r.dtype, device=device,
-            bucket_window=bucket, spec=spec, graphs=not eager))
+            bucket_window=bucket, spec=spec, graphs=not eager, prefix_caching=enable_prefix_caching))
 
     def sampling(self, params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
         """The recipe's sampling defaults with `params` applied (validated as recipe keys)."""

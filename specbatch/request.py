@@ -34,6 +34,7 @@ class Request:
     draft_tokens: int = 0               # draft tokens proposed
     accepted_tokens: int = 0            # draft tokens accepted
     histogram: list[int] = field(default_factory=list)   # histogram[i]: steps that accepted i drafts
+    cached_rows: int = 0                # leading prompt positions found in the KV pool (prefill skips them)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

@@ -42,6 +42,7 @@ class WorkerSpec:
     eager: bool
     bucket: int
     threads: int | None = None       # CPU: torch threads of this worker
+    prefix_caching: bool = True
 
 
 def devices_for(gpus: str | None, workers: int | None, device: str | None) -> list[str]:
@@ -99,7 +100,8 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
         from .llm import LLM
 
         t0 = time.perf_counter()
-        llm = LLM(recipe=spec.recipe, device=spec.device, eager=spec.eager, bucket=spec.bucket)
+        llm = LLM(recipe=spec.recipe, device=spec.device, eager=spec.eager, bucket=spec.bucket,
+                  enable_prefix_caching=spec.prefix_caching)
         eng = llm.engine
         outbox.send(("ready", wid, {"device": str(eng.device), "max_model_len": eng.max_len,
                                    "capture_s": eng.capture_seconds, "load_s": time.perf_counter() - t0,
@@ -165,7 +167,8 @@ class WorkerPool:
     """Engines in worker processes, one per device; `stream(rows)` yields their records in
     completion order, as `Engine.generate` does in process."""
 
-    def __init__(self, recipe: Recipe, devices: list[str], *, eager: bool = False, bucket: int = 0):
+    def __init__(self, recipe: Recipe, devices: list[str], *, eager: bool = False, bucket: int = 0,
+                 prefix_caching: bool = True):
         self.ctx = mp.get_context("spawn")
         threads = None
         if all(d == "cpu" for d in devices):
@@ -174,7 +177,8 @@ class WorkerPool:
         for wid, dev in enumerate(devices):
             inbox = self.ctx.Queue()
             reader, writer = self.ctx.Pipe(duplex=False)
-            spec = WorkerSpec(recipe=recipe, device=dev, eager=eager, bucket=bucket, threads=threads)
+            spec = WorkerSpec(recipe=recipe, device=dev, eager=eager, bucket=bucket, threads=threads,
+                              prefix_caching=prefix_caching)
             proc = self.ctx.Process(target=_worker, args=(wid, spec, os.getpid(), inbox, writer), daemon=True)
             proc.start()
             writer.close()                   # the child's copy is the only one: its death reads as EOF

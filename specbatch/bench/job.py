@@ -44,6 +44,7 @@ class JobMix:
     output_sigma: float = 0.6
     output_max: int = 768
     slots: int | None = None          # engine slots (None: the engine's default, from memory)
+    shared_prefix: int = 0            # tokens every prompt begins with (an instruction all rows share)
 
 
 def lognormal_lengths(n: int, median: int, sigma: float, most: int, gen: torch.Generator) -> list[int]:
@@ -81,8 +82,27 @@ def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> list[RowRequest]:
 
         texts = heldout_prefixes(src.tokenizer, n=mix.requests, prefix_tokens=max(p_lens), seed=1)
         prompts = [src.tokenizer(t["prompt"])["input_ids"][:n] for t, n in zip(texts, p_lens)]
+    if mix.shared_prefix:
+        head = torch.randint(0, vocab, (mix.shared_prefix,), generator=gen).tolist()
+        prompts = [head + p for p in prompts]
     return [RowRequest(row=i, id=i, prompt_token_ids=p, overrides={"max_tokens": o})
             for i, (p, o) in enumerate(zip(prompts, o_lens))]
+
+
+def distinct_prompt_tokens(prompts: list[list[int]]) -> int:
+    """Prompt tokens a job must prefill at least once: a token whose prefix another prompt
+    already brought (prefix caching at its best) counts once. Sorted, each prompt shares the
+    most with its neighbour, so the sum of neighbours' common prefixes is what repeats."""
+    ordered = sorted(prompts)
+    repeated = 0
+    for a, b in zip(ordered, ordered[1:]):
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        repeated += n
+    return sum(len(p) for p in prompts) - repeated
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 8192, iters: int = 10) -> float:
@@ -115,20 +135,22 @@ def _weights(model) -> tuple[int, float]:
 
 
 def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float, rate: float) -> dict[str, float]:
-    """Seconds the job cannot beat with plain decoding at `slots` sequences in flight."""
+    """Seconds the job cannot beat with plain decoding at `slots` sequences in flight (prefill:
+    each distinct prompt prefix once)."""
     model = src.model
     dtype = model.lm_head.weight.dtype
     w_bytes, params = _weights(model)
     prompt = sum(len(r.prompt_token_ids) for r in rows)
+    distinct = distinct_prompt_tokens([r.prompt_token_ids for r in rows])
     outputs = [r.overrides["max_tokens"] for r in rows]
     out_tokens = sum(outputs)
     # each output token reads its whole context once: sum over t < o of (p + t)
     ctx_rows = sum(o * len(r.prompt_token_ids) + o * (o - 1) / 2 for r, o in zip(rows, outputs))
     decode_bytes = math.ceil(out_tokens / slots) * w_bytes + kv_bytes(model.cfg, dtype, ctx_rows)
-    prefill_s = 2 * params * prompt / rate
+    prefill_s = 2 * params * distinct / rate
     decode_s = max(decode_bytes / bandwidth, 2 * params * out_tokens / rate)
     return {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s,
-            "prompt_tokens": prompt, "output_tokens": out_tokens}
+            "prompt_tokens": prompt, "distinct_prompt_tokens": distinct, "output_tokens": out_tokens}
 
 
 def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str, Any]:
@@ -185,7 +207,8 @@ def _log_point(p: dict[str, Any], log: Log) -> None:
     log(f"{p['recipe']}: {p['job_tokens_per_s']:.0f} tok/s, wall {p['wall_s']:.1f} s (prefill "
         f"{p['prefill_s']:.1f} s in {p['prefill_forwards']} forwards, decode {p['decode_s']:.1f} s, "
         f"{p['cycles']} cycles), {100 * p['floor_fraction']:.0f}% of the floor, occupancy "
-        f"{p['mean_occupancy']:.0f}/{p['slots']}")
+        f"{p['mean_occupancy']:.0f}/{p['slots']}"
+        + (f", {p['prompt_tokens_cached']:,} prompt tokens found in the pool" if p.get("prompt_tokens_cached") else ""))
     log("  prefill calls (s): " + " ".join(f"{t:.2f}" for t in p["prefill_call_s"]))
     log(f"  cycles: GPU {p['cycles_gpu_s']:.1f} s (their own floors {p['cycles_floor_s']:.1f} s, GEMMs and "
         f"attention in sequence {p['cycles_floor_in_sequence_s']:.1f} s); GPU idle "
@@ -198,6 +221,7 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
                  rate: float) -> dict[str, Any]:
     cuda = engine.device.type == "cuda"
     engine.reset_profile()
+    engine.reset_prefix_cache()               # the warm-up and an earlier order ran the same prompts
     engine.cycle.policy.used.clear()
     capture0 = engine.capture_seconds
     forwards0 = engine.prefill_forwards
@@ -220,11 +244,11 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
     return {
         "recipe": name, "slots": engine.num_slots, "pages": engine.num_pages, "page_size": engine.page_size,
         "wall_s": wall, "job_tokens_per_s": out / wall, "output_tokens": out,
-        "prompt_tokens": floor["prompt_tokens"],
+        "prompt_tokens": floor["prompt_tokens"], "distinct_prompt_tokens": floor["distinct_prompt_tokens"],
         "prefill_s": engine.prefill_s, "prefill_forwards": engine.prefill_forwards - forwards0,
         "decode_s": wall - engine.prefill_s, "cycles": len(engine.cycle_times),
         "mean_occupancy": statistics.fmean(engine.occupancy) if engine.occupancy else 0.0,
-        "admissions_waiting_for_pages": engine.waited,
+        "admissions_waiting_for_pages": engine.waited, "prompt_tokens_cached": engine.cached_tokens,
         "accept_length": out / max(steps + len(recs), 1) if steps else 1.0,
         "floor_s": floor["total_s"], "floor_prefill_s": floor["prefill_s"], "floor_decode_s": floor["decode_s"],
         "floor_tokens_per_s": out / floor["total_s"], "floor_fraction": floor["total_s"] / wall,
@@ -265,11 +289,12 @@ def cycle_split(engine: Engine, src: Source, bandwidth: float, rate: float) -> d
 
 def job_markdown(result: dict[str, Any]) -> str:
     meta, mix = result["meta"], result["meta"]["mix"]
+    shared = f"every prompt begins with the same {mix['shared_prefix']} tokens · " if mix.get("shared_prefix") else ""
     lines = [f"# specbatch bench --job: {meta['model']} on {meta['device']}, {meta['acceptance']}", "",
              f"{meta.get('date', '')} · {meta['dtype']} · {meta['requests']} requests · prompts lognormal "
              f"median {mix['prompt_median']} sigma {mix['prompt_sigma']} max {mix['prompt_max']} · outputs "
              f"median {mix['output_median']} sigma {mix['output_sigma']} max {mix['output_max']} (EOS ignored) · "
-             f"copy {meta['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s · matmul "
+             f"{shared}copy {meta['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s · matmul "
              f"{meta['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", ""]
     if meta.get("command"):
         lines += [f"`{meta['command']}`", ""]

@@ -181,6 +181,7 @@ def _measure(engine: Engine, prompts: list[list[int]], opts: BenchOptions, max_b
         torch.cuda.synchronize(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
     engine.cycle_times.clear()
+    engine.reset_prefix_cache()               # earlier points ran the same prompts
     torch.manual_seed(opts.seed)              # simulated acceptance draws from the default generator
     t0 = time.perf_counter()
     recs = list(engine.generate(rows, defaults))

@@ -28,7 +28,7 @@ from ..models.mtp import MTPLayer
 from ..prompts import load_tokenizer
 from ..request import Request, StopChecker
 from ..runtime.kv_cache import PagedKVCache
-from ..runtime.pages import PageAllocator
+from ..runtime.pages import Grant, PageAllocator
 from ..params import SamplingParams
 from ..scheduler import SlotScheduler
 from ..speculative.drafter import Drafter
@@ -59,6 +59,7 @@ class EngineOptions:
                                          # (adaptive.py; None: on CUDA; off: every cycle verifies it all)
     simulate_acceptance: tuple[float, ...] | None = None   # bench only: per-position acceptance
     overlap: bool = True                 # launch cycle k + 1 before the host commits cycle k
+    prefix_caching: bool = True          # share the K/V pages of prompts that begin alike
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -149,6 +150,12 @@ class Engine:
         self.prefill_calls = 0
         self.occupancy: list[int] = []       # active slots per cycle when profiling
         self.waited = 0                      # admissions a request waited for pages
+        # prefix caching: requests start from the pages of earlier prompts that began alike, when
+        # the drafter's prompt state lives in those pages too; prefill rows start on a page and a row
+        self.prefix_caching = opts.prefix_caching and self.drafter.shares_prompt_pages
+        self._prefix_align = math.lcm(self.page_size, self.prefiller.C)
+        self.prompt_tokens = 0               # prompt tokens admitted
+        self.cached_tokens = 0               # ... of them found in the pool (prefill skipped them)
 
     @property
     def capture_seconds(self) -> float:
@@ -167,9 +174,11 @@ class Engine:
         return self.cycle.tokens_emitted + self.prefiller.tokens_emitted
 
     def pool_facts(self) -> dict[str, int]:
-        """The KV pool as planned: slots, pages, rows a page, and the rows requests may reserve."""
+        """The KV pool as planned: slots, pages, rows a page, and the rows requests may reserve;
+        and the prompt tokens admitted, and how many of them prefix caching found in the pool."""
         return {"slots": self.num_slots, "kv_pages": self.num_pages, "kv_page_rows": self.page_size,
-                "kv_rows": self.pages.usable * self.page_size}
+                "kv_rows": self.pages.usable * self.page_size,
+                "prompt_tokens_admitted": self.prompt_tokens, "prompt_tokens_cached": self.cached_tokens}
 
     @property
     def prefill_forwards(self) -> int:
@@ -254,20 +263,29 @@ class Engine:
                 pending = None
 
     def _admit(self, sched: SlotScheduler) -> Slotted:
-        """Queued requests into free slots, in order, while their pages fit (reserved here)."""
-        budget = [self.pages.free_pages]
+        """Queued requests into free slots, in order, while their pages fit (granted here, in
+        the order prefill packs them: a page a request finds indexed is written by then, by an
+        earlier forward or earlier rows of the same one)."""
+        grants: dict[int, Grant] = {}
 
         def fits(req: Request) -> bool:
-            n = self.pages.pages_for(self._rows_needed(req))
-            if n > budget[0]:
+            prompt = req.prompt_ids if self.prefix_caching else None
+            # prompt logprobs need every prompt position's logits (one choice computes them)
+            reuse = req.params.prompt_logprobs is None or req.choice > 0
+            g = self.pages.grant(self._rows_needed(req), prompt, reuse=reuse, align=self._prefix_align)
+            if g is None:
                 return False
-            budget[0] -= n
+            grants[id(req)] = g
             return True
 
         admitted = sched.admit(fits=fits)
         if sched.queued() and len(admitted) < len(sched.free_slots()) + len(admitted):
             self.waited += 1
-        self.pages.reserve([(slot, self._rows_needed(req)) for slot, req in admitted])
+        self.pages.assign([(slot, grants[id(req)]) for slot, req in admitted])
+        for _, req in admitted:
+            req.cached_rows = grants[id(req)].cached_rows
+            self.prompt_tokens += len(req.prompt_ids)
+            self.cached_tokens += req.cached_rows
         return admitted
 
     def _release(self, sched: SlotScheduler, finished: Slotted) -> Iterator[dict[str, Any]]:
@@ -307,7 +325,11 @@ class Engine:
         self._prefill_clock.clear()
         self.cycle_times.clear()
         self.occupancy.clear()
-        self.waited = self.prefill_calls = 0
+        self.waited = self.prefill_calls = self.prompt_tokens = self.cached_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every prompt page no request holds (a benchmark's next run starts cold)."""
+        self.pages.drop_idle()
 
     def _target(self, ids: torch.Tensor, meta: AttnMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The target forward: (final-normed hidden, the states the drafter reads)."""

@@ -9,7 +9,8 @@ query tile of the attention kernel, so the kernel does the same work as on a who
 
 Rows are packed in admission order up to `budget` tokens a forward; a prompt that does not fit
 continues in the next forward (chunked prefill: a long prompt never needs a forward of its
-length). Prompts whose last row ran get their first token sampled (processors, logprobs), their
+length). A prompt whose leading pages another prompt wrote (prefix caching, runtime/pages.py)
+starts at the first row past them, as a continued prompt does. Prompts whose last row ran get their first token sampled (processors, logprobs), their
 prompt logprobs, and the drafter's catch-up (speculative.drafter.PromptRows).
 """
 from __future__ import annotations
@@ -70,7 +71,7 @@ def pack(admitted: Slotted, budget: int, C: int) -> list[list[Part]]:
     used = 0
     for slot, req in admitted:
         n = math.ceil(len(req.prompt_ids) / C)
-        j = 0
+        j = req.cached_rows // C                # rows of a prefix already in the pool (a whole number)
         while j < n:
             take = min(n - j, cap - used)
             cur.append(Part(slot, req, j, j + take, j + take == n))
@@ -94,6 +95,7 @@ class Prefiller:
         self.C = chunk_tokens(cfg.num_heads, cfg.num_kv_heads)
         self.device = state.lens.device
         self.forwards = 0
+        self.rows_run = 0                    # prompt rows of C tokens the forwards computed
         self.tokens_emitted = 0
         self.graphs: GraphRunner | None = None
         if graphs and self.device.type == "cuda":
@@ -151,6 +153,7 @@ class Prefiller:
         """Host-built [R, C] ids and their PromptRows, copied to the device."""
         C = self.C
         R = sum(p.end - p.start for p in parts)
+        self.rows_run += R
         ids = torch.zeros(R * C, dtype=torch.int64)
         nxt = torch.zeros(R * C, dtype=torch.int64)
         slots, prefix, out_cols = [], [], []

@@ -5,12 +5,29 @@ the drafts' scratch rows), so a running request never waits for memory and none 
 it; a request that does not fit waits until finished ones give their pages back. Page 0 is a
 trash page: table entries past a slot's reservation point at it (never read unmasked; the
 padding of a prompt's last prefill row may write there).
+
+Prefix caching (prefix_index.py): a request's leading prompt pages may be pages another request
+wrote, counted by reference; nothing writes a shared page again (its positions come before the
+prompt's last token, and a request writes only from there on). A finished request's indexed pages
+stay readable, idle, until a new page is needed and none is free: then the least recently idle
+one is taken.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
 from .kv_cache import PageLayout
+from .prefix_index import PrefixIndex
+
+
+@dataclass
+class Grant:
+    """Pages given to one request: its table row, and how many leading rows it found written."""
+    pages: list[int]
+    cached_rows: int = 0
 
 
 class PageAllocator:
@@ -23,6 +40,9 @@ class PageAllocator:
         self.layout = PageLayout(num_pages, page_size,
                                  torch.zeros(num_slots + 1, pages_per_slot, dtype=torch.int32, device=device))
         self._free = list(range(num_pages - 1, 0, -1))          # pop() hands out low pages first
+        self._refs = [0] * num_pages
+        self._idle: OrderedDict[int, None] = OrderedDict()     # indexed pages no request holds, oldest first
+        self.index = PrefixIndex(page_size)
         self._owned: dict[int, list[int]] = {}
         self.dummy_slot = num_slots
         self.reserve([(self.dummy_slot, dummy_rows)])           # pad rows write there every cycle
@@ -33,31 +53,83 @@ class PageAllocator:
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages a request may take now: free ones and idle indexed ones."""
+        return len(self._free) + len(self._idle)
 
     def fits(self, rows: int) -> bool:
-        return self.pages_for(rows) <= len(self._free)
+        return self.pages_for(rows) <= self.free_pages
 
-    def reserve(self, wants: list[tuple[int, int]]) -> None:
-        """Give each (slot, rows) the pages for `rows` cache rows and write their table rows
-        (one host -> device copy for the lot)."""
-        if not wants:
+    def grant(self, rows: int, prompt: list[int] | None = None, *, reuse: bool = True,
+              align: int = 1) -> Grant | None:
+        """Pages for `rows` cache rows, or None when they do not fit now. `prompt`: index this
+        request's prompt pages for later requests and, with `reuse`, start with the pages already
+        holding its leading tokens (a whole number of `align` rows of them)."""
+        n = self.pages_for(rows)
+        if n > self.pages_per_slot:
+            raise RuntimeError(f"{rows} rows need {n} pages ({self.pages_per_slot} per slot at most)")
+        hits = self.index.match(prompt) if prompt is not None and reuse else []
+        step = max(1, align // self.page_size)                 # align is a multiple of page_size
+        hits = hits[: min(len(hits), n) // step * step]
+        revived = sum(1 for p in hits if self._refs[p] == 0)
+        if n - len(hits) + revived > self.free_pages:
+            return None
+        for p in hits:
+            if self._refs[p] == 0:
+                del self._idle[p]
+            self._refs[p] += 1
+        pages = hits + [self._take() for _ in range(n - len(hits))]
+        if prompt is not None:
+            self.index.register(prompt, pages)
+        return Grant(pages, len(hits) * self.page_size)
+
+    def _take(self) -> int:
+        if self._free:
+            page = self._free.pop()
+        else:
+            page, _ = self._idle.popitem(last=False)
+            self.index.forget(page)
+        self._refs[page] = 1
+        return page
+
+    def assign(self, grants: list[tuple[int, Grant]]) -> None:
+        """Write each (slot, grant)'s table row (one host -> device copy for the lot)."""
+        if not grants:
             return
-        table = torch.zeros(len(wants), self.pages_per_slot, dtype=torch.int32)
-        for i, (slot, rows) in enumerate(wants):
-            n = self.pages_for(rows)
-            if n > self.pages_per_slot or n > len(self._free):
-                raise RuntimeError(f"slot {slot}: {rows} rows need {n} pages "
-                                   f"({len(self._free)} free, {self.pages_per_slot} per slot at most)")
+        table = torch.zeros(len(grants), self.pages_per_slot, dtype=torch.int32)
+        for i, (slot, g) in enumerate(grants):
             if slot in self._owned:
                 raise RuntimeError(f"slot {slot} already holds pages")
-            pages = [self._free.pop() for _ in range(n)]
-            self._owned[slot] = pages
-            table[i, :n] = torch.tensor(pages, dtype=torch.int32)
-        slots = torch.tensor([s for s, _ in wants], dtype=torch.int64)
+            self._owned[slot] = g.pages
+            table[i, : len(g.pages)] = torch.tensor(g.pages, dtype=torch.int32)
+        slots = torch.tensor([s for s, _ in grants], dtype=torch.int64)
         dev = self.layout.page_table.device
         self.layout.page_table[slots.to(dev)] = table.to(dev, non_blocking=True)
 
+    def reserve(self, wants: list[tuple[int, int]]) -> None:
+        """Give each (slot, rows) fresh pages for `rows` cache rows (no prefix sharing)."""
+        grants = []
+        for slot, rows in wants:
+            g = self.grant(rows)
+            if g is None:
+                raise RuntimeError(f"slot {slot}: {rows} rows need {self.pages_for(rows)} pages "
+                                   f"({self.free_pages} free)")
+            grants.append((slot, g))
+        self.assign(grants)
+
+    def drop_idle(self) -> None:
+        """Idle indexed pages back to the free list, their entries forgotten."""
+        while self._idle:
+            page, _ = self._idle.popitem(last=False)
+            self.index.forget(page)
+            self._free.append(page)
+
     def release(self, slot: int) -> None:
-        """Return a finished slot's pages (its table row is rewritten at its next reservation)."""
-        self._free.extend(reversed(self._owned.pop(slot, [])))
+        """Return a finished slot's pages (its table row is rewritten at its next reservation):
+        a page no request holds goes back to the free list, or, indexed, stays readable (idle)."""
+        for page in reversed(self._owned.pop(slot, [])):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if self.index.holds(page):
+                    self._idle[page] = None
+                else:
+                    self._free.append(page)

@@ -75,6 +75,9 @@ class Drafter:
     reads_final_hidden: bool = False          # ... or the target's final-normed hidden state (MTP)
     graphable: bool = True                    # propose/extend are pure tensor work (CUDA graphs)
     scratch_rows: int = 0                     # cache rows past a slot's committed length it writes
+    # whatever prefill gives it of a prompt's positions lives in the engine's pages (or nowhere),
+    # so a request may skip the rows of a prompt prefix another request wrote (prefix caching)
+    shares_prompt_pages: bool = False
 
     def prefill(self, rows: PromptRows, captured: list[torch.Tensor], first_tokens: torch.Tensor) -> None:
         """Catch up on the prompt rows the target just prefilled (captured: its states, [R, C, H]),
@@ -94,3 +97,5 @@ class Drafter:
 
 class NoDrafter(Drafter):
     """Vanilla decoding: one target forward per emitted token."""
+
+    shares_prompt_pages = True

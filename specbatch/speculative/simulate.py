@@ -90,8 +90,8 @@ class PlantedChain(Drafter):
     def __init__(self, inner: Drafter):
         self.inner = inner
         for name in ("num_draft_tokens", "max_depth", "capture_layers", "reads_final_hidden", "graphable",
-                     "scratch_rows"):
-            setattr(self, name, getattr(inner, name))
+                     "scratch_rows", "shares_prompt_pages"):
+            setattr(self, name, getattr(inner, name, getattr(Drafter, name)))   # the base class: its default
         self._shape: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
 
     def __getattr__(self, name: str):

@@ -233,6 +233,30 @@ def test_job_mode_runs_the_mix_end_to_end_against_its_floor(tiny_config, tmp_pat
     assert "| vanilla |" in (out / "job.md").read_text()
 
 
+def test_job_mode_with_a_shared_prefix_counts_it_once_in_the_floor(tiny_config, tmp_path):
+    """--shared-prefix N: every prompt begins with the same N tokens; prefix caching finds them
+    (the warm-up's and an earlier order's pages are forgotten first) and the floor's prefill
+    counts each distinct prompt prefix once."""
+    from specbatch.bench.job import distinct_prompt_tokens
+
+    assert distinct_prompt_tokens([[1, 2, 3], [1, 2, 4, 5], [1, 2, 3], [7]]) == 3 + 2 + 0 + 1
+    out = tmp_path / "job"
+    r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "--requests", "10", "--prompt-median", "12", "--prompt-max", "30",
+                                 "--output-median", "4", "--output-max", "8", "--slots", "4", "--device", "cpu",
+                                 "--eager", "--shared-prefix", "140", "--arrival-order-too", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "job.json").read_text())
+    assert res["meta"]["mix"]["shared_prefix"] == 140
+    for p in res["points"]:
+        assert p["distinct_prompt_tokens"] <= p["prompt_tokens"] - 9 * 140
+        # rows of C tokens past 140 shared ones: each of the 9 later prompts skips at least one,
+        # the same in both orders (a cold pool each time)
+        assert p["prompt_tokens_cached"] >= 9 * 64
+    assert res["points"][0]["prompt_tokens_cached"] == res["points"][1]["prompt_tokens_cached"]
+    assert "the same 140 tokens" in (out / "job.md").read_text()
+
+
 def test_job_mode_measures_input_order_admission_on_the_same_engine(tiny_config, tmp_path):
     """--arrival-order-too: each recipe runs the mix admitting in input order, then longest
     max_tokens first (as runs do); same tokens, and longest first needs no more decode cycles."""

@@ -85,3 +85,24 @@ def test_loading_in_bfloat16_never_holds_float32_weights(tiny_model):
     assert next(model.parameters()).dtype == torch.bfloat16
     largest = max(p.numel() * p.element_size() for p in model.parameters())   # one tensor in flight
     assert torch.cuda.max_memory_allocated() - base < weights + largest + (1 << 20)
+
+
+def test_cuda_prefix_caching_gives_the_tokens_of_a_full_prefill(tiny_model):
+    """Prompts sharing prefixes on the Triton kernels (64-row pages): later prompts start past
+    the shared pages, in captured and eager prefill forwards, within a wave and across waves;
+    their tokens equal those without prefix caching and the CPU's."""
+    g = torch.Generator().manual_seed(11)
+    head = torch.randint(1, 320, (192,), generator=g).tolist()
+    rows = [RowRequest(row=i, id=str(i), prompt_token_ids=head[: 192 - 64 * (i % 3)] +
+                       torch.randint(1, 320, (1 + 5 * i,), generator=g).tolist()) for i in range(9)]
+    outs, cached = {}, {}
+    for device, caching, graphs, slots in (("cuda", True, True, 9), ("cuda", True, True, 3), ("cuda", True, False, 3),
+                                           ("cuda", False, True, 3), ("cpu", False, False, 3)):
+        eng = Engine(tiny_model, EngineOptions(batch_size=slots, device=device, dtype="float32", graphs=graphs,
+                                               prefix_caching=caching))
+        recs = eng.generate(rows, SamplingDefaults(max_tokens=8, ignore_eos=True))
+        key = (device, caching, graphs, slots)
+        outs[key] = [r["output_token_ids"] for r in sorted(recs, key=lambda r: r["row"])]
+        cached[key] = eng.cached_tokens
+    assert len({str(o) for o in outs.values()}) == 1, outs
+    assert all(n >= 6 * 64 for k, n in cached.items() if k[1]) and cached["cuda", False, True, 3] == 0

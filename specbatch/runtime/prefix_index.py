@@ -1,0 +1,68 @@
+"""Prompt pages by content, so requests whose prompts begin alike share those pages' K/V.
+
+Page k of a prompt (positions [kP, (k+1)P)) is indexed by its parent page's entry and the tokens
+it holds plus the one after it: a draft layer's row i reads the token at i + 1 (layer_drafter.py),
+so a page is only the same page when that token matches too. Only pages whose positions all come
+before the prompt's last token are indexed: the last token's row (its logits, the drafter's row
+with the first generated token) is always computed. Keys hold the tokens themselves, so a hit is
+exact equality, never a hash collision. Entries are numbered, never reused: when a page is
+evicted its children can no longer be reached (they wait, idle, for their own eviction).
+"""
+from __future__ import annotations
+
+ROOT = 0
+
+
+class PrefixIndex:
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self._page: dict[tuple[int, tuple[int, ...]], int] = {}    # (parent entry, tokens) -> page
+        self._entry: dict[int, tuple[int, tuple[int, tuple[int, ...]]]] = {}     # page -> (entry, its key)
+        self._next = ROOT + 1
+
+    def shareable(self, length: int) -> int:
+        """Pages of a prompt of `length` tokens that may be indexed: those ending before its last token."""
+        return max(0, (length - 1) // self.page_size)
+
+    def _key(self, tokens: list[int], k: int, parent: int) -> tuple[int, tuple[int, ...]]:
+        P = self.page_size
+        return parent, tuple(tokens[k * P: (k + 1) * P + 1])
+
+    def match(self, tokens: list[int]) -> list[int]:
+        """The pages holding this prompt's leading pages, in order (stops at the first miss)."""
+        pages: list[int] = []
+        parent = ROOT
+        for k in range(self.shareable(len(tokens))):
+            page = self._page.get(self._key(tokens, k, parent))
+            if page is None:
+                break
+            pages.append(page)
+            parent = self._entry[page][0]
+        return pages
+
+    def register(self, tokens: list[int], pages: list[int]) -> None:
+        """Index the prompt's shareable pages as `pages` (the request's own, in order), keeping an
+        entry already there for the same content."""
+        parent = ROOT
+        for k in range(min(self.shareable(len(tokens)), len(pages))):
+            key = self._key(tokens, k, parent)
+            page = self._page.get(key)
+            if page is None:
+                page = pages[k]
+                if page in self._entry:          # already indexed under other content: stop here
+                    return
+                self._page[key] = page
+                self._entry[page] = (self._next, key)
+                self._next += 1
+            parent = self._entry[page][0]
+
+    def holds(self, page: int) -> bool:
+        return page in self._entry
+
+    def forget(self, page: int) -> None:
+        """The page is about to be rewritten: drop its entry (its children become unreachable)."""
+        _, key = self._entry.pop(page)
+        del self._page[key]
+
+    def __len__(self) -> int:
+        return len(self._entry)
