@@ -211,10 +211,20 @@ class Engine:
 
         Admission comes in waves: once a share of the slots is free (or nothing runs, or the
         queue is that short), every queued request whose pages fit is admitted and prefilled in
-        a few large forwards, rather than a forward for each slot that frees up."""
+        a few large forwards, rather than a forward for each slot that frees up. A caller that
+        stops reading early leaves the engine as it found it, ready for the next call."""
         sched: SlotScheduler[Request] = SlotScheduler(
             self.num_slots, bucket_window=self.opts.bucket_window,
             priority=(lambda r: r.max_new) if self.opts.longest_first else None)
+        try:
+            yield from self._job(sched, items, defaults)
+        finally:
+            if sched.active():                   # stopped midway: its requests' pages, some never written
+                self.pages.reset()
+
+    def _job(self, sched: SlotScheduler, items: Iterable[RowRequest | RowError],
+             defaults: SamplingParams) -> Iterator[dict[str, Any]]:
+        """The job loop of `generate`."""
         source = iter(items)
         lookahead = max(2 * self.num_slots, self.opts.bucket_window)
         wave = max(1, math.ceil(self.opts.wave * self.num_slots))

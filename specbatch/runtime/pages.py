@@ -116,6 +116,13 @@ class PageAllocator:
             grants.append((slot, g))
         self.assign(grants)
 
+    def reset(self) -> None:
+        """Every request's pages back and the index emptied (a job stopped midway: pages it was
+        granted may never have been written)."""
+        for slot in [s for s in self._owned if s != self.dummy_slot]:
+            self.release(slot)
+        self.drop_idle()
+
     def drop_idle(self) -> None:
         """Idle indexed pages back to the free list, their entries forgotten."""
         while self._idle:

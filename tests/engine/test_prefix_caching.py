@@ -203,3 +203,24 @@ def test_the_library_and_ray_take_vllms_flag(tiny_model):
 
     assert LLM(model=tiny_model, device="cpu").engine.prefix_caching
     assert not LLM(model=tiny_model, device="cpu", enable_prefix_caching=False).engine.prefix_caching
+
+
+@pytest.mark.parametrize("algo", ["vanilla", "eagle3"])
+def test_a_stream_stopped_midway_leaves_the_engine_ready(algo):
+    """A caller that stops reading (breaks out of LLM.stream) leaves requests whose pages were
+    granted, some indexed before their prefill ran: the next call starts from an empty pool and
+    index, and writes what a fresh engine writes (it raised 'slot already holds pages' before)."""
+    from specbatch.resolve import DEMO_DIR
+
+    target = DEMO_DIR / "target"
+    spec = {} if algo == "vanilla" else dict(spec=SpecConfig(algo, 3, 1, 4, draft=str(DEMO_DIR / algo), drafter=algo))
+    rows = _shared_rows(10, prefix=180, seed=13)
+    fresh, want = _generate(target, rows, batch_size=4, **spec)
+    eng = Engine(target, EngineOptions(device="cpu", dtype="float32", batch_size=4, **spec))
+    stream = eng.generate(rows, SamplingDefaults(ignore_eos=True))
+    next(stream)
+    stream.close()
+    assert eng.pages.free_pages == eng.pages.usable and len(eng.pages.index) == 0
+    got = sorted(eng.generate(rows, SamplingDefaults(ignore_eos=True)), key=lambda r: r["row"])
+    assert _tokens(got) == _tokens(want)
+    assert [r["spec"]["accepted_tokens"] for r in got] == [r["spec"]["accepted_tokens"] for r in want]
