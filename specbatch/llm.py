@@ -108,6 +108,11 @@ class LLM:
         """Output records (dicts, as `specbatch run` writes them) in completion order, streaming `rows`."""
         return self.engine.generate(rows, self.sampling(params))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prompt pages earlier calls left in the KV pool (as vLLM's LLM.reset_prefix_cache):
+        the next call prefills every prompt in full, e.g. to time it cold."""
+        self.engine.reset_prefix_cache()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Mapping[str, Any] | None = None) -> list[Completion]:
         """One Completion per prompt, in the order given. A prompt that cannot run (too long,

@@ -201,8 +201,16 @@ def test_the_library_and_ray_take_vllms_flag(tiny_model):
     """LLM(..., enable_prefix_caching=False), as vLLM spells it: also what Ray's engine_kwargs pass."""
     from specbatch.llm import LLM
 
-    assert LLM(model=tiny_model, device="cpu").engine.prefix_caching
+    llm = LLM(model=tiny_model, device="cpu", max_tokens=2)
+    assert llm.engine.prefix_caching
     assert not LLM(model=tiny_model, device="cpu", enable_prefix_caching=False).engine.prefix_caching
+    prompt = {"prompt_token_ids": list(range(1, 140))}
+    llm.generate([prompt])
+    llm.generate([prompt])
+    assert llm.engine.cached_tokens == 128                    # the second call found the first's pages
+    llm.reset_prefix_cache()
+    llm.generate([prompt])
+    assert llm.engine.cached_tokens == 128                    # ... and after the reset, nothing
 
 
 @pytest.mark.parametrize("algo", ["vanilla", "eagle3"])
