@@ -40,8 +40,15 @@ def _env() -> dict:
             "COLUMNS": "300"}
 
 
+def _default_sigint() -> None:
+    # a suite started in the background (`cmd &` in a script) ignores SIGINT, and children inherit
+    # that: the run under test must see Ctrl-C as a terminal would deliver it
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)
 
 
 def _finish(p: subprocess.Popen) -> subprocess.CompletedProcess:
