@@ -115,10 +115,10 @@ def print_summary(err: Console, s: dict[str, Any]) -> None:
         pool = f" (KV pool: {s['kv_rows']:,} rows)" if s.get("kv_rows") else ""
         rows.append(("waited for KV pages", f"{s['waited_for_pages']} admissions left rows queued until pages freed{pool}"))
     if s.get("prompt_tokens_cached"):                 # prefix caching: prefill skipped these
-        share = s["prompt_tokens_cached"] / max(s.get("prompt_tokens_admitted") or 1, 1)
-        rows.append(("prefix cache", f"{s['prompt_tokens_cached']:,} of {s.get('prompt_tokens_admitted', 0):,} "
-                                     f"prompt tokens admitted found in the KV pool ({100 * share:.0f}%; a row's n choices each count "
-                                     "its prompt): not prefilled again"))
+        cached, admitted = s["prompt_tokens_cached"], s["prompt_tokens_admitted"]
+        rows.append(("prefix cache", f"{cached:,} of {admitted:,} prompt tokens admitted found in the KV pool "
+                                     f"({100 * cached / admitted:.0f}%; a row's n choices each count its prompt): "
+                                     "not prefilled again"))
     if len(s.get("verify_widths") or {}) > 1:         # adaptive: how many draft nodes the cycles verified
         rows.append(("verify widths", ", ".join(f"{w} nodes: {n} cycles" for w, n in s["verify_widths"].items())))
     for k, v in rows:

@@ -16,6 +16,7 @@ several tokens, so it can pass 100% of this floor; plain decoding cannot.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -94,14 +95,7 @@ def distinct_prompt_tokens(prompts: list[list[int]]) -> int:
     already brought (prefix caching at its best) counts once. Sorted, each prompt shares the
     most with its neighbour, so the sum of neighbours' common prefixes is what repeats."""
     ordered = sorted(prompts)
-    repeated = 0
-    for a, b in zip(ordered, ordered[1:]):
-        n = 0
-        for x, y in zip(a, b):
-            if x != y:
-                break
-            n += 1
-        repeated += n
+    repeated = sum(len(os.path.commonprefix([a, b])) for a, b in zip(ordered, ordered[1:]))
     return sum(len(p) for p in prompts) - repeated
 
 

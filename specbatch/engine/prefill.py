@@ -10,8 +10,9 @@ query tile of the attention kernel, so the kernel does the same work as on a who
 Rows are packed in admission order up to `budget` tokens a forward; a prompt that does not fit
 continues in the next forward (chunked prefill: a long prompt never needs a forward of its
 length). A prompt whose leading pages another prompt wrote (prefix caching, runtime/pages.py)
-starts at the first row past them, as a continued prompt does. Prompts whose last row ran get their first token sampled (processors, logprobs), their
-prompt logprobs, and the drafter's catch-up (speculative.drafter.PromptRows).
+starts at the first row past them, as a continued prompt does. Prompts whose last row ran get
+their first token sampled (processors, logprobs), their prompt logprobs, and the drafter's
+catch-up (speculative.drafter.PromptRows).
 """
 from __future__ import annotations
 

@@ -56,9 +56,6 @@ class PageAllocator:
         """Pages a request may take now: free ones and idle indexed ones."""
         return len(self._free) + len(self._idle)
 
-    def fits(self, rows: int) -> bool:
-        return self.pages_for(rows) <= self.free_pages
-
     def grant(self, rows: int, prompt: list[int] | None = None, *, reuse: bool = True,
               align: int = 1) -> Grant | None:
         """Pages for `rows` cache rows, or None when they do not fit now. `prompt`: index this
