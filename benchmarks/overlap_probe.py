@@ -47,6 +47,19 @@ def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
     return g
 
 
+def capture_on(fn: Callable[[], None], stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """Capture fn on `stream` (a green context's: its kernels keep that context's SMs)."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
 def timed(launch: Callable[[], None], reps: int) -> float:
     """Median ms of launch() between two events on the current stream (launch joins its streams)."""
     launch()
@@ -116,6 +129,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192, help="prefill tokens per forward")
     ap.add_argument("--sms", default="16,24,32,48,64", help="SM counts to give attention")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--width", type=int, default=1, help="new tokens per decode row (verify width)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -140,7 +154,7 @@ def main() -> None:
             torch.mm(x, wg.t(), out=gu)
             torch.mm(gu[:, :INTER], wd.t(), out=o)
 
-    case = PagedCase(args.rows, 1, dev)
+    case = PagedCase(args.rows, args.width, dev)
 
     def cycles() -> None:
         for c in range(args.cycles):
@@ -153,22 +167,39 @@ def main() -> None:
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
     t_gemm = timed(g_gemm.replay, args.reps)
     t_attn = timed(g_attn.replay, args.reps)
-    print(f"gemm alone {t_gemm:7.1f} ms ({flops / t_gemm / 1e9:.0f} TFLOP/s, {flops / rate / t_gemm:.0%} of matmul); "
-          f"attn alone {t_attn:7.1f} ms ({kv / t_attn / 1e9:.0f} GB/s, {kv / bw / t_attn:.0%} of copy)")
+    print(f"gemm alone {t_gemm:7.1f} ms ({flops / t_gemm / 1e9:.0f} TFLOP/s, {flops / rate / t_gemm * 1e3:.0%} of matmul); "
+          f"attn alone {t_attn:7.1f} ms ({kv / t_attn / 1e6:.0f} GB/s, {kv / bw / t_attn * 1e3:.0%} of copy)")
     print(f"in sequence {t_gemm + t_attn:7.1f} ms; ideal (the larger) {max(t_gemm, t_attn):7.1f} ms")
     t_two = timed(lambda: together([(s1, g_gemm.replay), (s2, g_attn.replay)]), args.reps)
     print(f"two streams (attention at high priority) {t_two:7.1f} ms")
 
     try:
         import torch.cuda.green_contexts as gc      # torch's own: attention on n SMs, GEMMs on all
+        keep = []                                    # a green context lives as long as its object
         for n in (int(v) for v in args.sms.split(",")):
-            a = gc.GreenContext.create(num_sms=n, device_id=dev.index or 0).Stream()
+            ctx = gc.GreenContext.create(num_sms=n, device_id=dev.index or 0)
+            keep.append(ctx)
+            a = ctx.Stream()
             ta = timed(lambda: together([(a, g_attn.replay)]), args.reps)
             tt = timed(lambda: together([(s1, g_gemm.replay), (a, g_attn.replay)]), args.reps)
             print(f"torch green context: attention on {n} SMs alone {ta:7.1f} ms, beside the GEMMs "
                   f"on all SMs {tt:7.1f} ms ({(t_gemm + t_attn) / tt:.2f}x the sequence)")
     except Exception as e:                           # noqa: BLE001 - a probe: say why, go on
         print(f"torch green contexts: {type(e).__name__}: {e}")
+        torch.cuda.synchronize()
+    try:                                             # cuBLASLt leaves n SMs to the attention
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        for n in (int(v) for v in args.sms.split(",")):
+            torch._C._set_sm_carveout_experimental(n)
+            g_c = capture(forward)
+            torch._C._set_sm_carveout_experimental(None)
+            tg = timed(g_c.replay, args.reps)
+            tt = timed(lambda: together([(s1, g_c.replay), (s2, g_attn.replay)]), args.reps)
+            print(f"cuBLASLt carveout {n} SMs: GEMMs alone {tg:7.1f} ms, beside attention {tt:7.1f} ms "
+                  f"({(t_gemm + t_attn) / tt:.2f}x the sequence)")
+        torch.backends.cuda.preferred_blas_library("default")
+    except Exception as e:                           # noqa: BLE001
+        print(f"carveout: {type(e).__name__}: {e}")
         torch.cuda.synchronize()
     try:
         drv = Driver(dev.index or 0)
@@ -178,11 +209,14 @@ def main() -> None:
     print(f"{'attn SMs':>8s} {'gemm SMs':>8s} {'attn alone':>10s} {'gemm alone':>10s} {'ideal':>7s} "
           f"{'together':>8s} {'vs seq':>7s}")
     # graphs replayed into green-context streams; where the driver refuses that, eager launches
-    for label, attn_fn, gemm_fn in (("graphs", g_attn.replay, g_gemm.replay), ("eager", cycles, forward)):
+    for label in ("graphs captured on the green streams", "eager"):
         print(label)
         for n in (int(v) for v in args.sms.split(",")):
             try:
                 a, g, na, ng = drv.split(n)
+                attn_fn, gemm_fn = cycles, forward
+                if label != "eager":
+                    attn_fn, gemm_fn = capture_on(cycles, a).replay, capture_on(forward, g).replay
                 ta = timed(lambda: together([(a, attn_fn)]), args.reps)
                 tg = timed(lambda: together([(g, gemm_fn)]), args.reps)
                 tt = timed(lambda: together([(g, gemm_fn), (a, attn_fn)]), args.reps)

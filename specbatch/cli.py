@@ -263,6 +263,7 @@ def bench(
     job: bool = typer.Option(False, "--job", help="Whole-job mode: every recipe runs one length mix end to end, against the job's floor."),
     fixed_width: bool = typer.Option(False, "--fixed-width", help="--job: every cycle verifies the recipe's whole proposal (default: greedy cycles verify the prefix that pays best, as runs do; steady state always verifies it all)."),
     arrival_order_too: bool = typer.Option(False, "--arrival-order-too", help="--job: also run each recipe admitting rows in input order (default admission: longest max_tokens first, as runs do), on the same engine."),
+    every_size_too: bool = typer.Option(False, "--every-size-too", help="--job: also run each recipe replaying the smallest captured graph size that holds the batch (default: the fastest size that holds it, timed at capture), on the same engine."),
     requests: int = typer.Option(1024, min=1, help="--job: rows in the mix."),
     prompt_median: int = typer.Option(256, min=1, help="--job: median prompt tokens (lognormal)."),
     prompt_sigma: float = typer.Option(0.8, min=0.0, help="--job: lognormal sigma of prompt lengths."),
@@ -294,7 +295,7 @@ def bench(
             batch_sizes=parse_list(batch_sizes, int, "--batch-sizes") if batch_sizes else None,
             prompt_len=prompt_len, prompts=prompts, max_tokens=max_tokens, dtype=dtype, device=device,
             graphs=not eager, separate_graphs=separate_graphs, hf=not no_hf, hf_max_batch=hf_max_batch, max_model_len=max_model_len,
-            fixed_width=fixed_width, arrival_order_too=arrival_order_too,
+            fixed_width=fixed_width, arrival_order_too=arrival_order_too, every_size_too=every_size_too,
             simulate_acceptance=parse_list(simulate_acceptance, float, "--simulate-acceptance")
             if simulate_acceptance else None)
         if job:

@@ -149,6 +149,8 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
 
 def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str, Any]:
     device = resolve_device(opts.device)
+    if opts.every_size_too and not (opts.graphs and device.type == "cuda"):
+        raise BenchError("--every-size-too compares CUDA graph sizes: it needs a CUDA device and no --eager")
     recipes = [load_recipe(r) for r in opts.recipes]
     src = load_source(opts, device)
     rows = job_rows(mix, opts, src)
@@ -178,10 +180,13 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
         try:
             engine = build_engine(eopts, src, head)
             list(engine.generate(rows[:8], SamplingDefaults(max_tokens=4, ignore_eos=True, temperature=0.0, repetition_penalty=1.0)))     # warm-up
-            # the same engine admitting in input order first, then as runs do (longest first)
-            for order in (("arrival", False), ("longest", True)) if opts.arrival_order_too else (("longest", True),):
-                engine.opts.longest_first = order[1]
-                name = recipe.name if order[1] else f"{recipe.name} (input order)"
+            # one engine: input order (--arrival-order-too), as runs do, replaying every size (--every-size-too)
+            runs = [(False, True)] * opts.arrival_order_too + [(True, True)] + [(True, False)] * opts.every_size_too
+            for longest_first, timed_sizes in runs:
+                engine.opts.longest_first = longest_first
+                if engine.graphs is not None:
+                    engine.graphs.route_by_time = timed_sizes
+                name = recipe.name + ("" if longest_first else " (input order)") + ("" if timed_sizes else " (every size)")
                 points.append(_measure_job(engine, rows, name, src, bandwidth, rate))
                 _log_point(points[-1], log)
         except Exception as e:                          # noqa: BLE001 - recorded, the next recipe runs
@@ -208,7 +213,8 @@ def _log_point(p: dict[str, Any], log: Log) -> None:
         f"attention in sequence {p['cycles_floor_in_sequence_s']:.1f} s); GPU idle "
         f"~{p['decode_s'] - p['cycles_gpu_s']:.1f} s; {p['prefill_calls']} prefill calls; graph capture in the job "
         f"{p['capture_in_job_s']:.1f} s; {p['alloc_retries']} allocator retries; drain {p['drain_cycles']} cycles under 1/8 full, {p['drain_wall_s']:.1f} s "
-        f"(floor {p['drain_floor_s']:.1f} s)")
+        f"(floor {p['drain_floor_s']:.1f} s)"
+        + "".join(f"; width {w} skips sizes {sizes}" for w, sizes in p.get("graph_sizes_skipped", {}).items() if sizes))
 
 
 def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source, bandwidth: float,
@@ -252,6 +258,9 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
         "capture_s": engine.capture_seconds, "capture_in_job_s": engine.capture_seconds - capture0,
         "prefill_calls": engine.prefill_calls, "prefill_call_s": engine.prefill_call_s,
         "verify_widths": {int(w): n for w, n in sorted(engine.cycle.policy.used.items())},   # width -> cycles
+        # width -> captured sizes skipped: their batches replayed a larger graph that was faster
+        "graph_sizes_skipped": {int(v[1]): engine.graphs.skipped(v) for v in engine.graphs.replay_ms}
+        if engine.graphs is not None and engine.graphs.route_by_time else {},
         **cycle_split(engine, src, bandwidth, rate),
     }
 

@@ -118,7 +118,8 @@ class SpecCycle:
 
     def __init__(self, model, cache, drafter: Drafter, state: SlotState, stops: StopChecker,
                  target: Callable, *, acceptor: Acceptor = exact_acceptance, max_len: int,
-                 graphs: bool, fused: bool, profile: bool, adaptive: bool = True):
+                 graphs: bool, fused: bool, profile: bool, adaptive: bool = True,
+                 time_sizes: bool = True):
         self.model, self.cache, self.drafter, self.state, self.stops = model, cache, drafter, state, stops
         self.target, self.acceptor = target, acceptor
         self.device = state.lens.device
@@ -139,7 +140,8 @@ class SpecCycle:
             self.graphs = GraphRunner(self._static_batch, groups, self.sizes)
             with torch.inference_mode():
                 for width in self.policy.widths:
-                    self.graphs.capture_all((_GREEDY, width))
+                    # each width's sizes timed: a batch replays the fastest size that holds it
+                    self.graphs.capture_all((_GREEDY, width), time_sizes=time_sizes)
 
     @property
     def times(self) -> list[CycleTime]:
@@ -157,7 +159,8 @@ class SpecCycle:
         the rows it writes: prompt + max_tokens + headroom)."""
         t0 = time.perf_counter()
         context = sum(self.state.seq_lens[s] for s, _ in active) if self.timer.enabled else 0
-        bucket = padded_size(self.sizes, len(active))      # the graph size it replays (eager: would)
+        # the policy's key for this many rows (the graph replayed may be a larger, faster size)
+        bucket = padded_size(self.sizes, len(active))
         b, stages = self._stages(active, bucket)
         clock = [self.now()]                 # after any graph capture: the policy times the cycle itself
         marks = []

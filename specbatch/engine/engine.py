@@ -53,6 +53,7 @@ class EngineOptions:
     kv_rows: int | None = None           # KV pool capacity in rows (None: what memory allows)
     spec: SpecConfig = SpecConfig()      # the drafter (vanilla: none)
     graphs: bool = True                  # CUDA graphs for the cycle and small prefills on CUDA (False: --eager)
+    time_graph_sizes: bool = True        # a batch replays the fastest captured size that holds it (graphs.py)
     fused: bool | None = None            # the cycle as ONE graph (None: the recipe's choice, naive_2token)
     profile: bool = False                # record per-cycle stage timings and prefill time
     adaptive: bool | None = None         # greedy batches verify the proposal prefix that pays best
@@ -140,7 +141,7 @@ class Engine:
         self.fused = opts.spec.fused if opts.fused is None else opts.fused
         self.cycle = SpecCycle(self.model, self.cache, self.drafter, self.state, self.stops, self._target,
                                acceptor=acceptor, max_len=self.max_len, graphs=opts.graphs,
-                               fused=self.fused, profile=opts.profile,
+                               fused=self.fused, profile=opts.profile, time_sizes=opts.time_graph_sizes,
                                adaptive=self.device.type == "cuda" if opts.adaptive is None else opts.adaptive)
         self.rows = RowConverter(self.tokenizer, self.cfg, self.max_len, self.stops, self.model_defaults)
         self.prefiller = Prefiller(self.model, self._target, self.drafter, self.state, self.stops,

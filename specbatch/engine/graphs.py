@@ -5,6 +5,11 @@ into the graphs to capture, and a factory of static batches (input buffers: slot
 parameters). Each (padded batch size, sampling variant) gets one graph per group, captured
 largest batch first with one shared memory pool. A smaller batch replays the next captured size;
 its pad rows point at the dummy slot. Nothing here knows what the stages compute.
+
+Sizes a batch may replay: a GEMM's speed does not grow smoothly with its rows (cuBLAS picks its
+kernel per shape; on an H100 at Llama-3.1-8B shapes, 448 rows take 14.4 ms of GEMMs where 512
+take 10.5 ms), so once a variant's sizes are captured they can be timed, replayed with pad rows
+only, and a size that a larger one beats is skipped: its batches replay the larger graph.
 """
 from __future__ import annotations
 
@@ -36,6 +41,17 @@ def padded_size(sizes: list[int], rows: int) -> int:
     return sizes[i]
 
 
+def fastest_sizes(ms: dict[int, float], margin: float = 0.03) -> list[int]:
+    """The sizes worth replaying, from each size's replay time: a size is skipped where a larger
+    one replays more than `margin` faster (its batches fit there too, and finish sooner)."""
+    kept, best = [], float("inf")
+    for size in sorted(ms, reverse=True):
+        if ms[size] * (1 - margin) <= best:
+            kept.append(size)
+        best = min(best, ms[size])
+    return sorted(kept)
+
+
 @contextlib.contextmanager
 def _no_collection():
     """Collect garbage now, and none while capturing: an unreachable engine of an earlier job
@@ -64,21 +80,34 @@ class GraphRunner:
     make_batch: Callable[[int, Hashable], Any]   # (padded size, variant) -> static batch
     groups: list[list[Stage]]                    # stage functions, one list per graph
     sizes: list[int]
-    capture_seconds: float = 0.0
+    capture_seconds: float = 0.0                 # capturing, and timing the sizes
     _pool: Any = None
     _graphs: dict[tuple[int, Hashable], Captured] = field(default_factory=dict)
+    replay_ms: dict[Hashable, dict[int, float]] = field(default_factory=dict)   # variant -> size -> ms
+    _route: dict[Hashable, list[int]] = field(default_factory=dict)             # variant -> sizes kept
+    route_by_time: bool = True                   # False: the smallest captured size (bench A/B)
 
-    def capture_all(self, variant: Hashable) -> None:
+    def capture_all(self, variant: Hashable, time_sizes: bool = False) -> None:
+        """Capture every size of `variant`; with `time_sizes`, time each and keep the fastest."""
         with _no_collection():
             for size in sorted(self.sizes, reverse=True):
                 self._capture(size, variant)
+        if time_sizes:
+            t0 = time.perf_counter()
+            ms = self.replay_ms[variant] = {size: self._replay_ms(size, variant) for size in self.sizes}
+            self._route[variant] = fastest_sizes(ms)
+            self.capture_seconds += time.perf_counter() - t0
 
-    def padded(self, rows: int) -> int:
-        return padded_size(self.sizes, rows)
+    def skipped(self, variant: Hashable) -> list[int]:
+        """The captured sizes `variant`'s batches skip (a larger size replays faster)."""
+        return sorted(set(self.sizes) - set(self._route.get(variant, self.sizes)))
+
+    def padded(self, rows: int, variant: Hashable = None) -> int:
+        return padded_size(self._route.get(variant, self.sizes) if self.route_by_time else self.sizes, rows)
 
     def get(self, rows: int, variant: Hashable) -> Captured:
         """The graphs for `rows` active rows (captured now if this variant was not used yet)."""
-        key = (self.padded(rows), variant)
+        key = (self.padded(rows, variant), variant)
         if key in self._graphs:
             return self._graphs[key]
         with _no_collection():
@@ -114,3 +143,19 @@ class GraphRunner:
         captured = self._graphs[(size, variant)] = Captured(batch, graphs)
         self.capture_seconds += time.perf_counter() - t0
         return captured
+
+    def _replay_ms(self, size: int, variant: Hashable, reps: int = 5) -> float:
+        """Median ms of one replay of a size's graphs, every row a pad row (the first replay,
+        slow, not counted). Pad rows write only the dummy slot, which every cycle resets."""
+        graphs = self._graphs[(size, variant)].graphs
+        out = []
+        for i in range(reps + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for g in graphs:
+                g.replay()
+            end.record()
+            end.synchronize()
+            if i:
+                out.append(start.elapsed_time(end))
+        return sorted(out)[len(out) // 2]

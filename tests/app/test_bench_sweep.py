@@ -274,6 +274,13 @@ def test_job_mode_measures_input_order_admission_on_the_same_engine(tiny_config,
     assert longest["speedup_vs_vanilla"] == 1.0
 
 
+def test_every_size_too_needs_cuda_graphs(tiny_config, tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "--requests", "4", "--device", "cpu", "--every-size-too", "--out", str(tmp_path)])
+    assert r.exit_code != 0
+    assert "--every-size-too" in r.output and "CUDA" in r.output
+
+
 def test_lognormal_mix_is_seeded_and_clipped():
     from specbatch.bench.job import lognormal_lengths
 

@@ -105,6 +105,35 @@ def test_graph_sizes_pad_to_the_next_capture(target_dir, eagle3_dir):
     assert int(eng.lens[eng.state.dummy]) == 0
 
 
+def test_every_width_times_its_sizes_and_keeps_the_largest(target_dir, eagle3_dir):
+    eng = Engine(target_dir, EngineOptions(batch_size=20, device="cuda", dtype="float32",
+                                           spec=_spec("eagle3_topk1", eagle3_dir), adaptive=True))
+    widths = eng.cycle.policy.widths
+    assert sorted(v[1] for v in eng.graphs.replay_ms) == widths
+    for variant, ms in eng.graphs.replay_ms.items():
+        assert sorted(ms) == eng.graphs.sizes and all(t > 0 for t in ms.values())
+        assert eng.graphs._route[variant][-1] == 20
+        assert set(eng.graphs.skipped(variant)) <= set(eng.graphs.sizes[:-1])
+
+
+@pytest.mark.parametrize("name", ["vanilla", "eagle3_topk1", "eagle3_tree"])
+def test_batches_routed_to_a_larger_size_give_the_same_tokens(name, target_dir, eagle3_dir):
+    """A size skipped for a faster larger one: its batches replay the larger graph with more pad
+    rows; forced here (only the largest size kept) against the smallest size that fits."""
+    spec = _spec(name, eagle3_dir)
+    ref, ref_spec, _ = _run(target_dir, spec, 10, graphs=True)
+    eng = Engine(target_dir, EngineOptions(batch_size=10, device="cuda", dtype="float32", spec=spec,
+                                           adaptive=False))
+    for variant in eng.graphs.replay_ms:
+        eng.graphs._route[variant] = [10]
+    replayed, padded = [], eng.graphs.padded
+    eng.graphs.padded = lambda rows, variant=None: replayed.append(padded(rows, variant)) or replayed[-1]
+    recs = sorted(eng.generate(_rows(), SamplingDefaults()), key=lambda r: r["row"])
+    assert [r["output_token_ids"] for r in recs] == ref
+    assert [r["spec"] for r in recs] == ref_spec
+    assert replayed and set(replayed) == {10}            # the batches of 1 to 9 rows too (the drain)
+
+
 def test_profile_records_stage_times(target_dir, eagle3_dir):
     eng = Engine(target_dir, EngineOptions(batch_size=4, device="cuda", dtype="float32",
                                            spec=_spec("eagle3_topk1", eagle3_dir), profile=True))

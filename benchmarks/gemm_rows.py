@@ -1,0 +1,65 @@
+"""How the decode and verify GEMMs' efficiency varies with their row count M (GPU only).
+
+    python benchmarks/gemm_rows.py [--rows 64,128,...]
+
+Llama-3.1-8B's four per-layer GEMMs (qkv, o, gate_up, down) at M rows, each captured as a CUDA
+graph of 32 layers (4 weight sets rotated, so weights come from HBM as in a forward), medians of
+replays. Per M: ms for the 32 layers, TFLOP/s, and the time against the floor
+max(weight bytes / copy bandwidth, FLOPs / matmul rate).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from specbatch.bench.floor import copy_bandwidth
+from specbatch.bench.job import matmul_rate
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+LAYERS, SETS = 32, 4
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="64,128,192,256,288,300,316,320,352,384,448,512,632,640,768,1024,1264,1280")
+    ap.add_argument("--reps", type=int, default=9)
+    args = ap.parse_args()
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    bw, rate = copy_bandwidth(dev), matmul_rate(dev, bf)
+    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}; copy {bw / 1e9:.0f} GB/s, "
+          f"matmul {rate / 1e12:.0f} TFLOP/s")
+    w = {k: [torch.randn(o, i, device=dev, dtype=bf) * 0.02 for _ in range(SETS)] for k, (o, i) in SHAPES.items()}
+    print(f"{'M':>5s} " + " ".join(f"{k + ' ms':>10s} {'%':>4s}" for k in SHAPES) + f" {'all ms':>8s} {'floor':>6s} {'%':>4s}")
+    for m in (int(v) for v in args.rows.split(",")):
+        row, total, floor_all = [], 0.0, 0.0
+        for k, (o, i) in SHAPES.items():
+            x = torch.randn(m, i, device=dev, dtype=bf)
+            y = torch.empty(m, o, device=dev, dtype=bf)
+
+            def run() -> None:
+                for layer in range(LAYERS):
+                    torch.mm(x, w[k][layer % SETS].t(), out=y)
+            run()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                run()
+            ts = []
+            for _ in range(args.reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                g.replay()
+                b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b))
+            t = statistics.median(ts)
+            floor = LAYERS * max(o * i * 2 / bw, 2 * m * o * i / rate) * 1e3
+            row.append(f"{t:10.3f} {floor / t:4.0%}")
+            total += t
+            floor_all += floor
+        print(f"{m:5d} " + " ".join(row) + f" {total:8.3f} {floor_all:6.2f} {floor_all / total:4.0%}")
+
+
+if __name__ == "__main__":
+    main()
