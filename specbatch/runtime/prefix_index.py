@@ -1,8 +1,9 @@
 """Prompt pages by content, so requests whose prompts begin alike share those pages' K/V.
 
 Page k of a prompt (positions [kP, (k+1)P)) is indexed by its parent page's entry and the tokens
-it holds plus the one after it: a draft layer's row i reads the token at i + 1 (layer_drafter.py),
-so a page is only the same page when that token matches too. Only pages whose positions all come
+it holds, plus the `lookahead` tokens after it where the page's rows depend on them: a draft
+layer's row i reads the token at i + 1 (layer_drafter.py), so with one the page is only the same
+page when that token matches too; the target's rows (vanilla) read none. Only pages whose positions all come
 before the prompt's last token are indexed: the last token's row (its logits, the drafter's row
 with the first generated token) is always computed. Keys hold the tokens themselves, so a hit is
 exact equality, never a hash collision. Entries are numbered, never reused: when a page is
@@ -14,8 +15,8 @@ ROOT = 0
 
 
 class PrefixIndex:
-    def __init__(self, page_size: int):
-        self.page_size = page_size
+    def __init__(self, page_size: int, lookahead: int = 1):
+        self.page_size, self.lookahead = page_size, lookahead
         self._page: dict[tuple[int, tuple[int, ...]], int] = {}    # (parent entry, tokens) -> page
         self._entry: dict[int, tuple[int, tuple[int, tuple[int, ...]]]] = {}     # page -> (entry, its key)
         self._next = ROOT + 1
@@ -26,7 +27,7 @@ class PrefixIndex:
 
     def _key(self, tokens: list[int], k: int, parent: int) -> tuple[int, tuple[int, ...]]:
         P = self.page_size
-        return parent, tuple(tokens[k * P: (k + 1) * P + 1])
+        return parent, tuple(tokens[k * P: (k + 1) * P + self.lookahead])
 
     def match(self, tokens: list[int]) -> list[int]:
         """The pages holding this prompt's leading pages, in order (stops at the first miss)."""

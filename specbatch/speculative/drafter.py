@@ -78,6 +78,9 @@ class Drafter:
     # whatever prefill gives it of a prompt's positions lives in the engine's pages (or nowhere),
     # so a request may skip the rows of a prompt prefix another request wrote (prefix caching)
     shares_prompt_pages: bool = False
+    # tokens past a page its rows of that page read (a draft layer's row i reads token i + 1): a
+    # page is shared only where those match too
+    prompt_page_lookahead: int = 1
 
     def prefill(self, rows: PromptRows, captured: list[torch.Tensor], first_tokens: torch.Tensor) -> None:
         """Catch up on the prompt rows the target just prefilled (captured: its states, [R, C, H]),
@@ -99,3 +102,4 @@ class NoDrafter(Drafter):
     """Vanilla decoding: one target forward per emitted token."""
 
     shares_prompt_pages = True
+    prompt_page_lookahead = 0                 # the target's K/V of a position reads no later token

@@ -34,6 +34,32 @@ def test_a_prompt_finds_the_pages_of_one_that_began_alike():
     assert gc.pages[:1] == ga.pages[:1] and gc.cached_rows == 4
     assert a.grant(16, A[:8] + [5] * 6, reuse=False).cached_rows == 0
     assert a.grant(16, A, align=8).cached_rows == 8            # whole prefill rows only: 3 pages -> 2
+    a = _alloc()
+    a.index.lookahead = 0                                     # no draft layer: the page's own tokens decide
+    a.assign([(0, a.grant(20, A))])
+    assert a.grant(16, C).cached_rows == 8
+
+
+def test_vanilla_shares_a_prefix_that_ends_on_a_page_whatever_follows_it(tiny_model):
+    """The target's K/V of a position reads no later token, so vanilla shares every page of a
+    common prefix; a draft layer's last row of a page reads the next token, so an EAGLE3 engine
+    shares a page only where that token matches too (here: one row of C = 64 tokens less)."""
+    from specbatch.resolve import DEMO_DIR
+
+    g = torch.Generator().manual_seed(11)
+    head = torch.randint(1, 200, (128,), generator=g).tolist()            # two rows of C, eight pages
+    rows = [RowRequest(row=i, id=i, prompt_token_ids=head + [200 + i] + torch.randint(1, 200, (9,), generator=g).tolist(),
+                       overrides={"max_tokens": 3}) for i in range(6)]
+    eng, got = _generate(tiny_model, rows, batch_size=6)
+    _, want = _generate(tiny_model, rows, batch_size=6, prefix_caching=False)
+    assert eng.pages.index.lookahead == 0 and _tokens(got) == _tokens(want)
+    assert eng.cached_tokens == 5 * 128
+    target = DEMO_DIR / "target"
+    spec = SpecConfig("eagle3", 3, 1, 4, draft=str(DEMO_DIR / "eagle3"), drafter="eagle3")
+    eng, got = _generate(target, rows, batch_size=6, spec=spec)
+    _, want = _generate(target, rows, batch_size=6)
+    assert eng.pages.index.lookahead == 1 and _tokens(got) == _tokens(want)
+    assert eng.cached_tokens == 5 * 64
 
 
 def test_idle_pages_stay_readable_until_a_new_page_needs_them():
