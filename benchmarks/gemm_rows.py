@@ -1,6 +1,6 @@
 """How the decode and verify GEMMs' efficiency varies with their row count M (GPU only).
 
-    python benchmarks/gemm_rows.py [--rows 64,128,...]
+    python benchmarks/gemm_rows.py [--rows 64,128,...] [--blas cublaslt]
 
 Llama-3.1-8B's four per-layer GEMMs (qkv, o, gate_up, down) at M rows, each captured as a CUDA
 graph of 32 layers (4 weight sets rotated, so weights come from HBM as in a forward), medians of
@@ -25,11 +25,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="64,128,192,256,288,300,316,320,352,384,448,512,632,640,768,1024,1264,1280")
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--blas", default="default", help="torch.backends.cuda.preferred_blas_library: default | cublas | cublaslt")
     args = ap.parse_args()
+    torch.backends.cuda.preferred_blas_library(args.blas)
     dev, bf = torch.device("cuda"), torch.bfloat16
     bw, rate = copy_bandwidth(dev), matmul_rate(dev, bf)
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}; copy {bw / 1e9:.0f} GB/s, "
-          f"matmul {rate / 1e12:.0f} TFLOP/s")
+          f"matmul {rate / 1e12:.0f} TFLOP/s; blas {args.blas}")
     w = {k: [torch.randn(o, i, device=dev, dtype=bf) * 0.02 for _ in range(SETS)] for k, (o, i) in SHAPES.items()}
     print(f"{'M':>5s} " + " ".join(f"{k + ' ms':>10s} {'%':>4s}" for k in SHAPES) + f" {'all ms':>8s} {'floor':>6s} {'%':>4s}")
     for m in (int(v) for v in args.rows.split(",")):

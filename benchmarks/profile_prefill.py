@@ -37,7 +37,8 @@ def main() -> None:
     target = random_target(BUILTIN["llama-3.1-8b"], torch.bfloat16, dev)
     rate = matmul_rate(dev, torch.bfloat16)
     params = weight_bytes(target) / 2
-    eng = Engine(None, EngineOptions(batch_size=64, max_model_len=2048, profile=True),
+    # every rep prefills the same prompts: without prefix caching, or later reps would skip them
+    eng = Engine(None, EngineOptions(batch_size=64, max_model_len=2048, profile=True, prefix_caching=False),
                  model=target, tokenizer=NullTokenizer())
     g = torch.Generator().manual_seed(0)
     sd = SamplingDefaults(max_tokens=1, ignore_eos=True, temperature=0.0)

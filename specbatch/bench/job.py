@@ -256,6 +256,7 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
         # the caching allocator freed its cache and retried a cudaMalloc (a device sync each)
         "alloc_retries": torch.cuda.memory_stats(engine.device).get("num_alloc_retries", 0) - retries0 if cuda else 0,
         "capture_s": engine.capture_seconds, "capture_in_job_s": engine.capture_seconds - capture0,
+        "graph_size_timing_s": engine.graphs.timing_seconds if engine.graphs is not None else 0.0,   # part of capture_s
         "prefill_calls": engine.prefill_calls, "prefill_call_s": engine.prefill_call_s,
         "verify_widths": {int(w): n for w, n in sorted(engine.cycle.policy.used.items())},   # width -> cycles
         # width -> captured sizes skipped: their batches replayed a larger graph that was faster

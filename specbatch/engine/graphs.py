@@ -81,6 +81,7 @@ class GraphRunner:
     groups: list[list[Stage]]                    # stage functions, one list per graph
     sizes: list[int]
     capture_seconds: float = 0.0                 # capturing, and timing the sizes
+    timing_seconds: float = 0.0                  # ... of it timing the sizes
     _pool: Any = None
     _graphs: dict[tuple[int, Hashable], Captured] = field(default_factory=dict)
     replay_ms: dict[Hashable, dict[int, float]] = field(default_factory=dict)   # variant -> size -> ms
@@ -96,6 +97,7 @@ class GraphRunner:
             t0 = time.perf_counter()
             ms = self.replay_ms[variant] = {size: self._replay_ms(size, variant) for size in self.sizes}
             self._route[variant] = fastest_sizes(ms)
+            self.timing_seconds += time.perf_counter() - t0
             self.capture_seconds += time.perf_counter() - t0
 
     def skipped(self, variant: Hashable) -> list[int]:
