@@ -146,7 +146,7 @@ class GraphRunner:
         self.capture_seconds += time.perf_counter() - t0
         return captured
 
-    def _replay_ms(self, size: int, variant: Hashable, reps: int = 5) -> float:
+    def _replay_ms(self, size: int, variant: Hashable, reps: int = 3) -> float:
         """Median ms of one replay of a size's graphs, every row a pad row (the first replay,
         slow, not counted). Pad rows write only the dummy slot, which every cycle resets."""
         graphs = self._graphs[(size, variant)].graphs
