@@ -40,7 +40,7 @@ class OracleDrafter(Drafter):
 
     graphable = False          # host-side lookups
 
-    def propose(self, slots, last_tokens, lens, kv_bound=None):
+    def propose(self, slots, last_tokens, lens, kv_bound=None, width=None):
         B, N = slots.shape[0], self.num_draft_tokens
         depth = self.max_depth
         rows = []

@@ -164,7 +164,7 @@ class LikelyTree(Drafter):
             self._memo[key] = self.guess(history).topk(self.w).indices.tolist()
         return self._memo[key]
 
-    def propose(self, slots, last_tokens, lens, kv_bound=None):
+    def propose(self, slots, last_tokens, lens, kv_bound=None, width=None):
         B, N = slots.shape[0], self.num_draft_tokens
         out = []
         for s in slots.tolist():

@@ -277,7 +277,7 @@ class SpecCycle:
     def _propose(self, b: Batch) -> None:
         """A tree of N nodes per slot, the root being the last emitted token."""
         b.lens = self.state.lens[b.slots]
-        b.prop = self.drafter.propose(b.slots, self.state.last[b.slots], b.lens, b.kv_bound)
+        b.prop = self.drafter.propose(b.slots, self.state.last[b.slots], b.lens, b.kv_bound, width=b.width)
 
     def _verify(self, b: Batch) -> None:
         """One target forward over every node, the acceptance walk, and the device half of

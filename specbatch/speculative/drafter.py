@@ -87,9 +87,11 @@ class Drafter:
         and on the first tokens [B] of the prompts that finished."""
 
     def propose(self, slots: torch.Tensor, last_tokens: torch.Tensor, lens: torch.Tensor,
-                kv_bound: int | None = None) -> Proposal:
+                kv_bound: int | None = None, width: int | None = None) -> Proposal:
         """Draft from each slot's state; lens [B] are committed lengths (the root sits at lens);
-        kv_bound >= max(lens), a host int (None: read from lens, a host sync)."""
+        kv_bound >= max(lens), a host int (None: read from lens, a host sync). width: the nodes
+        this cycle verifies (a prefix of the proposal; None: all N): a drafter may stop once it
+        has min(width, N) nodes, the first nodes of its full proposal."""
         parents, depths = chain(last_tokens.shape[0], 1, last_tokens.device)
         return Proposal(tokens=last_tokens[:, None], parents=parents, depths=depths, tree_mask=None)
 

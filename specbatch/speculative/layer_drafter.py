@@ -87,8 +87,11 @@ class LayerDrafter(Drafter):
 
     # ---- the draft loop ------------------------------------------------------------------------
 
-    def propose(self, slots, last_tokens, lens, kv_bound=None) -> Proposal:
+    def propose(self, slots, last_tokens, lens, kv_bound=None, width=None) -> Proposal:
         B, k, S = slots.shape[0], self.k, self.S
+        # a chain verified to `width` nodes needs width - 1 drafts, the first made by extend; a
+        # tree's nodes are chosen from every step's candidates, so it always drafts them all
+        steps = S if width is None or k > 1 else max(1, min(S, width - 1))
         dev = slots.device
         H = self.hidden.shape[1]
         beam_tok, beam_score = self.first_tokens[slots], self.first_logp[slots]        # [B, k]
@@ -99,7 +102,7 @@ class LayerDrafter(Drafter):
         anc = torch.zeros(B, k, (S - 1) * k, dtype=torch.bool, device=dev)
         kv_base = _bound(lens, kv_bound)
         eye = torch.eye(k, dtype=torch.bool, device=dev)
-        for s in range(1, S):
+        for s in range(1, steps):
             off = (s - 1) * k
             anc[:, :, off: off + k] |= eye
             meta = AttnMetadata(slots=slots, positions=(lens + s - 1)[:, None].expand(B, k),
@@ -112,7 +115,7 @@ class LayerDrafter(Drafter):
             toks.append(tok)
             scores.append(score)
             parents.append(beam_idx[:, :, None].expand(B, k, k).flatten(1))
-            if s < S - 1:
+            if s < steps - 1:
                 beam_score, best = score.topk(k, dim=1)
                 from_slot = best // k
                 beam_tok = tok.gather(1, best)
@@ -120,7 +123,7 @@ class LayerDrafter(Drafter):
                 beam_idx = k + (s - 1) * k * k + best
                 anc = anc.gather(1, from_slot[:, :, None].expand(-1, -1, anc.shape[2]))
         if k == 1:
-            p, d = chain(B, S + 1, dev)
+            p, d = chain(B, steps + 1, dev)
             return Proposal(tokens=torch.cat([last_tokens[:, None], *toks], dim=1), parents=p,
                             depths=d, tree_mask=None)
         tokens, p, d, mask = choose_tree(torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1),

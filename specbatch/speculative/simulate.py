@@ -103,8 +103,8 @@ class PlantedChain(Drafter):
     def extend(self, *args, **kw):
         return self.inner.extend(*args, **kw)
 
-    def propose(self, slots, last_tokens, lens, kv_bound=None) -> Proposal:
-        prop = self.inner.propose(slots, last_tokens, lens, kv_bound)
+    def propose(self, slots, last_tokens, lens, kv_bound=None, width=None) -> Proposal:
+        prop = self.inner.propose(slots, last_tokens, lens, kv_bound, width)
         if prop.tree_mask is None:
             return prop
         B, N = prop.tokens.shape

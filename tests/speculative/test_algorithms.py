@@ -114,7 +114,7 @@ class PromptLookup(Drafter):
                     return ext[L:]
         return [seq[-1]] * self.max_depth
 
-    def propose(self, slots, last_tokens, lens, kv_bound=None):
+    def propose(self, slots, last_tokens, lens, kv_bound=None, width=None):
         drafts = torch.tensor([self._drafts(self.seq[s]) for s in slots.tolist()],
                               dtype=torch.int64, device=slots.device)
         parents, depths = chain(slots.shape[0], self.num_draft_tokens, slots.device)

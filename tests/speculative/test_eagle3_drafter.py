@@ -198,6 +198,29 @@ def test_tree_proposal_layout_and_content(target, head_dir, S, k, N):
             assert max(dep) == S and sorted(dep).count(S) == k * k
 
 
+@pytest.mark.parametrize("width,nodes", [(1, 2), (2, 2), (3, 3), (4, 4), (5, 5), (9, 5)])
+def test_a_chain_verified_to_a_width_drafts_only_that_far(target, head_dir, width, nodes):
+    """A cycle verifying `width` nodes of a chain gets at least min(width, N) nodes, the first
+    ones of the full proposal, from width - 1 drafts (the first is made by extend)."""
+    S = 4
+    drafter, slots, lengths, first, _ = _prefilled(target, head_dir, S, 1, S + 1)
+    full = drafter.propose(slots, first, lengths)
+    calls = []
+    real = drafter.head.forward
+    drafter.head.forward = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    part = drafter.propose(slots, first, lengths, width=width)
+    assert part.tokens.shape == (2, nodes) and part.tree_mask is None
+    assert len(calls) == nodes - 2                               # head steps after the first draft
+    assert torch.equal(part.tokens, full.tokens[:, :nodes])
+    assert torch.equal(part.parents, full.parents[:, :nodes]) and torch.equal(part.depths, full.depths[:, :nodes])
+
+
+def test_a_tree_drafts_every_step_whatever_the_width(target, head_dir):
+    drafter, slots, lengths, first, _ = _prefilled(target, head_dir, 3, 2, 6)
+    full, part = drafter.propose(slots, first, lengths), drafter.propose(slots, first, lengths, width=2)
+    assert torch.equal(part.tokens, full.tokens) and torch.equal(part.tree_mask, full.tree_mask)
+
+
 def test_chain_proposal_equals_greedy_by_hand(target, head_dir):
     S = 3
     drafter, slots, lengths, first, feats = _prefilled(target, head_dir, S, 1, S + 1)

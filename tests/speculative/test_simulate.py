@@ -147,7 +147,7 @@ class _Shallow:
     """A drafter whose trees are wide and shallow, like random-weight eagle3_tree proposals."""
     num_draft_tokens, max_depth, capture_layers, reads_final_hidden, graphable, scratch_rows = 8, 5, (), False, True, 0
 
-    def propose(self, slots, last_tokens, lens, kv_bound=None):
+    def propose(self, slots, last_tokens, lens, kv_bound=None, width=None):
         return _tree([-1, 0, 0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 2, 2, 2], slots.shape[0])
 
 
