@@ -190,17 +190,20 @@ def main() -> None:
     try:                                             # cuBLASLt leaves n SMs to the attention
         torch.backends.cuda.preferred_blas_library("cublaslt")
         for n in (int(v) for v in args.sms.split(",")):
-            torch._C._set_sm_carveout_experimental(n)
-            g_c = capture(forward)
-            torch._C._set_sm_carveout_experimental(None)
+            try:
+                torch._C._set_sm_carveout_experimental(n)
+                g_c = capture(forward)
+            finally:
+                torch._C._set_sm_carveout_experimental(None)
             tg = timed(g_c.replay, args.reps)
             tt = timed(lambda: together([(s1, g_c.replay), (s2, g_attn.replay)]), args.reps)
             print(f"cuBLASLt carveout {n} SMs: GEMMs alone {tg:7.1f} ms, beside attention {tt:7.1f} ms "
                   f"({(t_gemm + t_attn) / tt:.2f}x the sequence)")
-        torch.backends.cuda.preferred_blas_library("default")
     except Exception as e:                           # noqa: BLE001
         print(f"carveout: {type(e).__name__}: {e}")
         torch.cuda.synchronize()
+    finally:                                         # the driver splits below run on the default
+        torch.backends.cuda.preferred_blas_library("default")
     try:
         drv = Driver(dev.index or 0)
     except Exception as e:                           # noqa: BLE001 - a probe: say why and stop

@@ -288,6 +288,12 @@ def bench(
     from .recipe import RecipeError
 
     log = lambda m: err.print(m, highlight=False, markup=False)      # noqa: E731
+    if not job:
+        asked = [flag for flag, on in (("--fixed-width", fixed_width), ("--arrival-order-too", arrival_order_too),
+                                       ("--every-size-too", every_size_too), ("--shared-prefix", shared_prefix > 0),
+                                       ("--slots", slots is not None)) if on]
+        if asked:
+            _fail(f"{asked[0]} applies to whole jobs only: add --job")
     try:
         opts = BenchOptions(
             recipes=tuple(recipe) if recipe else DEFAULT_RECIPES, model=model, draft=draft,

@@ -182,6 +182,9 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
             list(engine.generate(rows[:8], SamplingDefaults(max_tokens=4, ignore_eos=True, temperature=0.0, repetition_penalty=1.0)))     # warm-up
             # one engine: input order (--arrival-order-too), as runs do, replaying every size (--every-size-too)
             runs = [(False, True)] * opts.arrival_order_too + [(True, True)] + [(True, False)] * opts.every_size_too
+            if engine.graphs is None and opts.every_size_too:
+                log(f"{recipe.name}: its drafter runs without CUDA graphs: no every-size run")
+                runs = runs[:-1]
             for longest_first, timed_sizes in runs:
                 engine.opts.longest_first = longest_first
                 if engine.graphs is not None:
@@ -214,7 +217,8 @@ def _log_point(p: dict[str, Any], log: Log) -> None:
         f"~{p['decode_s'] - p['cycles_gpu_s']:.1f} s; {p['prefill_calls']} prefill calls; graph capture in the job "
         f"{p['capture_in_job_s']:.1f} s; {p['alloc_retries']} allocator retries; drain {p['drain_cycles']} cycles under 1/8 full, {p['drain_wall_s']:.1f} s "
         f"(floor {p['drain_floor_s']:.1f} s)"
-        + "".join(f"; width {w} skips sizes {sizes}" for w, sizes in p.get("graph_sizes_skipped", {}).items() if sizes))
+        + "".join(f"; width {w} replays " + ", ".join(f"{s} as {r}" for s, r in skipped.items())
+                  for w, skipped in p.get("graph_sizes_skipped", {}).items() if skipped))
 
 
 def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source, bandwidth: float,
@@ -222,7 +226,7 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
     cuda = engine.device.type == "cuda"
     engine.reset_profile()
     engine.reset_prefix_cache()               # the warm-up and an earlier order ran the same prompts
-    engine.cycle.policy.used.clear()
+    engine.cycle.policy.reset()               # each run learns its widths' rates as a fresh job does
     capture0 = engine.capture_seconds
     forwards0 = engine.prefill_forwards
     if cuda:
@@ -259,7 +263,7 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
         "graph_size_timing_s": engine.graphs.timing_seconds if engine.graphs is not None else 0.0,   # part of capture_s
         "prefill_calls": engine.prefill_calls, "prefill_call_s": engine.prefill_call_s,
         "verify_widths": {int(w): n for w, n in sorted(engine.cycle.policy.used.items())},   # width -> cycles
-        # width -> captured sizes skipped: their batches replayed a larger graph that was faster
+        # width -> {captured size skipped: the larger size its batches replayed, timed faster}
         "graph_sizes_skipped": {int(v[1]): engine.graphs.skipped(v) for v in engine.graphs.replay_ms}
         if engine.graphs is not None and engine.graphs.route_by_time else {},
         **cycle_split(engine, src, bandwidth, rate),

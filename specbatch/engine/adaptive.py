@@ -39,6 +39,10 @@ class WidthPolicy:
     def __init__(self, full: int, enabled: bool = True):
         self.full = full
         self.widths = candidate_widths(full) if enabled and full > 1 else [full]
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was measured (a new job on the same engine learns its own rates)."""
         self.emitted: dict[int, float] = {w: 0.0 for w in self.widths}   # width -> decayed tokens
         self.rows: dict[int, float] = {w: 0.0 for w in self.widths}      # width -> decayed rows
         self.seconds: dict[tuple[int, int], float] = {}        # (bucket, width) -> seconds per cycle

@@ -38,7 +38,7 @@ from .profile import CycleTime, StageTimer
 from ..runtime.kv_cache import compact_path
 from ..sampling import BatchSampling, SamplingParams
 from ..speculative.accept import Acceptance, accept
-from ..speculative.drafter import Drafter, Proposal
+from ..speculative.drafter import Drafter, Proposal, takes_width
 
 Slotted = list[tuple[int, Request]]
 # (tokens [B, N], parents [B, N], logits [B, N, V], sampling, lengths [B], max depth) -> Acceptance
@@ -130,6 +130,7 @@ class SpecCycle:
         self.tokens_emitted = 0
         self.forwards = 0
         self.policy = WidthPolicy(drafter.num_draft_tokens, enabled=adaptive)
+        self._propose_width = takes_width(drafter.propose)
         self.sizes = capture_sizes(len(state.seq_lens) - 1)
         self.graphs: GraphRunner | None = None
         if graphs and self.device.type == "cuda" and drafter.graphable:
@@ -277,7 +278,8 @@ class SpecCycle:
     def _propose(self, b: Batch) -> None:
         """A tree of N nodes per slot, the root being the last emitted token."""
         b.lens = self.state.lens[b.slots]
-        b.prop = self.drafter.propose(b.slots, self.state.last[b.slots], b.lens, b.kv_bound, width=b.width)
+        width = {"width": b.width} if self._propose_width else {}      # drafters may omit it
+        b.prop = self.drafter.propose(b.slots, self.state.last[b.slots], b.lens, b.kv_bound, **width)
 
     def _verify(self, b: Batch) -> None:
         """One target forward over every node, the acceptance walk, and the device half of

@@ -154,7 +154,7 @@ class Engine:
         # prefix caching: requests start from the pages of earlier prompts that began alike, when
         # the drafter's prompt state lives in those pages too; prefill rows start on a page and a row
         self.prefix_caching = opts.prefix_caching and self.drafter.shares_prompt_pages
-        self.pages.index.lookahead = self.drafter.prompt_page_lookahead     # what a page's key holds past it
+        self.pages.index.set_lookahead(self.drafter.prompt_page_lookahead)  # what a page's key holds past it
         self._prefix_align = math.lcm(self.page_size, self.prefiller.C)
         self.prompt_tokens = 0               # prompt tokens admitted
         self.cached_tokens = 0               # ... of them found in the pool (prefill skipped them)

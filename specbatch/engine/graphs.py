@@ -41,15 +41,16 @@ def padded_size(sizes: list[int], rows: int) -> int:
     return sizes[i]
 
 
-def fastest_sizes(ms: dict[int, float], margin: float = 0.03) -> list[int]:
-    """The sizes worth replaying, from each size's replay time: a size is skipped where a larger
-    one replays more than `margin` faster (its batches fit there too, and finish sooner)."""
-    kept, best = [], float("inf")
+def replay_sizes(ms: dict[int, float], margin: float = 0.03) -> dict[int, int]:
+    """size -> the size its batches replay, from each size's replay time: the fastest size at
+    least as large (the smallest of equals), where that one is more than `margin` faster (its
+    batches fit there too, and finish sooner); else the size itself."""
+    route, best = {}, None
     for size in sorted(ms, reverse=True):
-        if ms[size] * (1 - margin) <= best:
-            kept.append(size)
-        best = min(best, ms[size])
-    return sorted(kept)
+        if best is None or ms[size] <= ms[best]:
+            best = size
+        route[size] = best if ms[best] < ms[size] * (1 - margin) else size
+    return route
 
 
 @contextlib.contextmanager
@@ -85,7 +86,7 @@ class GraphRunner:
     _pool: Any = None
     _graphs: dict[tuple[int, Hashable], Captured] = field(default_factory=dict)
     replay_ms: dict[Hashable, dict[int, float]] = field(default_factory=dict)   # variant -> size -> ms
-    _route: dict[Hashable, list[int]] = field(default_factory=dict)             # variant -> sizes kept
+    _route: dict[Hashable, dict[int, int]] = field(default_factory=dict)        # variant -> size -> size replayed
     route_by_time: bool = True                   # False: the smallest captured size (bench A/B)
 
     def capture_all(self, variant: Hashable, time_sizes: bool = False) -> None:
@@ -95,17 +96,24 @@ class GraphRunner:
                 self._capture(size, variant)
         if time_sizes:
             t0 = time.perf_counter()
-            ms = self.replay_ms[variant] = {size: self._replay_ms(size, variant) for size in self.sizes}
-            self._route[variant] = fastest_sizes(ms)
+            # two passes, largest first then smallest first (clocks settling, neighbours' caches)
+            runs: dict[int, list[float]] = {size: [] for size in self.sizes}
+            for order in (sorted(self.sizes, reverse=True), sorted(self.sizes)):
+                for size in order:
+                    runs[size] += self._replay_ms(size, variant, warm=order[0] > order[-1])
+            ms = self.replay_ms[variant] = {size: sorted(t)[len(t) // 2] for size, t in runs.items()}
+            self._route[variant] = replay_sizes(ms)
             self.timing_seconds += time.perf_counter() - t0
             self.capture_seconds += time.perf_counter() - t0
 
-    def skipped(self, variant: Hashable) -> list[int]:
-        """The captured sizes `variant`'s batches skip (a larger size replays faster)."""
-        return sorted(set(self.sizes) - set(self._route.get(variant, self.sizes)))
+    def skipped(self, variant: Hashable) -> dict[int, int]:
+        """size -> the larger size `variant`'s batches of that size replay (it was timed faster)."""
+        return {s: r for s, r in self._route.get(variant, {}).items() if r != s}
 
     def padded(self, rows: int, variant: Hashable = None) -> int:
-        return padded_size(self._route.get(variant, self.sizes) if self.route_by_time else self.sizes, rows)
+        """The captured size a batch of `rows` rows replays."""
+        size = padded_size(self.sizes, rows)
+        return self._route[variant][size] if self.route_by_time and variant in self._route else size
 
     def get(self, rows: int, variant: Hashable) -> Captured:
         """The graphs for `rows` active rows (captured now if this variant was not used yet)."""
@@ -146,18 +154,18 @@ class GraphRunner:
         self.capture_seconds += time.perf_counter() - t0
         return captured
 
-    def _replay_ms(self, size: int, variant: Hashable, reps: int = 3) -> float:
-        """Median ms of one replay of a size's graphs, every row a pad row (the first replay,
-        slow, not counted). Pad rows write only the dummy slot, which every cycle resets."""
+    def _replay_ms(self, size: int, variant: Hashable, reps: int = 2, warm: bool = True) -> list[float]:
+        """ms of `reps` replays of a size's graphs, every row a pad row (with `warm`, a first
+        replay not counted). Pad rows write only the dummy slot, which every cycle resets."""
         graphs = self._graphs[(size, variant)].graphs
         out = []
-        for i in range(reps + 1):
+        for i in range(reps + warm):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for g in graphs:
                 g.replay()
             end.record()
             end.synchronize()
-            if i:
+            if i or not warm:
                 out.append(start.elapsed_time(end))
-        return sorted(out)[len(out) // 2]
+        return out

@@ -21,6 +21,12 @@ class PrefixIndex:
         self._entry: dict[int, tuple[int, tuple[int, tuple[int, ...]]]] = {}     # page -> (entry, its key)
         self._next = ROOT + 1
 
+    def set_lookahead(self, tokens: int) -> None:
+        """Tokens past a page its key holds; only before anything is indexed (keys would mix)."""
+        if self._entry:
+            raise RuntimeError("the prefix index's lookahead changes only while nothing is indexed")
+        self.lookahead = tokens
+
     def shareable(self, length: int) -> int:
         """Pages of a prompt of `length` tokens that may be indexed: those ending before its last token."""
         return max(0, (length - 1) // self.page_size)

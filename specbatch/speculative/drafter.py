@@ -1,7 +1,9 @@
 """Drafters propose tokens for the target to verify. Vanilla decoding is the drafter that proposes none."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -64,6 +66,15 @@ class Proposal:
         mask = None if self.tree_mask is None or w <= 2 else self.tree_mask[:, :w, :w].contiguous()
         return Proposal(tokens=self.tokens[:, :w].contiguous(), parents=self.parents[:, :w].contiguous(),
                         depths=self.depths[:, :w].contiguous(), tree_mask=mask)
+
+
+def takes_width(propose: Callable) -> bool:
+    """Whether a drafter's `propose` takes `width` (one written before it was added need not)."""
+    try:
+        params = inspect.signature(propose).parameters
+    except (TypeError, ValueError):
+        return False
+    return "width" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 class Drafter:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .accept import Acceptance, walk
-from .drafter import Drafter, Proposal
+from .drafter import Drafter, Proposal, takes_width
 from .tree import ancestor_mask
 
 
@@ -104,7 +104,10 @@ class PlantedChain(Drafter):
         return self.inner.extend(*args, **kw)
 
     def propose(self, slots, last_tokens, lens, kv_bound=None, width=None) -> Proposal:
-        prop = self.inner.propose(slots, last_tokens, lens, kv_bound, width)
+        if takes_width(self.inner.propose):
+            prop = self.inner.propose(slots, last_tokens, lens, kv_bound, width=width)
+        else:
+            prop = self.inner.propose(slots, last_tokens, lens, kv_bound)
         if prop.tree_mask is None:
             return prop
         B, N = prop.tokens.shape

@@ -274,6 +274,12 @@ def test_job_mode_measures_input_order_admission_on_the_same_engine(tiny_config,
     assert longest["speedup_vs_vanilla"] == 1.0
 
 
+@pytest.mark.parametrize("flag", [["--every-size-too"], ["--arrival-order-too"], ["--shared-prefix", "8"], ["--slots", "4"]])
+def test_job_flags_without_job_are_refused(flag, tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--random-weights", "llama-3.1-8b", *flag, "--out", str(tmp_path)])
+    assert r.exit_code != 0 and f"{flag[0]} applies to whole jobs only" in r.output
+
+
 def test_every_size_too_needs_cuda_graphs(tiny_config, tmp_path):
     r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
                                  "--requests", "4", "--device", "cpu", "--every-size-too", "--out", str(tmp_path)])

@@ -1,57 +1,60 @@
 """Which captured graph size a batch replays: the smallest that holds it, unless a larger size
-was timed faster (graphs.fastest_sizes; GraphRunner.padded). The GPU side, timing real graphs and
+was timed faster (graphs.replay_sizes; GraphRunner.padded). The GPU side, timing real graphs and
 replaying a larger size with the same tokens, is in tests/gpu/test_gpu_graphs.py."""
 from __future__ import annotations
 
-from specbatch.engine.graphs import GraphRunner, capture_sizes, fastest_sizes
+from specbatch.engine.graphs import GraphRunner, capture_sizes, replay_sizes
 
 
-def test_sizes_that_time_monotonically_are_all_kept():
+def test_sizes_that_time_monotonically_replay_themselves():
     ms = {s: 1.0 + s / 100 for s in capture_sizes(512)}
-    assert fastest_sizes(ms) == capture_sizes(512)
+    assert replay_sizes(ms) == {s: s for s in capture_sizes(512)}
 
 
-def test_a_size_a_larger_one_beats_is_skipped():
+def test_a_size_a_larger_one_beats_replays_that_one():
     # H100, Llama-3.1-8B GEMMs (benchmarks/gemm_rows.py): 448 rows 14.4 ms, 512 rows 10.5 ms
     ms = {256: 6.5, 320: 7.3, 384: 8.5, 448: 14.4, 512: 10.5}
-    assert fastest_sizes(ms) == [256, 320, 384, 512]
+    assert replay_sizes(ms) == {256: 256, 320: 320, 384: 384, 448: 512, 512: 512}
 
 
-def test_a_size_is_skipped_for_any_faster_larger_size_not_only_the_next():
+def test_a_size_replays_the_fastest_larger_size_not_the_next():
     ms = {64: 3.0, 128: 5.0, 192: 6.0, 256: 4.0}
-    assert fastest_sizes(ms) == [64, 256]
+    assert replay_sizes(ms) == {64: 64, 128: 256, 192: 256, 256: 256}
+    # 8 is beaten by 16 past the margin, 12 is not: 8 goes to 16, not to 12 (a gain within noise)
+    assert replay_sizes({8: 1.0, 12: 0.985, 16: 0.96}) == {8: 16, 12: 12, 16: 16}
 
 
-def test_within_the_margin_a_size_is_kept():
+def test_within_the_margin_a_size_replays_itself():
     # timing noise of a few percent must not send small batches to a larger graph
-    assert fastest_sizes({8: 1.02, 16: 1.0}) == [8, 16]
-    assert fastest_sizes({8: 1.02, 16: 1.0}, margin=0.0) == [16]
-    assert fastest_sizes({8: 1.10, 16: 1.0}) == [16]
+    assert replay_sizes({8: 1.02, 16: 1.0}) == {8: 8, 16: 16}
+    assert replay_sizes({8: 1.02, 16: 1.0}, margin=0.0) == {8: 16, 16: 16}
+    assert replay_sizes({8: 1.10, 16: 1.0}) == {8: 16, 16: 16}
+    assert replay_sizes({8: 1.0, 16: 1.0}, margin=0.0) == {8: 8, 16: 16}    # equal: the smaller
 
 
-def test_the_largest_size_is_always_kept():
-    assert fastest_sizes({512: 99.0}) == [512]
-    assert fastest_sizes({1: 1.0, 512: 99.0})[-1] == 512
+def test_the_largest_size_replays_itself():
+    assert replay_sizes({512: 99.0}) == {512: 512}
+    assert replay_sizes({1: 1.0, 512: 99.0}) == {1: 1, 512: 512}
 
 
 def runner(sizes):
     return GraphRunner(make_batch=None, groups=[], sizes=sizes)
 
 
-def test_padded_follows_each_variants_kept_sizes():
+def test_padded_follows_each_variants_routes():
     r = runner([256, 320, 384, 448, 512])
-    r._route[("greedy", 1)] = [256, 320, 384, 512]
-    r._route[("greedy", 2)] = [256, 512]
+    r._route[("greedy", 1)] = {256: 256, 320: 320, 384: 384, 448: 512, 512: 512}
+    r._route[("greedy", 2)] = {256: 256, 320: 512, 384: 512, 448: 512, 512: 512}
     assert r.padded(400, ("greedy", 1)) == 512          # 448 skipped at width 1
     assert r.padded(300, ("greedy", 1)) == 320
     assert r.padded(300, ("greedy", 2)) == 512
     assert r.padded(400, ("sampled", 4)) == 448          # a variant never timed: every size
     assert r.padded(400) == 448
-    assert r.skipped(("greedy", 1)) == [448] and r.skipped(("sampled", 4)) == []
+    assert r.skipped(("greedy", 1)) == {448: 512} and r.skipped(("sampled", 4)) == {}
 
 
 def test_route_by_time_off_replays_the_smallest_size_that_holds_the_rows():
     r = runner([256, 320, 384, 448, 512])
-    r._route[("greedy", 1)] = [256, 512]
+    r._route[("greedy", 1)] = {256: 256, 320: 512, 384: 512, 448: 512, 512: 512}
     r.route_by_time = False
     assert r.padded(300, ("greedy", 1)) == 320

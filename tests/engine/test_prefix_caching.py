@@ -34,8 +34,10 @@ def test_a_prompt_finds_the_pages_of_one_that_began_alike():
     assert gc.pages[:1] == ga.pages[:1] and gc.cached_rows == 4
     assert a.grant(16, A[:8] + [5] * 6, reuse=False).cached_rows == 0
     assert a.grant(16, A, align=8).cached_rows == 8            # whole prefill rows only: 3 pages -> 2
+    with pytest.raises(RuntimeError, match="lookahead"):
+        a.index.set_lookahead(0)                              # pages indexed with 1 already
     a = _alloc()
-    a.index.lookahead = 0                                     # no draft layer: the page's own tokens decide
+    a.index.set_lookahead(0)                                  # no draft layer: the page's own tokens decide
     a.assign([(0, a.grant(20, A))])
     assert a.grant(16, C).cached_rows == 8
 

@@ -45,10 +45,10 @@ def _rows(n=len(LENS), **overrides):
                        overrides={"max_tokens": 12 + 5 * (i % 4), **overrides}) for i in range(n)]
 
 
-def _run(model, spec, bs, graphs, rows=None, adaptive=False, **defaults):
+def _run(model, spec, bs, graphs, rows=None, adaptive=False, time_sizes=True, **defaults):
     # adaptive off unless asked: spec stats are compared below, every cycle at full width
     eng = Engine(model, EngineOptions(batch_size=bs, device="cuda", dtype="float32", spec=spec, graphs=graphs,
-                                      adaptive=adaptive))
+                                      adaptive=adaptive, time_graph_sizes=time_sizes))
     recs = sorted(eng.generate(rows or _rows(), SamplingDefaults(**defaults)), key=lambda r: r["row"])
     assert all(r["error"] is None for r in recs)
     return [r["output_token_ids"] for r in recs], [r["spec"] for r in recs], eng
@@ -121,11 +121,11 @@ def test_batches_routed_to_a_larger_size_give_the_same_tokens(name, target_dir, 
     """A size skipped for a faster larger one: its batches replay the larger graph with more pad
     rows; forced here (only the largest size kept) against the smallest size that fits."""
     spec = _spec(name, eagle3_dir)
-    ref, ref_spec, _ = _run(target_dir, spec, 10, graphs=True)
+    ref, ref_spec, _ = _run(target_dir, spec, 10, graphs=True, time_sizes=False)
     eng = Engine(target_dir, EngineOptions(batch_size=10, device="cuda", dtype="float32", spec=spec,
                                            adaptive=False))
     for variant in eng.graphs.replay_ms:
-        eng.graphs._route[variant] = [10]
+        eng.graphs._route[variant] = {size: 10 for size in eng.graphs.sizes}
     replayed, padded = [], eng.graphs.padded
     eng.graphs.padded = lambda rows, variant=None: replayed.append(padded(rows, variant)) or replayed[-1]
     recs = sorted(eng.generate(_rows(), SamplingDefaults()), key=lambda r: r["row"])

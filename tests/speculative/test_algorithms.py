@@ -114,7 +114,7 @@ class PromptLookup(Drafter):
                     return ext[L:]
         return [seq[-1]] * self.max_depth
 
-    def propose(self, slots, last_tokens, lens, kv_bound=None, width=None):
+    def propose(self, slots, last_tokens, lens, kv_bound=None):     # no width: drafters may omit it
         drafts = torch.tensor([self._drafts(self.seq[s]) for s in slots.tolist()],
                               dtype=torch.int64, device=slots.device)
         parents, depths = chain(slots.shape[0], self.num_draft_tokens, slots.device)
@@ -123,6 +123,14 @@ class PromptLookup(Drafter):
     def extend(self, slots, lens, acc: Acceptance, captured, kv_bound=None):
         for b, s in enumerate(slots.tolist()):
             self.seq[s] += acc.tokens[b, : int(acc.num[b])].tolist()
+
+
+def test_a_drafter_may_leave_width_out_of_propose():
+    from specbatch.speculative.drafter import Drafter, takes_width
+
+    assert not takes_width(PromptLookup(2).propose)                 # runs below, every node drafted
+    assert takes_width(Drafter().propose)
+    assert takes_width(lambda slots, last, lens, kv_bound=None, **kw: None)
 
 
 def test_drafts_follow_the_last_occurrence():
