@@ -95,16 +95,20 @@ class GraphRunner:
             for size in sorted(self.sizes, reverse=True):
                 self._capture(size, variant)
         if time_sizes:
-            t0 = time.perf_counter()
-            # two passes, largest first then smallest first (clocks settling, neighbours' caches)
-            runs: dict[int, list[float]] = {size: [] for size in self.sizes}
-            for order in (sorted(self.sizes, reverse=True), sorted(self.sizes)):
-                for size in order:
-                    runs[size] += self._replay_ms(size, variant, warm=order[0] > order[-1])
-            ms = self.replay_ms[variant] = {size: sorted(t)[len(t) // 2] for size, t in runs.items()}
-            self._route[variant] = replay_sizes(ms)
-            self.timing_seconds += time.perf_counter() - t0
-            self.capture_seconds += time.perf_counter() - t0
+            self.time_sizes(variant)
+
+    def time_sizes(self, variant: Hashable) -> None:
+        """Time each captured size of `variant` and route its batches (replay_sizes)."""
+        t0 = time.perf_counter()
+        # two passes, largest first then smallest first (clocks settling, neighbours' caches)
+        runs: dict[int, list[float]] = {size: [] for size in self.sizes}
+        for first, order in ((True, sorted(self.sizes, reverse=True)), (False, sorted(self.sizes))):
+            for size in order:
+                runs[size] += self._replay_ms(size, variant, warm=first)
+        ms = self.replay_ms[variant] = {size: sorted(t)[len(t) // 2] for size, t in runs.items()}
+        self._route[variant] = replay_sizes(ms)
+        self.timing_seconds += time.perf_counter() - t0
+        self.capture_seconds += time.perf_counter() - t0
 
     def skipped(self, variant: Hashable) -> dict[int, int]:
         """size -> the larger size `variant`'s batches of that size replay (it was timed faster)."""

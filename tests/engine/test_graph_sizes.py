@@ -58,3 +58,49 @@ def test_route_by_time_off_replays_the_smallest_size_that_holds_the_rows():
     r._route[("greedy", 1)] = {256: 256, 320: 512, 384: 512, 448: 512, 512: 512}
     r.route_by_time = False
     assert r.padded(300, ("greedy", 1)) == 320
+
+
+class _Clock:
+    now = 0.0
+
+
+class _Event:
+    """torch.cuda.Event on a fake clock that graph replays advance."""
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        self.t = _Clock.now
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return end.t - self.t
+
+
+class _Graph:
+    def __init__(self, ms, log, size):
+        self.ms, self.log, self.size = ms, log, size
+
+    def replay(self):
+        self.log.append(self.size)
+        _Clock.now += self.ms
+
+
+def test_timing_replays_every_size_in_two_passes_and_routes_the_batches(monkeypatch):
+    from specbatch.engine.graphs import Captured
+
+    monkeypatch.setattr("torch.cuda.Event", _Event)
+    ms = {64: 3.0, 128: 5.0, 192: 6.0, 256: 4.0}
+    r, log, variant = runner(sorted(ms)), [], ("greedy", 1)
+    for size, t in ms.items():             # two graphs per size (propose, verify), half the time each
+        r._graphs[(size, variant)] = Captured(None, [_Graph(t / 2, log, size), _Graph(t / 2, log, size)])
+    r.time_sizes(variant)
+    assert r.replay_ms[variant] == ms
+    # largest first with a warm-up replay, then smallest first: 5 replays of both graphs a size
+    assert log[:6] == [256] * 6 and log[-4:] == [256] * 4 and sorted(log) == sorted(list(ms) * 10)
+    assert r.skipped(variant) == {128: 256, 192: 256}
+    assert [r.padded(n, variant) for n in (1, 64, 65, 129, 200)] == [64, 64, 256, 256, 256]
+    assert r.timing_seconds > 0 and r.capture_seconds >= r.timing_seconds
