@@ -107,8 +107,9 @@ class GraphRunner:
                 runs[size] += self._replay_ms(size, variant, warm=first)
         ms = self.replay_ms[variant] = {size: sorted(t)[len(t) // 2] for size, t in runs.items()}
         self._route[variant] = replay_sizes(ms)
-        self.timing_seconds += time.perf_counter() - t0
-        self.capture_seconds += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.timing_seconds += spent
+        self.capture_seconds += spent
 
     def skipped(self, variant: Hashable) -> dict[int, int]:
         """size -> the larger size `variant`'s batches of that size replay (it was timed faster)."""

@@ -15,8 +15,9 @@ ROOT = 0
 
 
 class PrefixIndex:
-    def __init__(self, page_size: int, lookahead: int = 1):
-        self.page_size, self.lookahead = page_size, lookahead
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.lookahead = 1                       # set_lookahead: the drafter's, before any page is indexed
         self._page: dict[tuple[int, tuple[int, ...]], int] = {}    # (parent entry, tokens) -> page
         self._entry: dict[int, tuple[int, tuple[int, tuple[int, ...]]]] = {}     # page -> (entry, its key)
         self._next = ROOT + 1

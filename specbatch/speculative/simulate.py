@@ -93,6 +93,7 @@ class PlantedChain(Drafter):
                      "scratch_rows", "shares_prompt_pages", "prompt_page_lookahead"):
             setattr(self, name, getattr(inner, name, getattr(Drafter, name)))   # the base class: its default
         self._shape: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
+        self._inner_width = takes_width(inner.propose)          # once, not per cycle
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)            # the draft module (head), its caches, ...
@@ -104,7 +105,7 @@ class PlantedChain(Drafter):
         return self.inner.extend(*args, **kw)
 
     def propose(self, slots, last_tokens, lens, kv_bound=None, width=None) -> Proposal:
-        if takes_width(self.inner.propose):
+        if self._inner_width:
             prop = self.inner.propose(slots, last_tokens, lens, kv_bound, width=width)
         else:
             prop = self.inner.propose(slots, last_tokens, lens, kv_bound)
