@@ -10,7 +10,10 @@ bandwidth. Calls rotate over enough layer planes of one cache tensor to overflow
 layers do, so every call reads from HBM. --sweep times splits x pipeline stages for decode at
 batch 1 and 8, to tune the defaults in kernels/attention.py. --paged times the job's operating
 point instead: a paged cache (64-row pages in shuffled order), 64 to 512 rows of mixed contexts
-(uniform 100 to 1,100 rows: mean ~600), decode and chain verify of 2 and 4 tokens.
+(uniform 100 to 1,100 rows: mean ~600), decode and chain verify of 2 and 4 tokens. --prefill times
+packed prefill forwards of 8,192 tokens as the engine builds them (rows of 32 tokens, each a query
+tile of 32 x 4 heads, a prompt's rows reading its earlier rows) against the causal FLOPs at the
+measured matmul rate, for the default tile shape and, with --sweep, other (BLOCK_N, warps, stages).
 """
 from __future__ import annotations
 
@@ -137,10 +140,89 @@ def paged(dev: torch.device, bw: float) -> None:
         torch.cuda.empty_cache()
 
 
+class PrefillCase:
+    """One packed prefill forward: prompts of the given lengths cut into rows of C tokens (the
+    last row of a prompt partly pad), in a paged cache; tokens attend causally within their prompt."""
+
+    P, C = 64, 32
+
+    def __init__(self, lengths: list[int], dev: torch.device, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        C, P = self.C, self.P
+        slots, prefix, real = [], [], []
+        for i, L in enumerate(lengths):
+            for j in range(-(-L // C)):
+                slots.append(i)
+                prefix.append(j * C)
+                real.append(min(C, L - j * C))
+        self.R = len(slots)
+        # causal FLOPs of the real tokens: QK^T and PV, 2 x 2 x D each per (query head, key) pair
+        keys = sum(p * n + n * (n + 1) // 2 for p, n in zip(prefix, real))
+        self.flops = 4 * D * HQ * keys
+        width = -(-max(lengths) // P)
+        pages = len(lengths) * width + 1
+        self.read_bytes = 2 * sum(lengths) * HKV * D * DTYPE.itemsize
+        self.layers = 4
+        self.data = torch.randn(2 * self.layers, pages, P, HKV, D, device=dev, dtype=DTYPE)
+        self.table = (torch.randperm(pages - 1, generator=g)[:len(lengths) * width] + 1).view(-1, width).to(dev)
+        self.q = torch.randn(self.R, C, HQ, D, device=dev, dtype=DTYPE)
+        self.out = torch.empty_like(self.q)
+        self.slots = torch.tensor(slots, device=dev)
+        self.prefix = torch.tensor(prefix, device=dev)
+        self.max_rows = max(prefix) + C
+
+    def kernel(self, layer: int, **kw) -> torch.Tensor:
+        return kattn.slot_attention(self.q, self.data[2 * layer], self.data[2 * layer + 1], self.slots,
+                                    self.prefix, D ** -0.5, max_rows=self.max_rows, out=self.out,
+                                    page_table=self.table, **kw)
+
+
+def job_lengths(tokens: int, seed: int = 0) -> list[int]:
+    """Prompt lengths of the job mix (lognormal, median 256, sigma 0.8, 16 to 1,536) until
+    `tokens` (rounded up to rows of 32) are reached."""
+    g = torch.Generator().manual_seed(seed)
+    out, used = [], 0
+    while used < tokens:
+        L = int(min(1536, max(16, round(256 * float(torch.exp(0.8 * torch.randn(1, generator=g)))))))
+        L = min(L, (tokens - used))
+        out.append(L)
+        used += -(-L // 32) * 32
+    return out
+
+
+def prefill(dev: torch.device, rate: float, sweep: bool) -> None:
+    print(f"\npacked prefill forwards of 8,192 token slots, rows of 32 (matmul rate {rate / 1e12:.0f} TFLOP/s)")
+    shapes = {"32x256": [256] * 32, "8x1024": [1024] * 8, "5x1536+": [1536] * 5 + [512],
+              "job mix": job_lengths(8192)}
+    default = kattn._config
+    configs = [None]
+    if sweep:
+        configs += [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+    for name, lengths in shapes.items():
+        case = PrefillCase(lengths, dev)
+        for cfg in configs:
+            if cfg is not None:
+                kattn._config = lambda *a, cfg=cfg: cfg
+            try:
+                us = graph_us(case.kernel, case.layers, replays=20)
+            except Exception as e:          # out of shared memory / registers: say so, go on
+                print(f"  {name:8s} {cfg}: failed ({type(e).__name__})")
+                continue
+            finally:
+                kattn._config = default
+            floor_us = case.flops / rate * 1e6
+            label = "default " + str(default(128, 128, 2)) if cfg is None else str(cfg)
+            print(f"  {name:8s} rows {case.R:4d} {label:22s} {us:9.1f} us/layer  floor {floor_us:7.1f}  "
+                  f"{floor_us / us:6.1%} of the rate  (x32 layers: {us * 32 / 1e3:6.2f} ms)")
+        del case
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time splits x stages for decode at batch 1 and 8")
     ap.add_argument("--paged", action="store_true", help="only the paged job shapes (decode / verify, 64-512 rows)")
+    ap.add_argument("--prefill", action="store_true", help="only packed prefill forwards (--sweep: tile shapes too)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
@@ -149,6 +231,10 @@ def main() -> None:
           f"Hq {HQ} Hkv {HKV} D {D} {DTYPE}")
     if args.paged:
         paged(dev, bw)
+        return
+    if args.prefill:
+        from specbatch.bench.job import matmul_rate
+        prefill(dev, matmul_rate(dev, DTYPE), args.sweep)
         return
     print(f"{'mode':6s} {'B':>3s} {'ctx':>5s} {'splits':>6s} {'floor us':>9s} "
           f"{'triton us':>10s} {'of bw':>6s} {'torch us':>9s} {'of bw':>6s}")

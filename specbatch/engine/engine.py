@@ -119,7 +119,8 @@ class Engine:
                          kv_rows=opts.kv_rows, prefill_tokens=opts.prefill_tokens)
         self.num_slots, self.max_len, self.page_size, self.num_pages = (
             plan.num_slots, plan.max_len, plan.page_size, plan.num_pages)
-        # table columns for the longest request, and for a prefill row's padding past it (trash page)
+        # table columns for the longest request, and for the columns of a prefill tile past it
+        # (the torch path computes whole tiles and drops the columns past a tile's count)
         past = max(self.headroom, chunk_tokens(self.cfg.num_heads, self.cfg.num_kv_heads))
         self.pages = PageAllocator(self.num_pages, self.page_size, self.num_slots,
                                    math.ceil((self.max_len + past) / self.page_size),
@@ -152,10 +153,9 @@ class Engine:
         self.occupancy: list[int] = []       # active slots per cycle when profiling
         self.waited = 0                      # admissions a request waited for pages
         # prefix caching: requests start from the pages of earlier prompts that began alike, when
-        # the drafter's prompt state lives in those pages too; prefill rows start on a page and a row
+        # the drafter's prompt state lives in those pages too; a continued prompt starts on a page
         self.prefix_caching = opts.prefix_caching and self.drafter.shares_prompt_pages
         self.pages.index.set_lookahead(self.drafter.prompt_page_lookahead)  # what a page's key holds past it
-        self._prefix_align = math.lcm(self.page_size, self.prefiller.C)
         self.prompt_tokens = 0               # prompt tokens admitted
         self.cached_tokens = 0               # ... of them found in the pool (prefill skipped them)
 
@@ -284,7 +284,7 @@ class Engine:
             prompt = req.prompt_ids if self.prefix_caching else None
             # prompt logprobs need every prompt position's logits (one choice computes them)
             reuse = req.params.prompt_logprobs is None or req.choice > 0
-            g = self.pages.grant(self._rows_needed(req), prompt, reuse=reuse, align=self._prefix_align)
+            g = self.pages.grant(self._rows_needed(req), prompt, reuse=reuse, align=self.page_size)
             if g is None:
                 return False
             grants[id(req)] = g

@@ -1,29 +1,28 @@
-"""Prefill: admitted prompts, packed into few target forwards with no padding between prompts.
+"""Prefill: admitted prompts, packed into few target forwards with no padding at all.
 
-Each prompt is cut into rows of C tokens (the last row of a prompt padded), row j of a prompt
-bringing positions [jC, jC + C) with prefix_lens = jC. Within a layer every row's K/V are
-written before any row attends, so row j reads rows 0..j-1 of the same forward from the cache:
-one forward computes what one row per prompt would, and the forward's token count is the
-prompts' own (plus < C each), whatever their lengths. C x G (query heads per KV head) is one
-query tile of the attention kernel, so the kernel does the same work as on a whole prompt.
+Every prompt token is a sequence of one new token (T = 1) at its own position, whose prefix is
+the prompt's earlier rows: within a layer every token's K/V are written before any token attends,
+so one forward computes what one forward per prompt would, and its GEMMs see exactly the prompts'
+tokens. For attention the tokens are grouped into query tiles (models.attention.QueryTiles): C
+consecutive tokens of one prompt, C x G (query heads per KV head) one query tile of the kernel, so
+K/V are read once per tile as on a whole prompt.
 
-Rows are packed in admission order up to `budget` tokens a forward; a prompt that does not fit
+Tokens are packed in admission order up to `budget` a forward; a prompt that does not fit
 continues in the next forward (chunked prefill: a long prompt never needs a forward of its
 length). A prompt whose leading pages another prompt wrote (prefix caching, runtime/pages.py)
-starts at the first row past them, as a continued prompt does. Prompts whose last row ran get
+starts at the first token past them, as a continued prompt does. Prompts whose last token ran get
 their first token sampled (processors, logprobs), their prompt logprobs, and the drafter's
 catch-up (speculative.drafter.PromptRows).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ..host import to_device
-from ..models.attention import AttnMetadata
+from ..models.attention import AttnMetadata, QueryTiles
 from ..processors import Processors, count_tokens, reset_slots
 from ..request import Request, StopChecker
 from ..sampling import BatchSampling, sample
@@ -33,46 +32,49 @@ from .graphs import GraphRunner
 from .logprobs import add_logprobs, emitted_logprobs, prompt_token_logprobs
 
 TILE_QUERIES = 128        # query rows of one attention tile (kernels.attention.MAX_QUERY_ROWS)
-# Prefills of at most this many rows (a few short prompts: a refill) replay a captured target
+# Prefills of at most this many tokens (a few short prompts: a refill) replay a captured target
 # forward: eager, its ~500 launches cost more host time than a short prompt's GPU time.
-GRAPH_ROWS = (1, 2, 4, 8, 16, 32)
+GRAPH_TOKENS = (32, 64, 128, 256, 512, 1024)
+GRAPH_SPARE_TILES = 32    # a captured forward's tiles: tokens / C, plus one partial tile per prompt up to this
 
 
 def chunk_tokens(num_heads: int, num_kv_heads: int) -> int:
-    """C: prompt tokens a row (one query tile: C x G query rows), at least 16."""
+    """C: prompt tokens a query tile (C x G query rows), at least 16."""
     return max(16, TILE_QUERIES // max(1, num_heads // num_kv_heads))
 
 
 @dataclass
 class _Static:
-    """A captured prefill forward's buffers: rows past the live ones are pad rows (dummy slot)."""
-    ids: torch.Tensor                # [size, C]
+    """A captured prefill forward's buffers: tokens past the live ones are pad tokens (dummy
+    slot, in no tile), tiles past the live ones hold no tokens."""
+    ids: torch.Tensor                # [size, 1]
     slots: torch.Tensor              # [size]
-    positions: torch.Tensor          # [size, C]
-    prefix_lens: torch.Tensor        # [size]
+    positions: torch.Tensor          # [size, 1]
+    tile_start: torch.Tensor         # [tiles]
+    tile_count: torch.Tensor         # [tiles]
     hidden: torch.Tensor | None = None
     captured: list[torch.Tensor] | None = None
 
 
 @dataclass
 class Part:
-    """Rows [start, end) (in chunks of C) of one admitted prompt, in one forward."""
+    """Tokens [start, end) of one admitted prompt, in one forward."""
     slot: int
     req: Request
     start: int
     end: int
-    last: bool                       # the prompt's last row is in this forward
+    last: bool                       # the prompt's last token is in this forward
 
 
-def pack(admitted: Slotted, budget: int, C: int) -> list[list[Part]]:
-    """Forwards of at most max(1, budget // C) rows, prompts in order, split where a forward fills."""
-    cap = max(1, budget // C)
+def pack(admitted: Slotted, budget: int) -> list[list[Part]]:
+    """Forwards of at most max(1, budget) tokens, prompts in order, split where a forward fills."""
+    cap = max(1, budget)
     forwards: list[list[Part]] = []
     cur: list[Part] = []
     used = 0
     for slot, req in admitted:
-        n = math.ceil(len(req.prompt_ids) / C)
-        j = req.cached_rows // C                # rows of a prefix already in the pool (a whole number)
+        n = len(req.prompt_ids)
+        j = req.cached_rows                     # tokens of a prefix already in the pool (whole pages)
         while j < n:
             take = min(n - j, cap - used)
             cur.append(Part(slot, req, j, j + take, j + take == n))
@@ -83,6 +85,19 @@ def pack(admitted: Slotted, budget: int, C: int) -> list[list[Part]]:
     if cur:
         forwards.append(cur)
     return forwards
+
+
+def tiles_of(parts: list[Part], C: int) -> tuple[list[int], list[int]]:
+    """(start, count) of each query tile: C consecutive tokens of one part, indices into the
+    forward's tokens (the parts' tokens in order)."""
+    start, count = [], []
+    r = 0
+    for p in parts:
+        for a in range(p.start, p.end, C):
+            start.append(r + a - p.start)
+            count.append(min(C, p.end - a))
+        r += p.end - p.start
+    return start, count
 
 
 class Prefiller:
@@ -96,11 +111,11 @@ class Prefiller:
         self.C = chunk_tokens(cfg.num_heads, cfg.num_kv_heads)
         self.device = state.lens.device
         self.forwards = 0
-        self.rows_run = 0                    # prompt rows of C tokens the forwards computed
+        self.tokens_run = 0                  # prompt tokens the forwards computed
         self.tokens_emitted = 0
         self.graphs: GraphRunner | None = None
         if graphs and self.device.type == "cuda":
-            self.graphs = GraphRunner(self._static, [[self._graph_forward]], list(GRAPH_ROWS))
+            self.graphs = GraphRunner(self._static, [[self._graph_forward]], list(GRAPH_TOKENS))
             with torch.inference_mode():
                 self.graphs.capture_all(None)
 
@@ -108,101 +123,109 @@ class Prefiller:
     def capture_seconds(self) -> float:
         return self.graphs.capture_seconds if self.graphs else 0.0
 
+    def _tile_capacity(self, size: int) -> int:
+        return size // self.C + GRAPH_SPARE_TILES
+
     def _static(self, size: int, variant) -> _Static:
-        C, dev = self.C, self.device
-        return _Static(ids=torch.zeros(size, C, dtype=torch.int64, device=dev),
+        dev, tiles = self.device, self._tile_capacity(size)
+        return _Static(ids=torch.zeros(size, 1, dtype=torch.int64, device=dev),
                        slots=torch.full((size,), self.state.dummy, dtype=torch.int64, device=dev),
-                       positions=torch.arange(C, device=dev).repeat(size, 1),
-                       prefix_lens=torch.zeros(size, dtype=torch.int64, device=dev))
+                       positions=torch.zeros(size, 1, dtype=torch.int64, device=dev),
+                       tile_start=torch.zeros(tiles, dtype=torch.int64, device=dev),
+                       tile_count=torch.zeros(tiles, dtype=torch.int64, device=dev))
 
     def _graph_forward(self, b: _Static) -> None:
         # metadata made inside the capture: it caches tensors derived from the buffers (cache rows)
-        meta = AttnMetadata(slots=b.slots, positions=b.positions, prefix_lens=b.prefix_lens,
-                            kv_len=self.max_len + self.C, page_table=self.page_table)
+        meta = AttnMetadata(slots=b.slots, positions=b.positions, prefix_lens=b.positions[:, 0],
+                            kv_len=self.max_len + 1, page_table=self.page_table,
+                            tiles=QueryTiles(b.tile_start, b.tile_count, self.C))
         b.hidden, b.captured = self.target(b.ids, meta)
 
+    def _graph_size(self, N: int, R: int) -> int | None:
+        """The smallest captured forward holding N tokens and R tiles, else None (eager)."""
+        if self.graphs is None:
+            return None
+        return next((s for s in GRAPH_TOKENS if s >= N and self._tile_capacity(s) >= R), None)
+
     def _run_target(self, ids: torch.Tensor, meta: AttnMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The target forward over R rows: a captured one for a few rows, else eager."""
-        R = ids.shape[0]
-        if self.graphs is None or R > GRAPH_ROWS[-1]:
+        """The target forward over N tokens: a captured one for a few tokens, else eager."""
+        N, R = ids.shape[0], meta.tiles.start.shape[0]
+        size = self._graph_size(N, R)
+        if size is None:
             return self.target(ids, meta)
-        cap = self.graphs.get(R, None)
+        cap = self.graphs.get(size, None)
         b: _Static = cap.batch
-        size, C = b.ids.shape
-        pad = size - R
-        # whole buffers each time: pad rows of an earlier, larger prefill go back to the dummy slot
-        b.ids.copy_(torch.cat([ids, ids.new_zeros(pad, C)]), non_blocking=True)
+        pad, spare = b.ids.shape[0] - N, b.tile_start.shape[0] - R
+        # whole buffers each time: pad tokens of an earlier, larger prefill go back to the dummy slot
+        b.ids.copy_(torch.cat([ids, ids.new_zeros(pad, 1)]), non_blocking=True)
         b.slots.copy_(torch.cat([meta.slots, meta.slots.new_full((pad,), self.state.dummy)]), non_blocking=True)
-        b.prefix_lens.copy_(torch.cat([meta.prefix_lens, meta.prefix_lens.new_zeros(pad)]), non_blocking=True)
-        b.positions.copy_(torch.cat([meta.positions, b.positions[R:].new_zeros(pad, 1) +
-                                     torch.arange(C, device=self.device)]), non_blocking=True)
+        b.positions.copy_(torch.cat([meta.positions, meta.positions.new_zeros(pad, 1)]), non_blocking=True)
+        b.tile_start.copy_(torch.cat([meta.tiles.start, meta.tiles.start.new_zeros(spare)]), non_blocking=True)
+        b.tile_count.copy_(torch.cat([meta.tiles.count, meta.tiles.count.new_zeros(spare)]), non_blocking=True)
         for g in cap.graphs:
             g.replay()
-        return b.hidden[:R], [c[:R] for c in b.captured]
+        return b.hidden[:N], [c[:N] for c in b.captured]
 
     def __call__(self, admitted: Slotted) -> Slotted:
         """Prefill every admitted request; returns those finished by their first token. Every
         forward is launched before the first host copy, so the host builds the next forward
         while the GPU runs this one."""
-        launched = [self._forward(parts) for parts in pack(admitted, self.budget, self.C)]
+        launched = [self._forward(parts) for parts in pack(admitted, self.budget)]
         finished: Slotted = []
         for done, first, lps in launched:
             finished += self._commit(done, first, lps)
         return finished
 
     def _rows(self, parts: list[Part]) -> tuple[torch.Tensor, PromptRows]:
-        """Host-built [R, C] ids and their PromptRows, copied to the device."""
-        C = self.C
-        R = sum(p.end - p.start for p in parts)
-        self.rows_run += R
-        ids = torch.zeros(R * C, dtype=torch.int64)
-        nxt = torch.zeros(R * C, dtype=torch.int64)
-        slots, prefix, out_cols = [], [], []
-        last_rows, last_cols, done = [], [], []
+        """Host-built [N, 1] ids (one sequence a prompt token) and their PromptRows, copied to the
+        device."""
+        N = sum(p.end - p.start for p in parts)
+        self.tokens_run += N
+        ids = torch.empty(N, dtype=torch.int64)
+        nxt = torch.zeros(N, dtype=torch.int64)
+        positions = torch.empty(N, dtype=torch.int64)
+        slots = torch.empty(N, dtype=torch.int64)
+        last, done = [], []
         r = 0
         for p in parts:
             prompt, L = p.req.prompt_ids, len(p.req.prompt_ids)
-            a, b = p.start * C, min(p.end * C, L)
-            ids[r * C: r * C + b - a] = torch.tensor(prompt[a:b])
+            a, b = p.start, p.end
+            ids[r: r + b - a] = torch.tensor(prompt[a:b])
             nb = min(b + 1, L)
-            nxt[r * C: r * C + nb - a - 1] = torch.tensor(prompt[a + 1: nb])
-            n = p.end - p.start
-            slots += [p.slot] * n
-            prefix += [j * C for j in range(p.start, p.end)]
-            out_cols += [C - 1] * n
+            nxt[r: r + nb - a - 1] = torch.tensor(prompt[a + 1: nb])
+            positions[r: r + b - a] = torch.arange(a, b)
+            slots[r: r + b - a] = p.slot
+            r += b - a
             if p.last:
-                last_rows.append(r + n - 1)
-                last_cols.append((L - 1) % C)
-                out_cols[-1] = last_cols[-1]
+                last.append(r - 1)
                 done.append(p)
-            r += n
+        start, count = tiles_of(parts, self.C)
         dev = self.device
-        prefix_t = torch.tensor(prefix, dtype=torch.int64)
-        positions = (prefix_t[:, None] + torch.arange(C)).to(dev, non_blocking=True)
-        meta = AttnMetadata(slots=to_device(slots, torch.int64, dev), positions=positions,
-                            prefix_lens=prefix_t.to(dev, non_blocking=True),
-                            kv_len=max(prefix) + C, page_table=self.page_table)
-        rows = PromptRows(meta=meta, next_ids=nxt.view(R, C).to(dev, non_blocking=True),
-                          last_rows=to_device(last_rows, torch.int64, dev), last_cols=to_device(last_cols, torch.int64, dev),
-                          slots=to_device([p.slot for p in done], torch.int64, dev), prompts=[p.req.prompt_ids for p in done],
-                          out_cols=to_device(out_cols, torch.int64, dev))
-        return ids.view(R, C).to(dev, non_blocking=True), rows
+        pos = positions.to(dev, non_blocking=True)
+        meta = AttnMetadata(slots=slots.to(dev, non_blocking=True), positions=pos[:, None], prefix_lens=pos,
+                            kv_len=max(p.end for p in parts), page_table=self.page_table,
+                            tiles=QueryTiles(to_device(start, torch.int64, dev), to_device(count, torch.int64, dev),
+                                             self.C))
+        rows = PromptRows(meta=meta, next_ids=nxt.view(N, 1).to(dev, non_blocking=True),
+                          last=to_device(last, torch.int64, dev),
+                          slots=to_device([p.slot for p in done], torch.int64, dev),
+                          prompts=[p.req.prompt_ids for p in done])
+        return ids.view(N, 1).to(dev, non_blocking=True), rows
 
     def _forward(self, parts: list[Part]) -> tuple[list[Part], torch.Tensor | None, tuple | None]:
         """The device half of one forward: the target, the first tokens, the drafter, the slots'
         lengths and roots; returns (the finished prompts' parts, their first tokens, logprobs)."""
         ids, rows = self._rows(parts)
-        hidden, captured = self._run_target(ids, rows.meta)                      # [R, C, H]
+        hidden, captured = self._run_target(ids, rows.meta)                      # [N, 1, H]
         self.forwards += 1
-        C, H = self.C, hidden.shape[-1]
-        flat = hidden.view(-1, H)
+        flat = hidden.view(-1, hidden.shape[-1])
         r = 0
         for p in parts:                       # prompt logprobs of the positions in this forward
             n = p.end - p.start
             if p.req.params.prompt_logprobs is not None and p.req.choice == 0:   # n choices share them
                 L = len(p.req.prompt_ids)
-                a, b = p.start * C, min(p.end * C, L)
-                got = prompt_token_logprobs(self.model.logits, flat[r * C: r * C + b - a],
+                a, b = p.start, p.end
+                got = prompt_token_logprobs(self.model.logits, flat[r: r + b - a],
                                             to_device(p.req.prompt_ids[a: min(b + 1, L)], torch.int64, self.device),
                                             p.req.params.prompt_logprobs)
                 p.req.prompt_logprobs = (p.req.prompt_logprobs or []) + got
@@ -248,7 +271,7 @@ class Prefiller:
         slots = rows.slots
         params = [p.req.params for p in done]
         sp = BatchSampling.build(params, dev)
-        logits = self.model.logits(hidden[rows.last_rows, rows.last_cols])        # [B, V]
+        logits = self.model.logits(hidden.view(-1, hidden.shape[-1])[rows.last])   # [B, V]
         counts = None
         if any(q.uses_processors for q in params):
             # the first token: nothing generated yet (min_tokens), counts zero, the prompt present

@@ -42,7 +42,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "y
 @triton.jit(do_not_specialize=["T", "n_splits", "region", "write_offset", "smb", "smt", "smm", "s_pt"])
 def _slot_attn_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, prefix_ptr, mask_ptr, pos_ptr, out_ptr, pacc_ptr, pm_ptr, pl_ptr, nu_ptr,
-    pt_ptr, T, n_splits, region, write_offset, window, qk_scale,
+    pt_ptr, tstart_ptr, tcount_ptr, T, n_splits, region, write_offset, window, qk_scale,
     s_slot, s_pre, s_pt,
     sqb, sqt, sqh, sqd,
     sks, skl, skh, skd,
@@ -53,7 +53,7 @@ def _slot_attn_kernel(
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     TREE: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+    UPCAST: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TILED: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -62,28 +62,45 @@ def _slot_attn_kernel(
     n_heads = tl.num_programs(1)
 
     # Query row r = t * G + g: new token t, query head h * G + g (the GQA group of kv head h).
+    # TILED: program b is query tile b, sequences [start, start + count) of one token each
+    # (consecutive positions of one slot, causal among themselves): token t is sequence start + t.
+    if TILED:
+        seq = tl.load(tstart_ptr + b).to(tl.int32)
+        n_new = tl.load(tcount_ptr + b).to(tl.int32)
+        reg = n_new
+    else:
+        seq = b
+        n_new = T
+        reg = region
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     t = rows // G
-    row_ok = rows < T * G
+    row_ok = rows < n_new * G
+    if TILED:
+        q_seq = seq + t
+        q_col = t * 0
+    else:
+        q_seq = seq + t * 0
+        q_col = t
     qh = h * G + rows % G
     dd = tl.arange(0, BLOCK_D)
     d_ok = dd < D
-    q = tl.load(q_ptr + b * sqb + t[:, None] * sqt + qh[:, None] * sqh + dd[None, :] * sqd,
+    q = tl.load(q_ptr + q_seq[:, None] * sqb + q_col[:, None] * sqt + qh[:, None] * sqh + dd[None, :] * sqd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)                  # [BLOCK_M, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
 
-    slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)      # int64: slot * stride can pass 2**31 elements
-    prefix = tl.load(prefix_ptr + b * s_pre).to(tl.int32)
-    n_rows = prefix + region                         # rows this slot reads (device value)
+    slot = tl.load(slots_ptr + seq * s_slot).to(tl.int64)    # int64: slot * stride can pass 2**31 elements
+    prefix = tl.load(prefix_ptr + seq * s_pre).to(tl.int32)
+    n_rows = prefix + reg                            # rows this slot reads (device value)
     if not TREE:
         # causal: the tile's last token reads up to its own row
-        t_last = (tl.minimum(tile * BLOCK_M + BLOCK_M, T * G) - 1) // G
+        t_last = (tl.minimum(tile * BLOCK_M + BLOCK_M, n_new * G) - 1) // G
         n_rows = tl.minimum(n_rows, prefix + write_offset + t_last + 1)
+    n_rows = tl.where(tile * BLOCK_M < n_new * G, n_rows, 0)     # an empty tile reads nothing
 
     lo = prefix * 0
     if WINDOW:
-        pos = tl.load(pos_ptr + b * spb + t * spt, mask=row_ok, other=0).to(tl.int32)   # [BLOCK_M]
+        pos = tl.load(pos_ptr + q_seq * spb + q_col * spt, mask=row_ok, other=0).to(tl.int32)   # [BLOCK_M]
         # Committed rows before every token's window are skipped; region rows are always inside.
         first = tl.min(tl.where(row_ok, pos, 2147483647), 0) - window + 1
         lo = tl.minimum(tl.maximum(first, 0), prefix)
@@ -159,7 +176,7 @@ def _slot_attn_kernel(
                      mask=row_ok[:, None] & d_ok[None, :])
     else:
         o = acc / tl.where(row_ok, l_i, 1.0)[:, None]           # pad rows: no 0 / 0
-        tl.store(out_ptr + b * sob + t[:, None] * sot + qh[:, None] * soh + dd[None, :] * sod,
+        tl.store(out_ptr + q_seq[:, None] * sob + q_col[:, None] * sot + qh[:, None] * soh + dd[None, :] * sod,
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -208,12 +225,13 @@ def _sm_count(device: torch.device) -> int:
 
 def _config(block_m: int, block_d: int, elem_bytes: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages): a K tile of <= 16 KB (64 rows at bf16 D 128) and a score
-    tile of <= 64 x 64; 8 warps for wide tiles and fp32 (its dots run on FMA units, operands in
-    registers); 2 stages for wide tiles (shared memory). No register spills on sm_90 (ptxas -v)
-    up to T * G = 128 at D 128."""
+    tile of <= 64 x 64; 8 warps for fp32 (its dots run on FMA units, operands in registers) and
+    for wide tiles of D > 128; 2 stages for wide tiles (shared memory). A prefill tile of 128
+    query rows at bf16 D 128 runs 25-33% faster on 4 warps than on 8 (H100, 32 x 256 to 5 x 1,536
+    token prefills: `benchmarks/attention_kernel.py --prefill --sweep`)."""
     block_n = max(16, min(64, _TILE_BYTES // (block_d * elem_bytes), 4096 // block_m))
     wide = block_m * block_d > 64 * 128
-    warps = 8 if elem_bytes == 4 or wide else 4
+    warps = 8 if elem_bytes == 4 or (wide and block_d > 128) else 4
     return block_n, warps, 2 if wide else _NUM_STAGES
 
 
@@ -229,13 +247,19 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    write_offset: int = 0, positions: torch.Tensor | None = None,
                    sliding_window: int | None = None, max_rows: int | None = None,
                    num_splits: int | None = None, out: torch.Tensor | None = None,
-                   page_table: torch.Tensor | None = None) -> torch.Tensor:
+                   page_table: torch.Tensor | None = None, tile_start: torch.Tensor | None = None,
+                   tile_count: torch.Tensor | None = None, tile_size: int = 0) -> torch.Tensor:
     """q [B, T, Hq, D] over caches [S, L, Hkv, D] -> out [B, T, Hq, D] (q's dtype).
 
     slots, prefix_lens [B] int64; tree_mask [B, T, M] bool (None = causal over write_offset + T
     region rows); positions [B, T] (only read with sliding_window); max_rows: host bound on
     prefix_b + M, for the split choice only (default: the cache length). page_table [S, pages
     per slot] (int): the caches are paged, [pages, P, Hkv, D].
+
+    tile_start, tile_count [R] (int), tile_size: one new token a sequence (T = 1, causal), the
+    sequences grouped into query tiles: tile r is sequences [start, start + count), count <=
+    tile_size, consecutive positions of one slot (prefix_lens rising by one), so they share
+    their K/V reads. Sequences in no tile are not computed (their output is left as it was).
     """
     B, T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -258,20 +282,26 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             raise ValueError("sliding_window needs positions")
         if sliding_window <= region:
             raise ValueError(f"sliding window {sliding_window} not wider than the region ({region} rows)")
+    tiled = tile_start is not None
+    if tiled and (T != 1 or tree or write_offset or tile_count is None or tile_size < 1
+                  or tile_count.shape != tile_start.shape):
+        raise ValueError("query tiles group one-token causal sequences: need T = 1, no tree, no write "
+                         "offset, tile_count shaped like tile_start and tile_size >= 1")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if B == 0 or T == 0:
+    if B == 0 or T == 0 or (tiled and tile_start.numel() == 0):
         return out
 
-    BLOCK_M = min(MAX_QUERY_ROWS, max(16, triton.next_power_of_2(T * G)))
-    n_tiles = triton.cdiv(T * G, BLOCK_M)
+    rows_q = tile_size * G if tiled else T * G           # query rows of one program's sequence(s)
+    BLOCK_M = min(MAX_QUERY_ROWS, max(16, triton.next_power_of_2(rows_q)))
+    n_tiles = triton.cdiv(rows_q, BLOCK_M)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_N, warps, stages = _config(BLOCK_M, BLOCK_D, q.element_size())
     if num_splits is None:
         rows_bound = max_rows if max_rows is not None else (
             page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1])
-        num_splits = 1 if n_tiles > 1 else choose_splits(B * Hkv, rows_bound, BLOCK_N, q.device)
-    if n_tiles > 1 and num_splits > 1:
+        num_splits = 1 if n_tiles > 1 or tiled else choose_splits(B * Hkv, rows_bound, BLOCK_N, q.device)
+    if (n_tiles > 1 or tiled) and num_splits > 1:
         raise ValueError("splits are for one query tile (decode / verify), not prefills")
     split = num_splits > 1
     if split:
@@ -289,17 +319,19 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     window = sliding_window if sliding_window is not None else 0
     paged = page_table is not None
     pt = page_table if paged else slots
+    programs = tile_start.shape[0] if tiled else B
 
-    _slot_attn_kernel[(B, Hkv, n_tiles * num_splits)](
+    _slot_attn_kernel[(programs, Hkv, n_tiles * num_splits)](
         q, k_cache, v_cache, slots, prefix_lens, mask, pos, out, pacc, pm, pl, used,
-        pt, T, num_splits, region, write_offset, window, scale * 1.4426950408889634,      # log2(e): exp2 domain
+        pt, tile_start if tiled else slots, tile_count if tiled else slots, T, num_splits,
+        region, write_offset, window, scale * 1.4426950408889634,      # log2(e): exp2 domain
         slots.stride(0), prefix_lens.stride(0), pt.stride(0) if paged else 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *smask, *spos, *out.stride(),
         G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         TREE=tree, WINDOW=sliding_window is not None, SPLIT=split,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",      # fp32: exact, like the torch path
         UPCAST=_INTERPRET and q.dtype == torch.bfloat16, PAGED=paged,
-        PAGE=k_cache.shape[1] if paged else 1, num_warps=warps, num_stages=stages,
+        PAGE=k_cache.shape[1] if paged else 1, TILED=tiled, num_warps=warps, num_stages=stages,
     )
     if split:
         _combine_kernel[(B, Hkv)](

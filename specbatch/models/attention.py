@@ -7,6 +7,11 @@ B sequences brings T new tokens whose K/V are written at cache rows
 causal among the new tokens by default (M = T), or an explicit tree mask (verify of a draft tree;
 draft steps whose earlier tree levels sit in the region). The model never learns which it is doing.
 
+A packed prefill brings one new token a sequence (T = 1): each prompt token is its own sequence,
+seeing its prompt's earlier rows, so the forward holds the prompts' tokens and nothing else.
+`QueryTiles` groups runs of such sequences (one prompt's consecutive positions) so attention reads
+their K/V once per tile; it is a grouping, not a mode: the result is the same without it.
+
 A cache row is an address in the slot's own row space. With a page table the cache is a pool of
 pages [pages, P, Hkv, D] and row l of slot s lives at row l % P of page page_table[s, l // P];
 without one the cache is [slots, L, Hkv, D]. The model never learns which either.
@@ -28,6 +33,16 @@ _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBack
 
 
 @dataclass
+class QueryTiles:
+    """Sequences of one new token each grouped for attention: tile r is sequences [start[r],
+    start[r] + count[r]), consecutive positions of one slot (prefix_lens rising by one), count
+    <= size. A tile of count 0 is unused (a captured forward's spare tiles)."""
+    start: torch.Tensor          # [R] int64
+    count: torch.Tensor          # [R] int64
+    size: int                    # most sequences a tile holds
+
+
+@dataclass
 class AttnMetadata:
     slots: torch.Tensor          # [B] int64: KV-cache slot of each sequence (pad rows -> dummy slot)
     positions: torch.Tensor      # [B, T] int64: RoPE positions of the new tokens
@@ -36,6 +51,7 @@ class AttnMetadata:
     tree_mask: torch.Tensor | None = None   # [B, T, M] bool: new token t sees region row m; None = causal
     write_offset: int = 0        # new tokens are written at region rows write_offset + t
     page_table: torch.Tensor | None = None   # [slots, pages per slot]: the cache is paged
+    tiles: QueryTiles | None = None          # one-token sequences grouped into query tiles
 
     @property
     def num_new(self) -> int:
@@ -54,12 +70,14 @@ class AttnMetadata:
             rows = self.__dict__["_cache_rows"] = self.prefix_lens[:, None] + self.write_offset + t
         return rows
 
-    def select_rows(self, rows: torch.Tensor) -> "AttnMetadata":
-        """A causal view with one query per sequence, new token `rows[b]`, whose K/V (and those of
-        the new tokens before it) are already written: it sees every row up to its own."""
-        assert self.tree_mask is None, "row selection is for causal forwards"
-        return AttnMetadata(slots=self.slots, positions=self.positions.gather(1, rows[:, None]),
-                            prefix_lens=self.prefix_lens + self.write_offset + rows, kv_len=self.kv_len,
+    def select_tokens(self, idx: torch.Tensor) -> "AttnMetadata":
+        """A causal view of the new tokens idx [K] (row-major over [B, T]), each its own sequence
+        whose K/V (and those of the new tokens before it) are already written: it sees every row
+        up to its own."""
+        assert self.tree_mask is None, "token selection is for causal forwards"
+        b, t = idx // self.num_new, idx % self.num_new
+        return AttnMetadata(slots=self.slots[b], positions=self.positions[b, t][:, None],
+                            prefix_lens=self.prefix_lens[b] + self.write_offset + t, kv_len=self.kv_len,
                             page_table=self.page_table)
 
     def flat_rows(self, rows: torch.Tensor, rows_per_slot: int) -> torch.Tensor:
@@ -112,7 +130,12 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
         return slot_attention(q, k_cache, v_cache, meta.slots, meta.prefix_lens, scale,
                               tree_mask=meta.tree_mask, write_offset=meta.write_offset,
                               positions=meta.positions, sliding_window=sliding_window,
-                              max_rows=meta.kv_len, page_table=meta.page_table)
+                              max_rows=meta.kv_len, page_table=meta.page_table,
+                              **({} if meta.tiles is None else dict(
+                                  tile_start=meta.tiles.start, tile_count=meta.tiles.count,
+                                  tile_size=meta.tiles.size)))
+    if meta.tiles is not None:
+        return _attend_tiles(q, k_cache, v_cache, meta, scale, sliding_window)
     rows = meta.flat_rows(torch.arange(meta.kv_len, device=q.device).expand(q.shape[0], -1), k_cache.shape[1])
     keys = k_cache.view(-1, *k_cache.shape[2:])[rows].transpose(1, 2)       # [B, Hkv, L, D]
     values = v_cache.view(-1, *v_cache.shape[2:])[rows].transpose(1, 2)
@@ -123,3 +146,24 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
             enable_gqa=q.shape[2] != keys.shape[1],
         )
     return out.transpose(1, 2)
+
+
+def _attend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
+                  scale: float, sliding_window: int | None) -> torch.Tensor:
+    """One-token sequences q [N, 1, Hq, D] gathered into their tiles [R, size] (each tile one
+    causal sequence of `size` new tokens at its first token's prefix), attended, and scattered
+    back: the keys gathered are [R, ...], not [N, ...]. Tile columns past a tile's count are
+    computed and dropped."""
+    tiles, N = meta.tiles, q.shape[0]
+    col = torch.arange(tiles.size, device=q.device)
+    idx = tiles.start[:, None] + col                                       # [R, size]
+    real = col[None, :] < tiles.count[:, None]
+    idx = torch.where(real, idx, 0).clamp(max=max(N - 1, 0))
+    first = tiles.start.clamp(max=max(N - 1, 0))
+    rows = AttnMetadata(slots=meta.slots[first], positions=meta.positions[idx, 0],
+                        prefix_lens=meta.prefix_lens[first], kv_len=meta.kv_len - 1 + tiles.size,
+                        page_table=meta.page_table)
+    got = attend(q[idx, 0], k_cache, v_cache, rows, scale, sliding_window)   # [R, size, Hq, D]
+    out = q.new_zeros(N + 1, *q.shape[2:])                                 # row N: the dropped columns
+    out[torch.where(real, idx, N).view(-1)] = got.reshape(-1, *q.shape[2:])
+    return out[:N, None]

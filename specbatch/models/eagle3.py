@@ -82,19 +82,19 @@ class Eagle3Head(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttnMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor], features: bool,
-                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                out_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T], hidden [B, T, 3*H_target] (features) or [B, T, H] -> pre-norm [B, T, H].
 
-        With `out_rows` [B], every row's K/V is written but only that row per sequence goes
-        through attention output, O-proj and MLP: [B, 1, H].
+        With `out_tokens` [K] (indices into the B * T new tokens, row-major), every token's K/V is
+        written but only those go through attention output, O-proj and MLP: [K, 1, H].
         """
         layer = self.midlayer
         h = self.fc(hidden) if features else hidden
         emb = self.embed_tokens(input_ids)
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], dim=-1)
-        attn = layer.self_attn(x, Rope(self.inv_freq, meta.positions, x.dtype), meta, *kv, out_rows=out_rows)
-        if out_rows is not None:
-            h = h.gather(1, out_rows[:, None, None].expand(-1, 1, h.shape[-1]))
+        attn = layer.self_attn(x, Rope(self.inv_freq, meta.positions, x.dtype), meta, *kv, out_tokens=out_tokens)
+        if out_tokens is not None:
+            h = h.reshape(-1, h.shape[-1])[out_tokens][:, None]
         x, h = layer.post_attention_layernorm(attn, h)
         return h + layer.mlp(x)
 

@@ -158,9 +158,10 @@ class Attention(nn.Module):
         self.scale = d ** -0.5
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None    # see fuse_projections
 
-    def forward(self, x, rope: Rope, meta: AttnMetadata, k_cache, v_cache, out_rows=None):
-        """x [B, T, in] -> [B, T, H]; with `out_rows` [B] every row's K/V is written but the
-        attention output is computed for that one row per sequence only: [B, 1, H]."""
+    def forward(self, x, rope: Rope, meta: AttnMetadata, k_cache, v_cache, out_tokens=None):
+        """x [B, T, in] -> [B, T, H]; with `out_tokens` [K] (indices into the B * T new tokens,
+        row-major) every token's K/V is written but the attention output is computed for those
+        only: [K, 1, H]."""
         B, T, _ = x.shape
         d = self.cfg.head_dim
         if self.qkv is None:
@@ -172,11 +173,11 @@ class Attention(nn.Module):
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotate_and_store(q, k, v, rope, meta, k_cache, v_cache)
-        if out_rows is not None:
-            q = q.gather(1, out_rows[:, None, None, None].expand(-1, 1, *q.shape[2:]))
-            meta = meta.select_rows(out_rows)
+        if out_tokens is not None:
+            q = q.reshape(B * T, 1, *q.shape[2:])[out_tokens]
+            meta = meta.select_tokens(out_tokens)
         out = attend(q, k_cache, v_cache, meta, self.scale, self.cfg.sliding_window)
-        return self.o_proj(out.reshape(B, q.shape[1], -1))
+        return self.o_proj(out.reshape(*q.shape[:2], q.shape[2] * d))
 
 
 class MLP(nn.Module):

@@ -92,16 +92,17 @@ class MTPLayer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttnMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor], features: bool = True,
-                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                out_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T], hidden [B, T, H] (target's or own; `features` makes no difference)
-        -> normed output [B, T, H], or [B, 1, H] for `out_rows` [B] (every row's K/V written,
-        only that row per sequence through attention output, O-proj and MLP)."""
+        -> normed output [B, T, H], or [K, 1, H] for `out_tokens` [K] (indices into the B * T new
+        tokens, row-major: every token's K/V written, only those through attention output, O-proj
+        and MLP)."""
         e, h = self.enorm(self.embed_tokens(input_ids)), self.hnorm(hidden)
         x = self.eh_proj(torch.cat([h, e] if self.cfg.hidden_first else [e, h], dim=-1))
         attn = self.self_attn(self.input_layernorm(x), Rope(self.inv_freq, meta.positions, x.dtype),
-                              meta, *kv, out_rows=out_rows)
-        if out_rows is not None:
-            x = x.gather(1, out_rows[:, None, None].expand(-1, 1, x.shape[-1]))
+                              meta, *kv, out_tokens=out_tokens)
+        if out_tokens is not None:
+            x = x.reshape(-1, x.shape[-1])[out_tokens][:, None]
         y, residual = self.post_attention_layernorm(attn, x)
         return self.shared_head.norm(self.mlp(y), residual)[0]
 

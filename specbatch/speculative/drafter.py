@@ -14,22 +14,23 @@ from .tree import chain
 
 @dataclass
 class PromptRows:
-    """Prompt tokens as a prefill forward of the target saw them: R rows of C tokens, each row a
-    run of one prompt's positions (prefix_lens = its first position; a prompt's rows may span
-    forwards). The prompts whose last token is in this forward are the B `finished` ones."""
-    meta: AttnMetadata            # slots [R], positions [R, C], prefix_lens [R]: C new tokens a row
-    next_ids: torch.Tensor        # [R, C] the token after each position (0 past a prompt's end and
+    """Prompt tokens as a prefill forward of the target saw them: R sequences of T new tokens,
+    each a run of one prompt's positions (prefix_lens = its first position; a prompt may span
+    forwards). The engine's packed prefill has T = 1, one sequence a prompt token, grouped into
+    query tiles by the metadata; `whole` has one prompt a row. The prompts whose last token is in
+    this forward are the B `finished` ones."""
+    meta: AttnMetadata            # slots [R], positions [R, T], prefix_lens [R]
+    next_ids: torch.Tensor        # [R, T] the token after each position (0 past a prompt's end and
                                   # at a finished prompt's last position: its first generated token)
-    last_rows: torch.Tensor       # [B] the row of each finished prompt's last token
-    last_cols: torch.Tensor       # [B] ... and its column
+    last: torch.Tensor            # [B] each finished prompt's last token: an index into the R * T
+                                  # new tokens (row-major), the one output a drafter keeps
     slots: torch.Tensor           # [B] the finished prompts' slots
     prompts: list[list[int]]      # [B] the finished prompts' token ids (host)
-    out_cols: torch.Tensor        # [R] the column whose output a drafter keeps (finished: the last)
 
     def next_tokens(self, first_tokens: torch.Tensor) -> torch.Tensor:
-        """[R, C] next tokens with the finished prompts' first generated tokens in place."""
+        """[R, T] next tokens with the finished prompts' first generated tokens in place."""
         tokens = self.next_ids.clone()
-        tokens[self.last_rows, self.last_cols] = first_tokens
+        tokens.view(-1)[self.last] = first_tokens
         return tokens
 
     @classmethod
@@ -42,9 +43,9 @@ class PromptRows:
                             prefix_lens=torch.zeros_like(slots), kv_len=T, page_table=page_table)
         nxt = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
         nxt = nxt * (torch.arange(T, device=dev)[None, :] < (lengths - 1)[:, None])
-        rows = torch.arange(B, device=dev)
-        return cls(meta=meta, next_ids=nxt, last_rows=rows, last_cols=lengths - 1, slots=slots,
-                   prompts=[p[:n] for p, n in zip(input_ids.tolist(), lengths.tolist())], out_cols=lengths - 1)
+        last = torch.arange(B, device=dev) * T + lengths - 1
+        return cls(meta=meta, next_ids=nxt, last=last, slots=slots,
+                   prompts=[p[:n] for p, n in zip(input_ids.tolist(), lengths.tolist())])
 
 
 @dataclass

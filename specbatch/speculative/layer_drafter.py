@@ -26,7 +26,7 @@ from .tree import chain, child_scores, choose_tree
 
 
 class LayerDrafter(Drafter):
-    """`head(tokens, hidden, meta, kv, features, out_rows)` -> its output states, `head.logits`,
+    """`head(tokens, hidden, meta, kv, features, out_tokens)` -> its output states, `head.logits`,
     `head.to_target` (draft -> target ids) and `head.cfg.layer` (the KV cache's shape).
     `aux_layers`: the target layers whose outputs are the features (EAGLE3); empty: the target's
     final-normed hidden state (MTP)."""
@@ -64,9 +64,9 @@ class LayerDrafter(Drafter):
     def prefill(self, rows: PromptRows, captured, first_tokens):
         meta = dataclasses.replace(rows.meta, page_table=self.page_table)    # the draft layer's pages
         h = self.head(rows.next_tokens(first_tokens), torch.cat(captured, dim=-1), meta, self.cache.layers[0],
-                      features=True, out_rows=rows.out_cols)
+                      features=True, out_tokens=rows.last)
         if rows.slots.numel():
-            self._keep(rows.slots, h[rows.last_rows, 0])
+            self._keep(rows.slots, h[:, 0])
 
     def extend(self, slots, lens, acc: Acceptance, captured, kv_bound=None):
         # Row lens+j: (emitted token j, target state at the node that emitted it). Rows past
@@ -76,7 +76,8 @@ class LayerDrafter(Drafter):
         feats = feats.gather(1, acc.path[:, :, None].expand(-1, -1, feats.shape[-1]))
         meta = AttnMetadata(slots=slots, positions=lens[:, None] + torch.arange(W, device=lens.device),
                             prefix_lens=lens, kv_len=_bound(lens, kv_bound) + W, page_table=self.page_table)
-        h = self.head(acc.tokens, feats, meta, self.cache.layers[0], features=True, out_rows=acc.num - 1)
+        last = torch.arange(slots.shape[0], device=slots.device) * W + acc.num - 1
+        h = self.head(acc.tokens, feats, meta, self.cache.layers[0], features=True, out_tokens=last)
         self._keep(slots, h[:, 0])
 
     def _keep(self, slots: torch.Tensor, h: torch.Tensor) -> None:

@@ -45,11 +45,11 @@ def test_a_prompt_finds_the_pages_of_one_that_began_alike():
 def test_vanilla_shares_a_prefix_that_ends_on_a_page_whatever_follows_it(tiny_model):
     """The target's K/V of a position reads no later token, so vanilla shares every page of a
     common prefix; a draft layer's last row of a page reads the next token, so an EAGLE3 engine
-    shares a page only where that token matches too (here: one row of C = 64 tokens less)."""
+    shares a page only where that token matches too (here: one page less)."""
     from specbatch.resolve import DEMO_DIR
 
     g = torch.Generator().manual_seed(11)
-    head = torch.randint(1, 200, (128,), generator=g).tolist()            # two rows of C, eight pages
+    head = torch.randint(1, 200, (128,), generator=g).tolist()            # eight pages
     rows = [RowRequest(row=i, id=i, prompt_token_ids=head + [200 + i] + torch.randint(1, 200, (9,), generator=g).tolist(),
                        overrides={"max_tokens": 3}) for i in range(6)]
     eng, got = _generate(tiny_model, rows, batch_size=6)
@@ -61,7 +61,7 @@ def test_vanilla_shares_a_prefix_that_ends_on_a_page_whatever_follows_it(tiny_mo
     eng, got = _generate(target, rows, batch_size=6, spec=spec)
     _, want = _generate(target, rows, batch_size=6)
     assert eng.pages.index.lookahead == 1 and _tokens(got) == _tokens(want)
-    assert eng.cached_tokens == 5 * 64
+    assert eng.cached_tokens == 5 * (128 - eng.page_size)
 
 
 def test_idle_pages_stay_readable_until_a_new_page_needs_them():
@@ -125,9 +125,9 @@ def test_vanilla_outputs_do_not_change_and_prefill_skips_the_shared_rows(tiny_mo
     eng, got = _generate(tiny_model, rows, batch_size=batch_size, kv_rows=kv_rows)
     assert _tokens(got) == _tokens(want) and all(r["error"] is None for r in got)
     assert ref.cached_tokens == 0 and eng.prompt_tokens == ref.prompt_tokens
-    assert eng.cached_tokens >= 64 * 10 and eng.cached_tokens % 64 == 0       # rows of C = 64 tokens
+    assert eng.cached_tokens >= 64 * 10 and eng.cached_tokens % eng.page_size == 0     # whole pages
     assert eng.prefill_forwards <= ref.prefill_forwards
-    assert ref.prefiller.rows_run - eng.prefiller.rows_run == eng.cached_tokens // 64    # skipped, not rerun
+    assert ref.prefiller.tokens_run - eng.prefiller.tokens_run == eng.cached_tokens    # skipped, not rerun
     assert eng.pages.free_pages == eng.pages.usable                            # every page came back
 
 
@@ -159,7 +159,7 @@ def test_draft_layer_pages_are_shared_too(algo, S, k, N):
     ref, plain = _generate(target, rows, batch_size=5, spec=spec, prefix_caching=False)
     eng, got = _generate(target, rows, batch_size=5, spec=spec)
     assert eng.prefix_caching and eng.cached_tokens >= 64 * 6
-    assert ref.prefiller.rows_run - eng.prefiller.rows_run == eng.cached_tokens // 64
+    assert ref.prefiller.tokens_run - eng.prefiller.tokens_run == eng.cached_tokens
     assert _tokens(got) == _tokens(want) == _tokens(plain)
     # lossless either way; the drafts show whether the draft layer read the right rows
     accepted = [r["spec"]["accepted_tokens"] for r in got]
@@ -192,7 +192,8 @@ def test_the_same_prompts_again_find_everything_until_the_cache_is_reset(tiny_mo
     first, hit1 = run()
     again, hit2 = run()
     assert _tokens(again) == _tokens(first) and hit2 > hit1
-    assert hit2 == sum((len(r.prompt_token_ids) - 1) // 64 * 64 for r in rows)    # every whole row before the last token
+    P = eng.page_size
+    assert hit2 == sum((len(r.prompt_token_ids) - 1) // P * P for r in rows)    # every whole page before the last token
     eng.reset_prefix_cache()
     cold, hit3 = run()
     assert _tokens(cold) == _tokens(first) and hit3 == hit1

@@ -7,13 +7,15 @@ after the lengths change in place (how the engine runs it).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from specbatch.kernels.attention import choose_splits, slot_attention  # noqa: E402
-from specbatch.models.attention import AttnMetadata, attend  # noqa: E402
+from specbatch.models.attention import AttnMetadata, QueryTiles, attend  # noqa: E402
 from specbatch.speculative.tree import ancestor_mask  # noqa: E402
 
 TOL = {torch.float32: (2e-5, 1e-5), torch.float16: (5e-3, 5e-3), torch.bfloat16: (2e-2, 2e-2)}  # atol, rtol
@@ -180,6 +182,74 @@ def test_paged_cache_and_prefill_tiles_interpreter(B, T, Hq, Hkv, prefix, mode, 
                                atol=2e-5, rtol=1e-5)
 
 
+def build_tiled(parts: list[tuple[int, int]], Hq: int, Hkv: int, D: int, dtype: torch.dtype, size: int,
+                device: str = "cpu", seed: int = 0) -> dict:
+    """A packed prefill: part i brings tokens [a, a + n) of one prompt in its own slot, each token a
+    sequence of one new token; tiles of <= size tokens, two spare tiles (count 0) and one pad token
+    in no tile at the end. Rows past each part's last token are NaN (as is every unused slot)."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    S = len(parts) + 2
+    L = max(a + n for a, n in parts) + 9
+    kv = torch.randn(2, S, L, Hkv, D).to(dtype)
+    slot_of = torch.randperm(S, generator=gen)[:len(parts)]
+    poisoned = torch.full_like(kv, float("nan"))
+    tok_slots, pos, start, count = [], [], [], []
+    for (a, n), slot in zip(parts, slot_of.tolist()):
+        poisoned[:, slot, : a + n] = kv[:, slot, : a + n]
+        for t0 in range(a, a + n, size):
+            start.append(len(pos) + t0 - a)
+            count.append(min(size, a + n - t0))
+        tok_slots += [slot] * n
+        pos += list(range(a, a + n))
+    spare = int(torch.ones(S, dtype=torch.bool).scatter(0, slot_of, False).nonzero()[0])
+    tok_slots.append(spare)                                 # a pad token, in no tile
+    pos.append(0)
+    dev = torch.device(device)
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)     # noqa: E731
+    positions = t(pos)
+    meta = AttnMetadata(slots=t(tok_slots), positions=positions[:, None], prefix_lens=positions,
+                        kv_len=max(a + n for a, n in parts))
+    tiles = QueryTiles(t(start + [0, 0]), t(count + [0, 0]), size)
+    q = torch.randn(len(pos), 1, Hq, D).to(dtype).to(dev)
+    return dict(q=q, kv=poisoned.to(dev), kv_ref=kv.to(dev), meta=meta, tiles=tiles, scale=D ** -0.5)
+
+
+def check_tiled(case: dict, page: int | None = None) -> None:
+    q, m, tiles = case["q"], case["meta"], case["tiles"]
+    N = q.shape[0] - 1                                      # the last token is the pad
+    want = attend(q, case["kv_ref"][0], case["kv_ref"][1], m, case["scale"])[:N]     # one token a sequence
+    kv, table = (case["kv"], None) if page is None else to_pages(case["kv"], page)
+    out = torch.full_like(q, float("nan"))
+    got = slot_attention(q, kv[0], kv[1], m.slots, m.prefix_lens, case["scale"], out=out, page_table=table,
+                         tile_start=tiles.start, tile_count=tiles.count, tile_size=tiles.size)
+    atol, rtol = TOL[q.dtype]
+    torch.testing.assert_close(got[:N].float(), want.float(), atol=atol, rtol=rtol)
+    assert got[N].isnan().all()                             # in no tile: not computed
+    # the torch path groups by the same tiles and gives what it gives one token at a time
+    tiled = dataclasses.replace(m, tiles=tiles)
+    got_torch = attend(q, case["kv_ref"][0], case["kv_ref"][1], tiled, case["scale"])
+    torch.testing.assert_close(got_torch[:N].float(), want.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("parts,Hq,Hkv,size,dtype,page", [
+    ([(0, 5), (0, 40), (0, 1)], 8, 2, 8, torch.float32, None),           # whole prompts, G = 4
+    ([(13, 30), (0, 3)], 4, 2, 16, torch.bfloat16, None),                  # a continued prompt
+    ([(0, 21), (7, 9)], 8, 1, 20, torch.float32, None),                    # 160 query rows: two a tile
+    ([(0, 37), (64, 10)], 8, 2, 8, torch.float32, 16),                     # paged
+])
+def test_query_tiles_give_what_one_token_a_sequence_gives_interpreter(parts, Hq, Hkv, size, dtype, page):
+    check_tiled(build_tiled(parts, Hq, Hkv, 16, dtype, size), page)
+
+
+def test_query_tiles_need_one_token_causal_sequences():
+    q = torch.zeros(2, 2, 8, 16)
+    kv = torch.zeros(2, 2, 64, 2, 16)
+    lens = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="one-token"):
+        slot_attention(q, kv[0], kv[1], lens, lens, 1.0, tile_start=lens, tile_count=lens, tile_size=4)
+
+
 def test_choose_splits():
     cpu = torch.device("cpu")
     assert choose_splits(512, 4096, 64, cpu) == 1               # batch 64 x 8 kv heads: enough programs
@@ -224,6 +294,18 @@ def test_matches_torch_gpu(shape, mode, dtype, B):
                       device="cuda", seed=B * 10 + T)
     check(case, max_rows=case["kv"].shape[2])            # the engine's graph-mode bound
     check(case, num_splits=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_query_tiles_gpu(dtype, shape):
+    Hq, Hkv, D = shape
+    size = 128 // (Hq // Hkv)
+    parts = [(0, 300), (0, 1), (512, 700), (0, 33), (37, 64)]
+    case = build_tiled(parts, Hq, Hkv, D, dtype, size, device="cuda", seed=5)
+    check_tiled(case)
+    check_tiled(case, page=64)
 
 
 @pytest.mark.gpu

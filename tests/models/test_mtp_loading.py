@@ -71,10 +71,10 @@ def test_layer_forward_matches_reference(mtp_dirs, arch, layout, place):
     assert logits.dtype == torch.float32 and logits.shape == (B, P + T, V)
     torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-5)
 
-    # out_rows: one row per sequence out of the same step, every row's K/V written the same way
+    # out_tokens: one token per sequence out of the same step, every row's K/V written the same way
     kv = [t.clone() for t in kv_after_prefill]
     rows = torch.tensor([T - 1, 0])
-    sel = layer(ids[:, P:], hidden[:, P:], meta, kv, out_rows=rows)
+    sel = layer(ids[:, P:], hidden[:, P:], meta, kv, out_tokens=torch.arange(B) * T + rows)
     assert sel.shape == (B, 1, H)
     for b in range(B):
         torch.testing.assert_close(sel[b, 0], want[b, P + rows[b]], atol=1e-5, rtol=1e-5)

@@ -19,7 +19,8 @@ from specbatch.speculative.layer_drafter import LayerDrafter
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("features", [True, False])
-def test_out_rows_writes_all_rows_and_returns_the_used_one(head, features, dtype):
+@pytest.mark.parametrize("pick", ["one_a_row", "some"])
+def test_out_tokens_write_all_rows_and_return_the_used_ones(head, features, dtype, pick):
     """float64 shows the two ways compute the same thing (1e-12); float32 agrees to 1e-6 of the
     output's scale (outputs reach ~20 here, where one float32 ulp is ~2e-6)."""
     if dtype == torch.float64:
@@ -28,7 +29,9 @@ def test_out_rows_writes_all_rows_and_returns_the_used_one(head, features, dtype
     B, T, num_slots, rows_per_slot = 3, 5, 4, 16
     slots = torch.tensor([3, 0, 1])
     prefix = torch.tensor([0, 3, 7])
-    rows = torch.tensor([0, T - 1, 2])
+    # (sequence, new token) pairs whose outputs go on: one per sequence, or any few
+    seq, col = (torch.arange(B), torch.tensor([0, T - 1, 2])) if pick == "one_a_row" else (
+        torch.tensor([2, 0]), torch.tensor([4, 1]))
     ids = torch.randint(0, V, (B, T), generator=g)
     hidden = torch.randn(B, T, 3 * H if features else H, generator=g, dtype=dtype)
 
@@ -41,8 +44,8 @@ def test_out_rows_writes_all_rows_and_returns_the_used_one(head, features, dtype
 
     meta = causal_meta(slots, T, prefix)
     full = head(ids, hidden, meta, full_kv, features=features)
-    sel = head(ids, hidden, meta, sel_kv, features=features, out_rows=rows)
-    assert full.shape == (B, T, H) and sel.shape == (B, 1, H)
+    sel = head(ids, hidden, meta, sel_kv, features=features, out_tokens=seq * T + col)
+    assert full.shape == (B, T, H) and sel.shape == (len(seq), 1, H)
 
     # K/V: every row of every sequence written, identically to the full forward, nothing else touched
     for a, b, orig in zip(full_kv, sel_kv, base.layers[0]):
@@ -54,8 +57,8 @@ def test_out_rows_writes_all_rows_and_returns_the_used_one(head, features, dtype
         assert torch.equal(changed, written)
 
     tol = 1e-12 if dtype == torch.float64 else 1e-6 * float(full.abs().max())
-    for i in range(B):
-        torch.testing.assert_close(sel[i, 0], full[i, rows[i]], atol=tol, rtol=0)
+    for i, (b, t) in enumerate(zip(seq.tolist(), col.tolist())):
+        torch.testing.assert_close(sel[i, 0], full[b, t], atol=tol, rtol=0)
 
     # a later forward reading the cache sees the same thing whichever way it was written
     T2 = 2
@@ -68,7 +71,7 @@ def test_out_rows_writes_all_rows_and_returns_the_used_one(head, features, dtype
     assert torch.equal(full_kv[0], sel_kv[0]) and torch.equal(full_kv[1], sel_kv[1])
 
 
-def test_causal_write_offset_sees_own_row_like_select_rows():
+def test_causal_write_offset_sees_own_row_like_select_tokens():
     T, off = 3, 2
     meta = AttnMetadata(slots=torch.tensor([0]), positions=torch.tensor([[5, 6, 7]]),
                         prefix_lens=torch.tensor([3]), kv_len=3 + off + T, write_offset=off)
@@ -76,7 +79,7 @@ def test_causal_write_offset_sees_own_row_like_select_rows():
     vis = meta.visibility()[0]
     for t in range(T):
         assert vis[t, rows[t]], f"new token {t} does not see its own cache row {int(rows[t])}"
-        assert torch.equal(vis[t], meta.select_rows(torch.tensor([t])).visibility()[0, 0])
+        assert torch.equal(vis[t], meta.select_tokens(torch.tensor([t])).visibility()[0, 0])
 
 
 # ---- 2. drafter tree layout ------------------------------------------------------------------
