@@ -11,9 +11,10 @@ layers do, so every call reads from HBM. --sweep times splits x pipeline stages 
 batch 1 and 8, to tune the defaults in kernels/attention.py. --paged times the job's operating
 point instead: a paged cache (64-row pages in shuffled order), 64 to 512 rows of mixed contexts
 (uniform 100 to 1,100 rows: mean ~600), decode and chain verify of 2 and 4 tokens. --prefill times
-packed prefill forwards of 8,192 tokens as the engine builds them (rows of 32 tokens, each a query
-tile of 32 x 4 heads, a prompt's rows reading its earlier rows) against the causal FLOPs at the
-measured matmul rate, for the default tile shape and, with --sweep, other (BLOCK_N, warps, stages).
+packed prefill forwards of 8,192 tokens as the engine builds them (one sequence a prompt token,
+query tiles of 32 tokens x 4 heads, each token reading its prompt's earlier rows) against the
+causal FLOPs at the measured matmul rate, for the default tile shape and, with --sweep, other
+(BLOCK_N, warps, stages).
 """
 from __future__ import annotations
 
@@ -141,57 +142,60 @@ def paged(dev: torch.device, bw: float) -> None:
 
 
 class PrefillCase:
-    """One packed prefill forward: prompts of the given lengths cut into rows of C tokens (the
-    last row of a prompt partly pad), in a paged cache; tokens attend causally within their prompt."""
+    """One packed prefill forward as the engine builds it: every prompt token a sequence of one new
+    token at its position, runs of C tokens of one prompt grouped into query tiles, in a paged
+    cache; tokens attend causally within their prompt."""
 
     P, C = 64, 32
 
     def __init__(self, lengths: list[int], dev: torch.device, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
         C, P = self.C, self.P
-        slots, prefix, real = [], [], []
+        slots, pos, start, count = [], [], [], []
         for i, L in enumerate(lengths):
-            for j in range(-(-L // C)):
-                slots.append(i)
-                prefix.append(j * C)
-                real.append(min(C, L - j * C))
-        self.R = len(slots)
-        # causal FLOPs of the real tokens: QK^T and PV, 2 x 2 x D each per (query head, key) pair
-        keys = sum(p * n + n * (n + 1) // 2 for p, n in zip(prefix, real))
-        self.flops = 4 * D * HQ * keys
+            for a in range(0, L, C):
+                start.append(len(pos) + a)
+                count.append(min(C, L - a))
+            slots += [i] * L
+            pos += list(range(L))
+        self.R = len(start)
+        # causal FLOPs: QK^T and PV, 2 x 2 x D each per (query head, key) pair; token at p sees p + 1 keys
+        self.flops = 4 * D * HQ * sum(p + 1 for p in pos)
         width = -(-max(lengths) // P)
         pages = len(lengths) * width + 1
         self.read_bytes = 2 * sum(lengths) * HKV * D * DTYPE.itemsize
         self.layers = 4
         self.data = torch.randn(2 * self.layers, pages, P, HKV, D, device=dev, dtype=DTYPE)
         self.table = (torch.randperm(pages - 1, generator=g)[:len(lengths) * width] + 1).view(-1, width).to(dev)
-        self.q = torch.randn(self.R, C, HQ, D, device=dev, dtype=DTYPE)
+        self.q = torch.randn(len(pos), 1, HQ, D, device=dev, dtype=DTYPE)
         self.out = torch.empty_like(self.q)
         self.slots = torch.tensor(slots, device=dev)
-        self.prefix = torch.tensor(prefix, device=dev)
-        self.max_rows = max(prefix) + C
+        self.prefix = torch.tensor(pos, device=dev)
+        self.start, self.count = torch.tensor(start, device=dev), torch.tensor(count, device=dev)
+        self.max_rows = max(lengths)
 
     def kernel(self, layer: int, **kw) -> torch.Tensor:
         return kattn.slot_attention(self.q, self.data[2 * layer], self.data[2 * layer + 1], self.slots,
                                     self.prefix, D ** -0.5, max_rows=self.max_rows, out=self.out,
-                                    page_table=self.table, **kw)
+                                    page_table=self.table, tile_start=self.start, tile_count=self.count,
+                                    tile_size=self.C, **kw)
 
 
 def job_lengths(tokens: int, seed: int = 0) -> list[int]:
     """Prompt lengths of the job mix (lognormal, median 256, sigma 0.8, 16 to 1,536) until
-    `tokens` (rounded up to rows of 32) are reached."""
+    `tokens` are reached (the last one cut short)."""
     g = torch.Generator().manual_seed(seed)
     out, used = [], 0
     while used < tokens:
         L = int(min(1536, max(16, round(256 * float(torch.exp(0.8 * torch.randn(1, generator=g)))))))
-        L = min(L, (tokens - used))
+        L = min(L, tokens - used)
         out.append(L)
-        used += -(-L // 32) * 32
+        used += L
     return out
 
 
 def prefill(dev: torch.device, rate: float, sweep: bool) -> None:
-    print(f"\npacked prefill forwards of 8,192 token slots, rows of 32 (matmul rate {rate / 1e12:.0f} TFLOP/s)")
+    print(f"\npacked prefill forwards of 8,192 tokens, query tiles of 32 (matmul rate {rate / 1e12:.0f} TFLOP/s)")
     shapes = {"32x256": [256] * 32, "8x1024": [1024] * 8, "5x1536+": [1536] * 5 + [512],
               "job mix": job_lengths(8192)}
     default = kattn._config
@@ -212,7 +216,7 @@ def prefill(dev: torch.device, rate: float, sweep: bool) -> None:
                 kattn._config = default
             floor_us = case.flops / rate * 1e6
             label = "default " + str(default(128, 128, 2)) if cfg is None else str(cfg)
-            print(f"  {name:8s} rows {case.R:4d} {label:22s} {us:9.1f} us/layer  floor {floor_us:7.1f}  "
+            print(f"  {name:8s} tiles {case.R:4d} {label:22s} {us:9.1f} us/layer  floor {floor_us:7.1f}  "
                   f"{floor_us / us:6.1%} of the rate  (x32 layers: {us * 32 / 1e3:6.2f} ms)")
         del case
         torch.cuda.empty_cache()

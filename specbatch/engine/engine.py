@@ -16,7 +16,7 @@ import torch
 from .cycle import SlotState, Slotted, SpecCycle, exact_acceptance
 from .rows import RowConverter
 from .pool import plan_pool
-from .prefill import Prefiller, chunk_tokens
+from .prefill import Prefiller
 from .profile import CycleTime
 from ..data import RowError, RowRequest
 from ..models.attention import AttnMetadata
@@ -47,7 +47,7 @@ class EngineOptions:
     device: str | None = None            # None: cuda when available, else cpu
     bucket_window: int = 0               # > 0: admit similar prompt lengths together
     longest_first: bool = True           # admit the largest max_tokens of the lookahead first (a short tail)
-    prefill_tokens: int = 8192           # prompt tokens per prefill forward (prefill.py: rows of C, packed)
+    prefill_tokens: int = 8192           # prompt tokens per prefill forward (prefill.py: packed, no padding)
     wave: float = 0.125                  # admit when this share of the slots is free (or nothing runs)
     page_size: int | None = None         # KV rows per page (None: 64 on GPU, 16 on CPU)
     kv_rows: int | None = None           # KV pool capacity in rows (None: what memory allows)
@@ -119,9 +119,8 @@ class Engine:
                          kv_rows=opts.kv_rows, prefill_tokens=opts.prefill_tokens)
         self.num_slots, self.max_len, self.page_size, self.num_pages = (
             plan.num_slots, plan.max_len, plan.page_size, plan.num_pages)
-        # table columns for the longest request, and for the columns of a prefill tile past it
-        # (the torch path computes whole tiles and drops the columns past a tile's count)
-        past = max(self.headroom, chunk_tokens(self.cfg.num_heads, self.cfg.num_kv_heads))
+        # table columns for the longest request and its verify / draft headroom
+        past = self.headroom
         self.pages = PageAllocator(self.num_pages, self.page_size, self.num_slots,
                                    math.ceil((self.max_len + past) / self.page_size),
                                    self.device, dummy_rows=self.headroom)

@@ -46,7 +46,10 @@ def chunk_tokens(num_heads: int, num_kv_heads: int) -> int:
 @dataclass
 class _Static:
     """A captured prefill forward's buffers: tokens past the live ones are pad tokens (dummy
-    slot, in no tile), tiles past the live ones hold no tokens."""
+    slot, position 0, in no tile: their attention output is whatever the buffer held, so their
+    hidden states and the K/V they write at the dummy slot's row 0 are garbage, which nothing
+    reads: a cycle's pad rows write the dummy rows they read first), tiles past the live ones
+    hold no tokens."""
     ids: torch.Tensor                # [size, 1]
     slots: torch.Tensor              # [size]
     positions: torch.Tensor          # [size, 1]
@@ -109,6 +112,8 @@ class Prefiller:
         self.page_table, self.budget, self.max_len = page_table, budget, max_len
         cfg = model.cfg
         self.C = chunk_tokens(cfg.num_heads, cfg.num_kv_heads)
+        if cfg.sliding_window is not None:       # a tile's tokens all sit inside one another's window
+            self.C = max(1, min(self.C, cfg.sliding_window - 1))
         self.device = state.lens.device
         self.forwards = 0
         self.tokens_run = 0                  # prompt tokens the forwards computed

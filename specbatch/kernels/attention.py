@@ -8,8 +8,11 @@ m = l - prefix_b when tree_mask[b, t, m] (tree) or m <= write_offset + t (causal
 
 One program per (sequence, kv head, query tile, split) takes up to BLOCK_M of the T*G query rows
 of its kv head as one tile, so K/V are read once per kv head and tile (GQA). Few new tokens
-(decode, verify, draft steps) fit one tile; a prefill's T tokens span T*G / BLOCK_M tiles, each
-reading only the rows its causal mask reaches (flash attention: no mask is materialised). A
+(decode, verify, draft steps) fit one tile; a prompt's T tokens span T*G / BLOCK_M tiles, each
+reading only the rows its causal mask reaches (flash attention: no mask is materialised). The
+engine's packed prefill brings one token a sequence instead, and groups runs of one prompt's
+tokens into query tiles (tile_start / tile_count): one program per (tile, kv head) then takes the
+tile's tokens as one causal sequence, each token's q and output at its own sequence. A
 split walks its contiguous chunk of BLOCK_N-row blocks, computed in the kernel from the slot's
 own row count: short sequences never loop over the host bound. With several splits, partial
 (acc, max, sum) go to fp32 scratch and a second kernel merges them (log-sum-exp). No host sync
@@ -280,8 +283,9 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if sliding_window is not None:
         if positions is None:
             raise ValueError("sliding_window needs positions")
-        if sliding_window <= region:
-            raise ValueError(f"sliding window {sliding_window} not wider than the region ({region} rows)")
+        widest = tile_size if tile_start is not None else region     # rows a tile treats as in-window
+        if sliding_window <= widest:
+            raise ValueError(f"sliding window {sliding_window} not wider than the region ({widest} rows)")
     tiled = tile_start is not None
     if tiled and (T != 1 or tree or write_offset or tile_count is None or tile_size < 1
                   or tile_count.shape != tile_start.shape):

@@ -153,7 +153,7 @@ def _attend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """One-token sequences q [N, 1, Hq, D] gathered into their tiles [R, size] (each tile one
     causal sequence of `size` new tokens at its first token's prefix), attended, and scattered
     back: the keys gathered are [R, ...], not [N, ...]. Tile columns past a tile's count are
-    computed and dropped."""
+    computed and dropped; no key row past kv_len is read (those columns see fewer rows)."""
     tiles, N = meta.tiles, q.shape[0]
     col = torch.arange(tiles.size, device=q.device)
     idx = tiles.start[:, None] + col                                       # [R, size]
@@ -161,7 +161,7 @@ def _attend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     idx = torch.where(real, idx, 0).clamp(max=max(N - 1, 0))
     first = tiles.start.clamp(max=max(N - 1, 0))
     rows = AttnMetadata(slots=meta.slots[first], positions=meta.positions[idx, 0],
-                        prefix_lens=meta.prefix_lens[first], kv_len=meta.kv_len - 1 + tiles.size,
+                        prefix_lens=meta.prefix_lens[first], kv_len=meta.kv_len,
                         page_table=meta.page_table)
     got = attend(q[idx, 0], k_cache, v_cache, rows, scale, sliding_window)   # [R, size, Hq, D]
     out = q.new_zeros(N + 1, *q.shape[2:])                                 # row N: the dropped columns

@@ -3,8 +3,7 @@
 Admission reserves, per request, the pages for everything it can write (prompt, max_tokens and
 the drafts' scratch rows), so a running request never waits for memory and none is ever lost to
 it; a request that does not fit waits until finished ones give their pages back. Page 0 is a
-trash page: table entries past a slot's reservation point at it (never read unmasked; the
-padding of a prompt's last prefill row may write there).
+trash page: table entries past a slot's reservation point at it (never read unmasked).
 
 Prefix caching (prefix_index.py): a request's leading prompt pages may be pages another request
 wrote, counted by reference; nothing writes a shared page again (its positions come before the

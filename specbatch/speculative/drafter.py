@@ -95,7 +95,7 @@ class Drafter:
     prompt_page_lookahead: int = 1
 
     def prefill(self, rows: PromptRows, captured: list[torch.Tensor], first_tokens: torch.Tensor) -> None:
-        """Catch up on the prompt rows the target just prefilled (captured: its states, [R, C, H]),
+        """Catch up on the prompt tokens the target just prefilled (captured: its states, [R, T, H]),
         and on the first tokens [B] of the prompts that finished."""
 
     def propose(self, slots: torch.Tensor, last_tokens: torch.Tensor, lens: torch.Tensor,

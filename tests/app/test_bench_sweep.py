@@ -250,7 +250,7 @@ def test_job_mode_with_a_shared_prefix_counts_it_once_in_the_floor(tiny_config, 
     assert res["meta"]["mix"]["shared_prefix"] == 140
     for p in res["points"]:
         assert p["distinct_prompt_tokens"] <= p["prompt_tokens"] - 9 * 140
-        # rows of C tokens past 140 shared ones: each of the 9 later prompts skips at least one,
+        # whole pages of the 140 shared tokens: each of the 9 later prompts skips at least one,
         # the same in both orders (a cold pool each time)
         assert p["prompt_tokens_cached"] >= 9 * 64
     assert res["points"][0]["prompt_tokens_cached"] == res["points"][1]["prompt_tokens_cached"]

@@ -54,9 +54,9 @@ def test_cuda_bfloat16_runs_and_sizes_cache_from_memory(tiny_model):
 
 
 def test_cuda_prefill_rows_split_across_forwards_equal_whole_prompts(tiny_model):
-    """Packed prefill on the Triton kernels: prompts cut into rows that span forwards (a budget
-    of one row; a few rows: captured forwards of 1-8 rows, pad rows between) give the tokens of
-    a budget holding every prompt whole (eager), of --eager, and the CPU's."""
+    """Packed prefill on the Triton kernels: prompts that span forwards (a budget of one token;
+    of 100: captured forwards, pad tokens after the live ones) give the tokens of a budget holding
+    every prompt whole (eager), of --eager, and the CPU's."""
     g = torch.Generator().manual_seed(5)
     rows = [RowRequest(row=i, id=str(i), prompt_token_ids=torch.randint(1, 320, (n,), generator=g).tolist())
             for i, n in enumerate([3, 31, 32, 33, 70, 150, 9])]

@@ -250,6 +250,20 @@ def test_query_tiles_need_one_token_causal_sequences():
         slot_attention(q, kv[0], kv[1], lens, lens, 1.0, tile_start=lens, tile_count=lens, tile_size=4)
 
 
+def test_query_tiles_refuse_a_window_a_tile_could_cross():
+    case = build_tiled([(0, 40)], 4, 2, 16, torch.float32, 8)
+    m, tiles = case["meta"], case["tiles"]
+    kw = dict(positions=m.positions, tile_start=tiles.start, tile_count=tiles.count)
+    with pytest.raises(ValueError, match="sliding window 8 not wider"):
+        slot_attention(case["q"], case["kv"][0], case["kv"][1], m.slots, m.prefix_lens, 1.0,
+                       sliding_window=8, tile_size=8, **kw)
+    # a window wider than the tile: what one token a sequence gives
+    got = slot_attention(case["q"], case["kv"][0], case["kv"][1], m.slots, m.prefix_lens, case["scale"],
+                         sliding_window=9, tile_size=8, **kw)
+    want = attend(case["q"], case["kv_ref"][0], case["kv_ref"][1], m, case["scale"], 9)
+    torch.testing.assert_close(got[:-1], want[:-1], atol=2e-5, rtol=1e-5)
+
+
 def test_choose_splits():
     cpu = torch.device("cpu")
     assert choose_splits(512, 4096, 64, cpu) == 1               # batch 64 x 8 kv heads: enough programs

@@ -43,6 +43,16 @@ def test_greedy_matches_transformers(arch, tiny_model_factory):
             assert r["finish_reason"] == ("stop" if ids[-1] == 0 else "length")
 
 
+def test_sliding_window_narrower_than_a_prefill_tile_matches_transformers(tiny_model_factory):
+    """A window of 12 rows, prompts up to 40: the prefill's query tiles shrink to fit inside the
+    window (a tile's tokens read one another's rows), decode reads only the window."""
+    d = tiny_model_factory("mistral", sliding_window=12)
+    prompts = _prompts(320, seed=3)
+    eng = Engine(d, EngineOptions(batch_size=2, device="cpu", dtype="float32"))
+    assert eng.cfg.sliding_window == 12 and eng.prefiller.C == 11
+    assert _ours(d, prompts, 2, MAX_NEW)[0] == hf_greedy(d, prompts, MAX_NEW, eos_token_id=0)
+
+
 @pytest.mark.parametrize("variant", [dict(tie=True), dict(max_shard_size="60KB")])
 def test_tied_and_sharded_checkpoints(variant, tiny_model_factory):
     d = tiny_model_factory("llama", **variant)

@@ -96,7 +96,7 @@ def test_engine_feeds_final_hidden_and_drafts_like_the_reference(mtp_dirs, layou
         final = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1]    # normed
     captured, first, first_logp = rec["prefill"]
     assert len(captured) == 1 and captured[0].shape[-1] == H
-    # prefill rows of C tokens, the prompt's positions in order, then the last row's padding
+    # one prefill sequence a prompt token, the prompt's positions in order
     torch.testing.assert_close(captured[0].reshape(-1, H)[None, :n], final, atol=1e-5, rtol=1e-5)
 
     ref = Reference(target_dir, None, layout, "inside")
