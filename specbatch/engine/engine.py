@@ -278,14 +278,18 @@ class Engine:
         the order prefill packs them: a page a request finds indexed is written by then, by an
         earlier forward or earlier rows of the same one)."""
         grants: dict[int, Grant] = {}
+        self.pages.new_wave()
 
         def fits(req: Request) -> bool:
             prompt = req.prompt_ids if self.prefix_caching else None
             # prompt logprobs need every prompt position's logits (one choice computes them)
             reuse = req.params.prompt_logprobs is None or req.choice > 0
-            g = self.pages.grant(self._rows_needed(req), prompt, reuse=reuse, align=self.page_size)
+            g = self.pages.grant(self._rows_needed(req), prompt, reuse=reuse)
             if g is None:
                 return False
+            if g.copy is not None:          # now, in grant order: a later grant may take its source
+                self.cache.copy_page(*g.copy)
+                self.drafter.copy_page(*g.copy)
             grants[id(req)] = g
             return True
 

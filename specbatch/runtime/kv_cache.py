@@ -51,6 +51,11 @@ class PagedKVCache:
     def page_table(self) -> torch.Tensor:
         return self.layout.page_table
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Every layer's rows of page src into page dst (queued on the current stream)."""
+        if src != dst:
+            self.data[:, dst] = self.data[:, src]
+
 
 def bytes_per_row(cfg: DecoderConfig, dtype: torch.dtype) -> int:
     """K and V bytes of one cache position in one slot, all layers."""

@@ -9,7 +9,9 @@ Prefix caching (prefix_index.py): a request's leading prompt pages may be pages 
 wrote, counted by reference; nothing writes a shared page again (its positions come before the
 prompt's last token, and a request writes only from there on). A finished request's indexed pages
 stay readable, idle, until a new page is needed and none is free: then the least recently idle
-one is taken.
+one is taken. A draft layer's page is shared only where the token after it matches too; where
+only that token differs, the request takes a copy of the page (`Grant.copy`, made by the caller
+before anything of its wave runs) and computes the page's last row, not the whole page.
 """
 from __future__ import annotations
 
@@ -24,9 +26,11 @@ from .prefix_index import PrefixIndex
 
 @dataclass
 class Grant:
-    """Pages given to one request: its table row, and how many leading rows it found written."""
+    """Pages given to one request: its table row, and how many leading rows it found written
+    (in shared pages, and in a page to copy first: (source, its own page))."""
     pages: list[int]
     cached_rows: int = 0
+    copy: tuple[int, int] | None = None
 
 
 class PageAllocator:
@@ -43,6 +47,7 @@ class PageAllocator:
         self._idle: OrderedDict[int, None] = OrderedDict()     # indexed pages no request holds, oldest first
         self.index = PrefixIndex(page_size)
         self._owned: dict[int, list[int]] = {}
+        self._wave: set[int] = set()                            # pages granted since new_wave(): unwritten
         self.dummy_slot = num_slots
         self.reserve([(self.dummy_slot, dummy_rows)])           # pad rows write there every cycle
         self.usable = len(self._free)                           # pages requests may ever take
@@ -55,17 +60,23 @@ class PageAllocator:
         """Pages a request may take now: free ones and idle indexed ones."""
         return len(self._free) + len(self._idle)
 
-    def grant(self, rows: int, prompt: list[int] | None = None, *, reuse: bool = True,
-              align: int = 1) -> Grant | None:
+    def new_wave(self) -> None:
+        """Grants from here on belong to a new admission wave: the pages granted before it are
+        written by forwards already queued, so a copy queued now reads them written."""
+        self._wave.clear()
+
+    def grant(self, rows: int, prompt: list[int] | None = None, *, reuse: bool = True) -> Grant | None:
         """Pages for `rows` cache rows, or None when they do not fit now. `prompt`: index this
         request's prompt pages for later requests and, with `reuse`, start with the pages already
-        holding its leading tokens (a whole number of `align` rows of them)."""
+        holding its leading tokens, and with a copy of the next page where only its last row
+        differs (not one granted in this wave: its rows are not written yet)."""
         n = self.pages_for(rows)
         if n > self.pages_per_slot:
             raise RuntimeError(f"{rows} rows need {n} pages ({self.pages_per_slot} per slot at most)")
-        hits = self.index.match(prompt) if prompt is not None and reuse else []
-        step = max(1, align // self.page_size)                 # align is a multiple of page_size
-        hits = hits[: min(len(hits), n) // step * step]
+        hits = self.index.match(prompt)[:n] if prompt is not None and reuse else []
+        near = self.index.near(prompt, hits) if prompt is not None and reuse and len(hits) < n else None
+        if near in self._wave:
+            near = None
         revived = sum(1 for p in hits if self._refs[p] == 0)
         if n - len(hits) + revived > self.free_pages:
             return None
@@ -74,9 +85,14 @@ class PageAllocator:
                 del self._idle[p]
             self._refs[p] += 1
         pages = hits + [self._take() for _ in range(n - len(hits))]
+        self._wave.update(pages[len(hits):])
         if prompt is not None:
             self.index.register(prompt, pages)
-        return Grant(pages, len(hits) * self.page_size)
+        cached = len(hits) * self.page_size
+        if near is None:
+            return Grant(pages, cached)
+        # near may have just been taken as one of these pages: unwritten until this wave runs
+        return Grant(pages, cached + self.page_size - 1, (near, pages[len(hits)]))
 
     def _take(self) -> int:
         if self._free:

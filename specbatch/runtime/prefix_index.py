@@ -5,7 +5,9 @@ it holds, plus the `lookahead` tokens after it where the page's rows depend on t
 layer's row i reads the token at i + 1 (layer_drafter.py), so with one the page is only the same
 page when that token matches too; the target's rows (vanilla) read none. Only pages whose positions all come
 before the prompt's last token are indexed: the last token's row (its logits, the drafter's row
-with the first generated token) is always computed. Keys hold the tokens themselves, so a hit is
+with the first generated token) is always computed. With a lookahead, a page whose own tokens
+match but whose lookahead does not is `near`: every row of it but the last holds what this prompt
+would write, so a request may copy it and compute only that last row (pages.py). Keys hold the tokens themselves, so a hit is
 exact equality, never a hash collision. Entries are numbered, never reused: when a page is
 evicted its children can no longer be reached (they wait, idle, for their own eviction).
 """
@@ -20,6 +22,7 @@ class PrefixIndex:
         self.lookahead = 1                       # set_lookahead: the drafter's, before any page is indexed
         self._page: dict[tuple[int, tuple[int, ...]], int] = {}    # (parent entry, tokens) -> page
         self._entry: dict[int, tuple[int, tuple[int, tuple[int, ...]]]] = {}     # page -> (entry, its key)
+        self._near: dict[tuple[int, tuple[int, ...]], set[int]] = {}     # (parent, the page's own tokens) -> pages
         self._next = ROOT + 1
 
     def set_lookahead(self, tokens: int) -> None:
@@ -48,6 +51,16 @@ class PrefixIndex:
             parent = self._entry[page][0]
         return pages
 
+    def near(self, tokens: list[int], pages: list[int]) -> int | None:
+        """After `match` gave `pages`: an indexed page holding the next page's own tokens under the
+        same parent but another lookahead (a lookahead index only; the page wholly in the prompt)."""
+        k, P = len(pages), self.page_size
+        if not self.lookahead or (k + 1) * P > len(tokens):
+            return None
+        parent = self._entry[pages[-1]][0] if pages else ROOT
+        found = self._near.get((parent, tuple(tokens[k * P: (k + 1) * P])))
+        return min(found) if found else None
+
     def register(self, tokens: list[int], pages: list[int]) -> None:
         """Index the prompt's shareable pages as `pages` (the request's own, in order), keeping an
         entry already there for the same content."""
@@ -62,6 +75,8 @@ class PrefixIndex:
                 self._page[key] = page
                 self._entry[page] = (self._next, key)
                 self._next += 1
+                if self.lookahead:
+                    self._near.setdefault((parent, key[1][: self.page_size]), set()).add(page)
             parent = self._entry[page][0]
 
     def holds(self, page: int) -> bool:
@@ -71,6 +86,11 @@ class PrefixIndex:
         """The page is about to be rewritten: drop its entry (its children become unreachable)."""
         _, key = self._entry.pop(page)
         del self._page[key]
+        near = (key[0], key[1][: self.page_size])
+        if page in self._near.get(near, ()):
+            self._near[near].discard(page)
+            if not self._near[near]:
+                del self._near[near]
 
     def __len__(self) -> int:
         return len(self._entry)

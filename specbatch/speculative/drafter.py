@@ -94,6 +94,10 @@ class Drafter:
     # page is shared only where those match too
     prompt_page_lookahead: int = 1
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """A request takes a copy of prompt page src as its page dst (prefix caching, where only
+        the page's last row differs): a drafter whose rows live in the pool copies them too."""
+
     def prefill(self, rows: PromptRows, captured: list[torch.Tensor], first_tokens: torch.Tensor) -> None:
         """Catch up on the prompt tokens the target just prefilled (captured: its states, [R, T, H]),
         and on the first tokens [B] of the prompts that finished."""

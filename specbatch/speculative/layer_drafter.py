@@ -61,6 +61,9 @@ class LayerDrafter(Drafter):
 
     # ---- catch-up: prefill and extend ---------------------------------------------------------
 
+    def copy_page(self, src: int, dst: int) -> None:
+        self.cache.copy_page(src, dst)
+
     def prefill(self, rows: PromptRows, captured, first_tokens):
         meta = dataclasses.replace(rows.meta, page_table=self.page_table)    # the draft layer's pages
         h = self.head(rows.next_tokens(first_tokens), torch.cat(captured, dim=-1), meta, self.cache.layers[0],

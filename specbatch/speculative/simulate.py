@@ -98,6 +98,9 @@ class PlantedChain(Drafter):
     def __getattr__(self, name: str):
         return getattr(self.inner, name)            # the draft module (head), its caches, ...
 
+    def copy_page(self, src: int, dst: int) -> None:
+        self.inner.copy_page(src, dst)
+
     def prefill(self, *args, **kw):
         return self.inner.prefill(*args, **kw)
 

@@ -33,13 +33,26 @@ def test_a_prompt_finds_the_pages_of_one_that_began_alike():
     gc = a.grant(16, C)                                       # a draft row there reads that token
     assert gc.pages[:1] == ga.pages[:1] and gc.cached_rows == 4
     assert a.grant(16, A[:8] + [5] * 6, reuse=False).cached_rows == 0
-    assert a.grant(16, A, align=8).cached_rows == 8            # whole prefill rows only: 3 pages -> 2
+    assert gc.copy is None                                    # page 1 is not written yet: same wave
+    a.new_wave()
+    # a later wave: page 1's rows but its last are E's too, so E takes a copy and computes that row
+    holders = {ga.pages[1], gc.pages[1]}                      # A's page 1 and C's: the same own tokens
+    E = A[:8] + [6] * 6
+    ge = a.grant(16, E)
+    assert ge.pages[:1] == ga.pages[:1] and ge.cached_rows == 7
+    assert ge.copy[0] in holders and ge.copy[1] == ge.pages[1]
+    D = A[:8]                                                 # ends with page 1: only its last token runs
+    gd = a.grant(12, D)
+    assert gd.cached_rows == 7 and gd.copy[0] in holders and gd.copy[1] == gd.pages[1]
+    assert a.grant(16, [1] + A[1:8] + [5] * 6).copy is None    # page 0 differs: nothing under it
     with pytest.raises(RuntimeError, match="lookahead"):
         a.index.set_lookahead(0)                              # pages indexed with 1 already
     a = _alloc()
     a.index.set_lookahead(0)                                  # no draft layer: the page's own tokens decide
     a.assign([(0, a.grant(20, A))])
-    assert a.grant(16, C).cached_rows == 8
+    a.new_wave()
+    g = a.grant(16, C)
+    assert g.cached_rows == 8 and g.copy is None
 
 
 def test_vanilla_shares_a_prefix_that_ends_on_a_page_whatever_follows_it(tiny_model):
@@ -164,6 +177,32 @@ def test_draft_layer_pages_are_shared_too(algo, S, k, N):
     # lossless either way; the drafts show whether the draft layer read the right rows
     accepted = [r["spec"]["accepted_tokens"] for r in got]
     assert accepted == [r["spec"]["accepted_tokens"] for r in plain] and sum(accepted) > 0
+
+
+@pytest.mark.parametrize("algo,S,k,N", [("eagle3", 3, 1, 4), ("nextn_mtp", 3, 1, 4)])
+def test_a_draft_layer_copies_the_page_whose_next_token_differs(algo, S, k, N):
+    """Prompts share 128 tokens and then differ: a draft layer's last row of page 7 reads the
+    token after it, so that page is not shared; a request of a later wave copies it and computes
+    its last row only (one of the same wave cannot: the page is not written yet). Tokens and
+    accepted drafts are those of a run without caching."""
+    from specbatch.resolve import DEMO_DIR
+
+    target = DEMO_DIR / "target"
+    g = torch.Generator().manual_seed(13)
+    head = torch.randint(1, 200, (128,), generator=g).tolist()
+    rows = [RowRequest(row=i, id=i, prompt_token_ids=head + [200 + i] + torch.randint(1, 200, (20,), generator=g).tolist(),
+                       overrides={"max_tokens": 6}) for i in range(6)]
+    spec = SpecConfig(algo, S, k, N, draft=str(DEMO_DIR / algo), drafter=algo)
+    ref, plain = _generate(target, rows, batch_size=2, spec=spec, prefix_caching=False)
+    eng, got = _generate(target, rows, batch_size=2, spec=spec)
+    P = eng.page_size
+    # row 0 finds nothing, row 1 (same wave) the 7 pages before, the four later rows a copy too
+    assert eng.cached_tokens == (128 - P) + 4 * (128 - 1)
+    assert ref.prefiller.tokens_run - eng.prefiller.tokens_run == eng.cached_tokens
+    assert _tokens(got) == _tokens(plain)
+    accepted = [r["spec"]["accepted_tokens"] for r in got]
+    assert accepted == [r["spec"]["accepted_tokens"] for r in plain] and sum(accepted) > 0
+    assert eng.pages.free_pages == eng.pages.usable
 
 
 def test_a_drafter_that_keeps_prompt_state_elsewhere_turns_it_off(tiny_model):
