@@ -74,9 +74,9 @@ class PageAllocator:
         if n > self.pages_per_slot:
             raise RuntimeError(f"{rows} rows need {n} pages ({self.pages_per_slot} per slot at most)")
         hits = self.index.match(prompt)[:n] if prompt is not None and reuse else []
-        near = self.index.near(prompt, hits) if prompt is not None and reuse and len(hits) < n else None
-        if near in self._wave:
-            near = None
+        near = None
+        if prompt is not None and reuse and len(hits) < n:
+            near = next((p for p in self.index.near(prompt, hits) if p not in self._wave), None)
         revived = sum(1 for p in hits if self._refs[p] == 0)
         if n - len(hits) + revived > self.free_pages:
             return None

@@ -51,15 +51,15 @@ class PrefixIndex:
             parent = self._entry[page][0]
         return pages
 
-    def near(self, tokens: list[int], pages: list[int]) -> int | None:
-        """After `match` gave `pages`: an indexed page holding the next page's own tokens under the
-        same parent but another lookahead (a lookahead index only; the page wholly in the prompt)."""
+    def near(self, tokens: list[int], pages: list[int]) -> list[int]:
+        """After `match` gave `pages`: the indexed pages holding the next page's own tokens under
+        the same parent but another lookahead (a lookahead index only; the page wholly in the
+        prompt), lowest first."""
         k, P = len(pages), self.page_size
         if not self.lookahead or (k + 1) * P > len(tokens):
-            return None
+            return []
         parent = self._entry[pages[-1]][0] if pages else ROOT
-        found = self._near.get((parent, tuple(tokens[k * P: (k + 1) * P])))
-        return min(found) if found else None
+        return sorted(self._near.get((parent, tuple(tokens[k * P: (k + 1) * P])), ()))
 
     def register(self, tokens: list[int], pages: list[int]) -> None:
         """Index the prompt's shareable pages as `pages` (the request's own, in order), keeping an

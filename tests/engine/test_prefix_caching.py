@@ -44,6 +44,9 @@ def test_a_prompt_finds_the_pages_of_one_that_began_alike():
     D = A[:8]                                                 # ends with page 1: only its last token runs
     gd = a.grant(12, D)
     assert gd.cached_rows == 7 and gd.copy[0] in holders and gd.copy[1] == gd.pages[1]
+    # E's page 1 (this wave, not written yet) holds those tokens too: never the one copied
+    assert a.index.near(A[:8] + [9] * 6, ga.pages[:1]) == sorted(holders | {ge.pages[1]})
+    assert a.grant(16, A[:8] + [9] * 6).copy[0] in holders
     assert a.grant(16, [1] + A[1:8] + [5] * 6).copy is None    # page 0 differs: nothing under it
     with pytest.raises(RuntimeError, match="lookahead"):
         a.index.set_lookahead(0)                              # pages indexed with 1 already

@@ -106,3 +106,30 @@ def test_cuda_prefix_caching_gives_the_tokens_of_a_full_prefill(tiny_model):
         cached[key] = eng.cached_tokens
     assert len({str(o) for o in outs.values()}) == 1, outs
     assert all(n >= 6 * 64 for k, n in cached.items() if k[1]) and cached["cuda", False, True, 3] == 0
+
+
+def test_cuda_draft_layer_copies_the_page_whose_next_token_differs():
+    """EAGLE3 on the demo model with 64-row pages: prompts share 192 tokens and then differ, so a
+    draft layer's page 2 (its last row reads token 192) is copied by later waves' requests, who
+    prefill only its last row, in captured and eager forwards; tokens and accepted drafts equal a
+    run without prefix caching."""
+    from specbatch.resolve import DEMO_DIR
+    from specbatch.speculative.factory import SpecConfig
+
+    g = torch.Generator().manual_seed(17)
+    head = torch.randint(1, 200, (192,), generator=g).tolist()
+    rows = [RowRequest(row=i, id=str(i), prompt_token_ids=head + [200 + i] +
+                       torch.randint(1, 200, (3 + 7 * i,), generator=g).tolist()) for i in range(6)]
+    spec = SpecConfig("eagle3", 3, 1, 4, draft=str(DEMO_DIR / "eagle3"), drafter="eagle3")
+    outs, accepted, cached = {}, {}, {}
+    for caching, graphs in ((False, True), (True, True), (True, False)):
+        eng = Engine(DEMO_DIR / "target", EngineOptions(batch_size=2, device="cuda", dtype="float32", spec=spec,
+                                                        graphs=graphs, prefix_caching=caching))
+        recs = sorted(eng.generate(rows, SamplingDefaults(max_tokens=8, ignore_eos=True)), key=lambda r: r["row"])
+        outs[caching, graphs] = [r["output_token_ids"] for r in recs]
+        accepted[caching, graphs] = [r["spec"]["accepted_tokens"] for r in recs]
+        cached[caching, graphs] = eng.cached_tokens
+        assert eng.page_size == 64
+    assert len({str(o) for o in outs.values()}) == 1 and len({str(a) for a in accepted.values()}) == 1
+    # row 1 (row 0's wave) shares pages 0-1; rows 2-5 (later waves) a copy of page 2 as well
+    assert cached[True, True] == cached[True, False] == 128 + 4 * 191
