@@ -155,6 +155,7 @@ class Engine:
         # the drafter's prompt state lives in those pages too; a continued prompt starts on a page
         self.prefix_caching = opts.prefix_caching and self.drafter.shares_prompt_pages
         self.pages.index.set_lookahead(self.drafter.prompt_page_lookahead)  # what a page's key holds past it
+        self.pages.copies = self.drafter.copies_prompt_pages
         self.prompt_tokens = 0               # prompt tokens admitted
         self.cached_tokens = 0               # ... of them found in the pool (prefill skipped them)
 

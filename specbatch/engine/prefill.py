@@ -77,7 +77,7 @@ def pack(admitted: Slotted, budget: int) -> list[list[Part]]:
     used = 0
     for slot, req in admitted:
         n = len(req.prompt_ids)
-        j = req.cached_rows                     # tokens of a prefix already in the pool (whole pages)
+        j = req.cached_rows                     # tokens of a prefix already in the pool
         while j < n:
             take = min(n - j, cap - used)
             cur.append(Part(slot, req, j, j + take, j + take == n))

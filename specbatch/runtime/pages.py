@@ -27,7 +27,9 @@ from .prefix_index import PrefixIndex
 @dataclass
 class Grant:
     """Pages given to one request: its table row, and how many leading rows it found written
-    (in shared pages, and in a page to copy first: (source, its own page))."""
+    (in shared pages, and in a page to copy first: (source, its own page)). The caller queues
+    the copy before granting anything else: a later grant may take the source page, and its wave's
+    forwards write it only after the copy."""
     pages: list[int]
     cached_rows: int = 0
     copy: tuple[int, int] | None = None
@@ -48,6 +50,7 @@ class PageAllocator:
         self.index = PrefixIndex(page_size)
         self._owned: dict[int, list[int]] = {}
         self._wave: set[int] = set()                            # pages granted since new_wave(): unwritten
+        self.copies = False                                     # grants may copy a near page (Grant.copy)
         self.dummy_slot = num_slots
         self.reserve([(self.dummy_slot, dummy_rows)])           # pad rows write there every cycle
         self.usable = len(self._free)                           # pages requests may ever take
@@ -75,7 +78,7 @@ class PageAllocator:
             raise RuntimeError(f"{rows} rows need {n} pages ({self.pages_per_slot} per slot at most)")
         hits = self.index.match(prompt)[:n] if prompt is not None and reuse else []
         near = None
-        if prompt is not None and reuse and len(hits) < n:
+        if self.copies and prompt is not None and reuse and len(hits) < n:
             near = next((p for p in self.index.near(prompt, hits) if p not in self._wave), None)
         revived = sum(1 for p in hits if self._refs[p] == 0)
         if n - len(hits) + revived > self.free_pages:

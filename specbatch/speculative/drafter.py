@@ -94,9 +94,14 @@ class Drafter:
     # page is shared only where those match too
     prompt_page_lookahead: int = 1
 
+    # its rows of a prompt page can be copied to another page (copy_page): a request may then take
+    # a copy of a page where only the lookahead differs and compute the page's last row only
+    copies_prompt_pages: bool = False
+
     def copy_page(self, src: int, dst: int) -> None:
         """A request takes a copy of prompt page src as its page dst (prefix caching, where only
-        the page's last row differs): a drafter whose rows live in the pool copies them too."""
+        the page's last row differs): copy this drafter's rows of it (copies_prompt_pages)."""
+        raise NotImplementedError(f"{type(self).__name__} does not copy prompt pages")
 
     def prefill(self, rows: PromptRows, captured: list[torch.Tensor], first_tokens: torch.Tensor) -> None:
         """Catch up on the prompt tokens the target just prefilled (captured: its states, [R, T, H]),
@@ -121,3 +126,7 @@ class NoDrafter(Drafter):
 
     shares_prompt_pages = True
     prompt_page_lookahead = 0                 # the target's K/V of a position reads no later token
+    copies_prompt_pages = True                # nothing of its own in the pool
+
+    def copy_page(self, src: int, dst: int) -> None:
+        pass

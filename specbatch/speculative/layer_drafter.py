@@ -52,6 +52,7 @@ class LayerDrafter(Drafter):
             self.cache = PagedKVCache(head.cfg.layer, layout, dtype, dev)
         self.page_table = None if layout is None else layout.page_table
         self.shares_prompt_pages = layout is not None       # its rows of a prompt sit in the shared pages
+        self.copies_prompt_pages = layout is not None
         self.hidden = torch.zeros(num_slots + 1, H, dtype=dtype, device=dev)
         self.first_tokens = torch.zeros(num_slots + 1, topk, dtype=torch.int64, device=dev)
         self.first_logp = torch.zeros(num_slots + 1, topk, dtype=torch.float32, device=dev)

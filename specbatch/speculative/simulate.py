@@ -90,7 +90,7 @@ class PlantedChain(Drafter):
     def __init__(self, inner: Drafter):
         self.inner = inner
         for name in ("num_draft_tokens", "max_depth", "capture_layers", "reads_final_hidden", "graphable",
-                     "scratch_rows", "shares_prompt_pages", "prompt_page_lookahead"):
+                     "scratch_rows", "shares_prompt_pages", "prompt_page_lookahead", "copies_prompt_pages"):
             setattr(self, name, getattr(inner, name, getattr(Drafter, name)))   # the base class: its default
         self._shape: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
         self._inner_width = takes_width(inner.propose)          # once, not per cycle

@@ -16,8 +16,10 @@ from specbatch.speculative.factory import SpecConfig
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _alloc(pages=40, P=4):
-    return PageAllocator(pages, P, num_slots=4, pages_per_slot=16, device=torch.device("cpu"), dummy_rows=1)
+def _alloc(pages=40, P=4, copies=True):
+    a = PageAllocator(pages, P, num_slots=4, pages_per_slot=16, device=torch.device("cpu"), dummy_rows=1)
+    a.copies = copies
+    return a
 
 
 def test_a_prompt_finds_the_pages_of_one_that_began_alike():
@@ -47,6 +49,10 @@ def test_a_prompt_finds_the_pages_of_one_that_began_alike():
     # E's page 1 (this wave, not written yet) holds those tokens too: never the one copied
     assert a.index.near(A[:8] + [9] * 6, ga.pages[:1]) == sorted(holders | {ge.pages[1]})
     assert a.grant(16, A[:8] + [9] * 6).copy[0] in holders
+    b = _alloc(copies=False)                                  # a drafter that cannot copy its rows
+    b.assign([(0, b.grant(20, A))])
+    b.new_wave()
+    assert b.grant(16, E).copy is None and b.grant(16, E[:8] + [3] * 6).cached_rows == 4
     assert a.grant(16, [1] + A[1:8] + [5] * 6).copy is None    # page 0 differs: nothing under it
     with pytest.raises(RuntimeError, match="lookahead"):
         a.index.set_lookahead(0)                              # pages indexed with 1 already
