@@ -120,9 +120,8 @@ class Engine:
         self.num_slots, self.max_len, self.page_size, self.num_pages = (
             plan.num_slots, plan.max_len, plan.page_size, plan.num_pages)
         # table columns for the longest request and its verify / draft headroom
-        past = self.headroom
         self.pages = PageAllocator(self.num_pages, self.page_size, self.num_slots,
-                                   math.ceil((self.max_len + past) / self.page_size),
+                                   math.ceil((self.max_len + self.headroom) / self.page_size),
                                    self.device, dummy_rows=self.headroom)
         self.cache = PagedKVCache(self.cfg, self.pages.layout, self.dtype, self.device)
         self.drafter = drafter or make_drafter(opts.spec, self.model, self.num_slots, self.max_len,

@@ -3,12 +3,12 @@
 Page k of a prompt (positions [kP, (k+1)P)) is indexed by its parent page's entry and the tokens
 it holds, plus the `lookahead` tokens after it where the page's rows depend on them: a draft
 layer's row i reads the token at i + 1 (layer_drafter.py), so with one the page is only the same
-page when that token matches too; the target's rows (vanilla) read none. Only pages whose positions all come
-before the prompt's last token are indexed: the last token's row (its logits, the drafter's row
-with the first generated token) is always computed. With a lookahead, a page whose own tokens
-match but whose lookahead does not is `near`: every row of it but the last holds what this prompt
-would write, so a request may copy it and compute only that last row (pages.py). Keys hold the tokens themselves, so a hit is
-exact equality, never a hash collision. Entries are numbered, never reused: when a page is
+page when that token matches too; the target's rows (vanilla) read none. Only pages whose
+positions all come before the prompt's last token are indexed: the last token's row (its logits,
+the drafter's row with the first generated token) is always computed. With a lookahead, a page
+whose own tokens match but whose lookahead does not is `near`: every row of it but the last holds
+what this prompt would write, so a request may copy it and compute only that last row
+(pages.py). Keys hold the tokens themselves, so a hit is exact equality, never a hash collision. Entries are numbered, never reused: when a page is
 evicted its children can no longer be reached (they wait, idle, for their own eviction).
 """
 from __future__ import annotations

@@ -93,7 +93,6 @@ class Drafter:
     # tokens past a page its rows of that page read (a draft layer's row i reads token i + 1): a
     # page is shared only where those match too
     prompt_page_lookahead: int = 1
-
     # its rows of a prompt page can be copied to another page (copy_page): a request may then take
     # a copy of a page where only the lookahead differs and compute the page's last row only
     copies_prompt_pages: bool = False
@@ -126,7 +125,3 @@ class NoDrafter(Drafter):
 
     shares_prompt_pages = True
     prompt_page_lookahead = 0                 # the target's K/V of a position reads no later token
-    copies_prompt_pages = True                # nothing of its own in the pool
-
-    def copy_page(self, src: int, dst: int) -> None:
-        pass
