@@ -130,7 +130,12 @@ def _weights(model) -> tuple[int, float]:
 
 def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float, rate: float) -> dict[str, float]:
     """Seconds the job cannot beat with plain decoding at `slots` sequences in flight (prefill:
-    each distinct prompt prefix once)."""
+    each distinct prompt prefix once).
+
+    Plain decoding emits one token per sequence a step and reads every weight each step, so it
+    takes at least max(output tokens / slots, the longest output) steps: a long output is a
+    chain of steps that no number of slots shortens (`decode_steps_spread` is the first term
+    alone, the floor before the chain was counted)."""
     model = src.model
     dtype = model.lm_head.weight.dtype
     w_bytes, params = _weights(model)
@@ -138,12 +143,17 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
     distinct = distinct_prompt_tokens([r.prompt_token_ids for r in rows])
     outputs = [r.overrides["max_tokens"] for r in rows]
     out_tokens = sum(outputs)
+    spread = math.ceil(out_tokens / slots)
+    steps = max(spread, max(outputs, default=0))
     # each output token reads its whole context once: sum over t < o of (p + t)
-    ctx_rows = sum(o * len(r.prompt_token_ids) + o * (o - 1) / 2 for r, o in zip(rows, outputs))
-    decode_bytes = math.ceil(out_tokens / slots) * w_bytes + kv_bytes(model.cfg, dtype, ctx_rows)
+    ctx_bytes = kv_bytes(model.cfg, dtype, sum(o * len(r.prompt_token_ids) + o * (o - 1) / 2
+                                               for r, o in zip(rows, outputs)))
+    flops_s = 2 * params * out_tokens / rate
     prefill_s = 2 * params * distinct / rate
-    decode_s = max(decode_bytes / bandwidth, 2 * params * out_tokens / rate)
+    decode_s = max((steps * w_bytes + ctx_bytes) / bandwidth, flops_s)
     return {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s,
+            "decode_steps": steps, "decode_steps_spread": spread,
+            "total_spread_s": prefill_s + max((spread * w_bytes + ctx_bytes) / bandwidth, flops_s),
             "prompt_tokens": prompt, "distinct_prompt_tokens": distinct, "output_tokens": out_tokens}
 
 
@@ -208,7 +218,8 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
 def _log_point(p: dict[str, Any], log: Log) -> None:
     log(f"{p['recipe']}: {p['job_tokens_per_s']:.0f} tok/s, wall {p['wall_s']:.1f} s (prefill "
         f"{p['prefill_s']:.1f} s in {p['prefill_forwards']} forwards, decode {p['decode_s']:.1f} s, "
-        f"{p['cycles']} cycles), {100 * p['floor_fraction']:.0f}% of the floor, occupancy "
+        f"{p['cycles']} cycles), {100 * p['floor_fraction']:.0f}% of the floor ({100 * p['floor_spread_fraction']:.0f}% "
+        f"of it with output tokens / slots steps), occupancy "
         f"{p['mean_occupancy']:.0f}/{p['slots']}"
         + (f", {p['prompt_tokens_cached']:,} prompt tokens found in the pool" if p.get("prompt_tokens_cached") else ""))
     log("  prefill calls (s): " + " ".join(f"{t:.2f}" for t in p["prefill_call_s"]))
@@ -255,6 +266,8 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
         "admissions_waiting_for_pages": engine.waited, "prompt_tokens_cached": engine.cached_tokens,
         "accept_length": out / max(steps + len(recs), 1) if steps else 1.0,
         "floor_s": floor["total_s"], "floor_prefill_s": floor["prefill_s"], "floor_decode_s": floor["decode_s"],
+        "floor_decode_steps": floor["decode_steps"], "floor_spread_s": floor["total_spread_s"],
+        "floor_spread_fraction": floor["total_spread_s"] / wall,
         "floor_tokens_per_s": out / floor["total_s"], "floor_fraction": floor["total_s"] / wall,
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated(engine.device)) if cuda else None,
         # the caching allocator freed its cache and retried a cudaMalloc (a device sync each)
@@ -307,19 +320,21 @@ def job_markdown(result: dict[str, Any]) -> str:
     if meta.get("command"):
         lines += [f"`{meta['command']}`", ""]
     lines += ["| recipe | job tok/s | vs vanilla | wall s | prefill s (forwards) | decode s (cycles) | floor s | "
-              "of floor | occupancy | accept len | verify widths (cycles) | peak GiB |", "|" + "---|" * 12]
+              "of floor | of spread floor | occupancy | accept len | verify widths (cycles) | peak GiB |", "|" + "---|" * 13]
     for p in result["points"]:
         if p.get("failed"):
-            lines.append(f"| {p['recipe']} | failed: {p['error']} |" + " |" * 11)
+            lines.append(f"| {p['recipe']} | failed: {p['error']} |" + " |" * 12)
             continue
         mem = f"{p['peak_memory_bytes'] / 2**30:.1f}" if p.get("peak_memory_bytes") else "-"
         widths = " ".join(f"{w}: {n}" for w, n in p.get("verify_widths", {}).items()) or "-"
         lines.append(f"| {p['recipe']} | {p['job_tokens_per_s']:,.0f} | {p.get('speedup_vs_vanilla', 0):.2f}x | "
                      f"{p['wall_s']:.1f} | {p['prefill_s']:.1f} ({p['prefill_forwards']}) | {p['decode_s']:.1f} ({p['cycles']}) | "
-                     f"{p['floor_s']:.1f} | {100 * p['floor_fraction']:.0f}% | "
+                     f"{p['floor_s']:.1f} | {100 * p['floor_fraction']:.0f}% | {100 * p['floor_spread_fraction']:.0f}% | "
                      f"{p['mean_occupancy']:.0f}/{p['slots']} | {p['accept_length']:.2f} | {widths} | {mem} |")
     lines += ["", "Floor: plain decoding of this mix at the engine's slot count on this machine (prefill "
-              "FLOPs at the matmul rate + decode bytes at the copy bandwidth, or decode FLOPs if larger). "
+              "FLOPs at the matmul rate + decode bytes at the copy bandwidth, or decode FLOPs if larger; "
+              "the weights are read once a step, and plain decoding takes at least max(output tokens / "
+              "slots, the longest output) steps; the spread floor counts the first term alone). "
               "Occupancy: mean active sequences per cycle / slots. Prefill s: GPU time of the "
               "prefill forwards; decode s: the rest of the wall time."]
     return "\n".join(lines) + "\n"

@@ -302,3 +302,41 @@ def test_device_name_of_a_cuda_device(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: f"GPU {d}")
     assert sources.device_name(torch.device("cuda:0")) == "GPU cuda:0"
+
+
+def test_job_floor_counts_the_longest_output_as_a_chain_of_steps():
+    """Plain decoding reads every weight once a step and emits one token per sequence a step:
+    a job whose longest output outlasts output tokens / slots needs that output's steps, however
+    many slots there are; a job of many short outputs needs output tokens / slots."""
+    from types import SimpleNamespace
+
+    from specbatch.bench.floor import kv_bytes, weight_bytes
+    from specbatch.bench.job import job_floor
+    from specbatch.data import RowRequest
+
+    model = configs.random_target(TINY, torch.float32, "cpu")
+    src = SimpleNamespace(model=model)
+    w = weight_bytes(model)
+    bw, rate = 1e9, 1e30                        # FLOPs free: the floor is the bytes
+
+    def rows(outputs, prompt=10):
+        return [RowRequest(row=i, id=i, prompt_token_ids=[i + 1] * prompt, overrides={"max_tokens": o})
+                for i, o in enumerate(outputs)]
+
+    def ctx(outputs, prompt=10):
+        return kv_bytes(model.cfg, torch.float32, sum(o * prompt + o * (o - 1) / 2 for o in outputs))
+
+    long_tail = [100, 2, 2, 2]
+    f = job_floor(src, rows(long_tail), 4, bw, rate)
+    assert f["decode_steps"] == 100 and f["decode_steps_spread"] == 27      # ceil(106 / 4)
+    assert f["decode_s"] == pytest.approx((100 * w + ctx(long_tail)) / bw)
+    assert f["total_spread_s"] == pytest.approx(f["prefill_s"] + (27 * w + ctx(long_tail)) / bw)
+    assert f["total_s"] > f["total_spread_s"]
+
+    many_short = [5] * 40
+    f = job_floor(src, rows(many_short), 4, bw, rate)
+    assert f["decode_steps"] == f["decode_steps_spread"] == 50
+    assert f["total_s"] == pytest.approx(f["total_spread_s"])
+    # FLOPs bound the floor when they cost more than the bytes
+    f = job_floor(src, rows(many_short), 4, 1e30, 1.0)
+    assert f["decode_s"] == pytest.approx(2 * (w / 4) * 200)
