@@ -26,6 +26,7 @@ import torch
 
 from .accept import Acceptance, walk
 from .drafter import Drafter, Proposal, takes_width
+from .topk import top1
 from .tree import ancestor_mask
 
 
@@ -72,7 +73,9 @@ def simulated_acceptor(probs: tuple[float, ...], max_depth: int, device: torch.d
     table = torch.tensor(p, dtype=torch.float32, device=device)
 
     def acceptor(prop: Proposal, logits: torch.Tensor, sp, lens: torch.Tensor, depth: int) -> Acceptance:
-        return simulate_acceptance(prop, logits.argmax(dim=-1), table, depth)
+        # top1: the greedy acceptance's own argmax (one fused pass on GPU), so the verify costs
+        # what a real greedy run's does
+        return simulate_acceptance(prop, top1(logits)[0], table, depth)
 
     return acceptor
 
