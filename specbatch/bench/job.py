@@ -219,7 +219,7 @@ def _log_point(p: dict[str, Any], log: Log) -> None:
     log(f"{p['recipe']}: {p['job_tokens_per_s']:.0f} tok/s, wall {p['wall_s']:.1f} s (prefill "
         f"{p['prefill_s']:.1f} s in {p['prefill_forwards']} forwards, decode {p['decode_s']:.1f} s, "
         f"{p['cycles']} cycles), {100 * p['floor_fraction']:.0f}% of the floor ({100 * p['floor_spread_fraction']:.0f}% "
-        f"of it with output tokens / slots steps), occupancy "
+        f"of the spread floor: output tokens / slots steps), occupancy "
         f"{p['mean_occupancy']:.0f}/{p['slots']}"
         + (f", {p['prompt_tokens_cached']:,} prompt tokens found in the pool" if p.get("prompt_tokens_cached") else ""))
     log("  prefill calls (s): " + " ".join(f"{t:.2f}" for t in p["prefill_call_s"]))
