@@ -67,23 +67,21 @@ def _slot_attn_kernel(
     # Query row r = t * G + g: new token t, query head h * G + g (the GQA group of kv head h).
     # TILED: program b is query tile b, sequences [start, start + count) of one token each
     # (consecutive positions of one slot, causal among themselves): token t is sequence start + t.
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = rows // G
     if TILED:
         seq = tl.load(tstart_ptr + b).to(tl.int32)
         n_new = tl.load(tcount_ptr + b).to(tl.int32)
         reg = n_new
+        q_seq = seq + t
+        q_col = t * 0
     else:
         seq = b
         n_new = T
         reg = region
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    t = rows // G
-    row_ok = rows < n_new * G
-    if TILED:
-        q_seq = seq + t
-        q_col = t * 0
-    else:
         q_seq = seq + t * 0
         q_col = t
+    row_ok = rows < n_new * G
     qh = h * G + rows % G
     dd = tl.arange(0, BLOCK_D)
     d_ok = dd < D
