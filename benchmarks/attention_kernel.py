@@ -26,6 +26,7 @@ import torch
 
 from specbatch.bench.timing import graph_us as _graph_us
 from specbatch.bench.floor import copy_bandwidth
+from specbatch.bench.job import JobMix, lognormal_lengths, matmul_rate
 from specbatch import kernels
 from specbatch.kernels import attention as kattn
 from specbatch.models.attention import AttnMetadata, attend
@@ -182,15 +183,16 @@ class PrefillCase:
 
 
 def job_lengths(tokens: int, seed: int = 0) -> list[int]:
-    """Prompt lengths of the job mix (lognormal, median 256, sigma 0.8, 16 to 1,536) until
-    `tokens` are reached (the last one cut short)."""
-    g = torch.Generator().manual_seed(seed)
+    """Prompt lengths of the job mix (`bench --job`'s defaults) until `tokens` are reached (the
+    last one cut short)."""
+    mix = JobMix()
+    # at least one token each: `tokens` lengths always suffice
+    drawn = iter(lognormal_lengths(tokens, mix.prompt_median, mix.prompt_sigma, mix.prompt_max,
+                                   torch.Generator().manual_seed(seed)))
     out, used = [], 0
     while used < tokens:
-        L = int(min(1536, max(16, round(256 * float(torch.exp(0.8 * torch.randn(1, generator=g)))))))
-        L = min(L, tokens - used)
-        out.append(L)
-        used += L
+        out.append(min(next(drawn), tokens - used))
+        used += out[-1]
     return out
 
 
@@ -237,7 +239,6 @@ def main() -> None:
         paged(dev, bw)
         return
     if args.prefill:
-        from specbatch.bench.job import matmul_rate
         prefill(dev, matmul_rate(dev, DTYPE), args.sweep)
         return
     print(f"{'mode':6s} {'B':>3s} {'ctx':>5s} {'splits':>6s} {'floor us':>9s} "

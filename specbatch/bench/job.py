@@ -149,11 +149,14 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
     ctx_bytes = kv_bytes(model.cfg, dtype, sum(o * len(r.prompt_token_ids) + o * (o - 1) / 2
                                                for r, o in zip(rows, outputs)))
     flops_s = 2 * params * out_tokens / rate
+
+    def decode(n_steps: int) -> float:                 # the weights once a step, every context once
+        return max((n_steps * w_bytes + ctx_bytes) / bandwidth, flops_s)
+
     prefill_s = 2 * params * distinct / rate
-    decode_s = max((steps * w_bytes + ctx_bytes) / bandwidth, flops_s)
+    decode_s = decode(steps)
     return {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s,
-            "decode_steps": steps, "decode_steps_spread": spread,
-            "total_spread_s": prefill_s + max((spread * w_bytes + ctx_bytes) / bandwidth, flops_s),
+            "decode_steps": steps, "decode_steps_spread": spread, "total_spread_s": prefill_s + decode(spread),
             "prompt_tokens": prompt, "distinct_prompt_tokens": distinct, "output_tokens": out_tokens}
 
 
