@@ -1,6 +1,6 @@
 """Where a graphed cycle's time goes, per kernel, at Llama-3.1-8B shapes (random weights, GPU).
 
-    python benchmarks/profile_step.py [--recipe vanilla] [--batch 1] [--ctx 1024]
+    python benchmarks/profile_step.py [--recipe vanilla] [--batch 1] [--ctx 1024] [--top 25]
 
 Builds the engine on random weights, prefills `batch` prompts of `ctx` tokens, runs a few
 cycles to warm up, then profiles cycles with torch.profiler and prints the CUDA kernels grouped
@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--cycles", type=int, default=20)
     ap.add_argument("--simulate", default="0.8,0.6,0.45")
+    ap.add_argument("--top", type=int, default=25, help="kernel names listed")
     args = ap.parse_args()
     dev = torch.device("cuda")
     target = random_target(BUILTIN["llama-3.1-8b"], torch.bfloat16, dev)
@@ -94,7 +95,7 @@ def main() -> None:
             by[e.key][1] += e.count
     steps = max(len(eng.cycle_times), 1)
     print(f"kernels (per cycle, over {steps} cycles):")
-    for name, (t, n) in sorted(by.items(), key=lambda kv: -kv[1][0])[:25]:
+    for name, (t, n) in sorted(by.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"  {t / steps:9.1f} us  {n / steps:7.1f} calls  {name[:90]}")
 
 
