@@ -124,25 +124,20 @@ class PagedCase:
                                     page_table=self.table, **kw)
 
 
-def paged(dev: torch.device, bw: float, bound: int = 2304) -> None:
-    """The engine's graphs pass their captured bound as max_rows (here `bound`, the 1,024-row
-    job's longest prompt + output), not the batch's longest row."""
-    print(f"\npaged, mixed contexts 100-1100 (the job's decode and verify), host bound {bound} rows")
-    print(f"{'T':>2s} {'B':>4s} {'GB read':>8s} {'floor us':>9s} {'plan':>7s} {'triton us':>10s} {'of bw':>6s}"
-          "   (then other plans, splits/chunk: us, of bw)")
+def paged(dev: torch.device, bw: float) -> None:
+    print("\npaged, mixed contexts 100-1100 (the job's decode and verify)")
+    print(f"{'T':>2s} {'B':>4s} {'GB read':>8s} {'floor us':>9s} {'splits':>6s} {'triton us':>10s} {'of bw':>6s}"
+          "   (then other split counts: us, of bw)")
     for T, B in itertools.product((1, 2, 4), (16, 32, 64, 128, 320, 512)):
         case = PagedCase(B, T, dev)
-        case.max_rows = max(case.max_rows, bound)
         floor_us = case.read_bytes / bw * 1e6
         block_n, _, _ = kattn._config(max(16, T * HQ // HKV), D, DTYPE.itemsize)
-        plan = kattn.plan_splits(B * HKV, case.max_rows, block_n, dev)
+        splits = kattn.choose_splits(B * HKV, case.max_rows, block_n, dev)
         k_us = graph_us(case.kernel, case.layers)
-        blocks = -(-case.max_rows // block_n)
-        others = [(n, 0) for n in (1, 2, 4, 8) if B <= 128] + [(n, -(-blocks // n)) for n in (2, 4, 8) if B >= 64]
-        other = [(p, graph_us(functools.partial(case.kernel, num_splits=p[0], split_chunk=p[1]), case.layers))
-                 for p in others if p != plan]
-        print(f"{T:2d} {B:4d} {case.read_bytes / 1e9:8.3f} {floor_us:9.2f} {'%d/%d' % plan:>7s} {k_us:10.2f} "
-              f"{floor_us / k_us:6.1%}   " + "  ".join(f"{n}/{c}: {us:.1f} {floor_us / us:.0%}" for (n, c), us in other))
+        other = [(n, graph_us(functools.partial(case.kernel, num_splits=n), case.layers))
+                 for n in (1, 2, 4, 8) if n != splits and B <= 128]
+        print(f"{T:2d} {B:4d} {case.read_bytes / 1e9:8.3f} {floor_us:9.2f} {splits:6d} {k_us:10.2f} "
+              f"{floor_us / k_us:6.1%}   " + "  ".join(f"{n}: {us:.1f} {floor_us / us:.0%}" for n, us in other))
         del case
         torch.cuda.empty_cache()
 
@@ -254,7 +249,7 @@ def main() -> None:
         err = (got.float() - ref.float()).abs().max().item()
         assert err < 2e-2, f"kernel disagrees with torch: {err}"
         block_n, _, _ = kattn._config(max(16, T * HQ // HKV), D, DTYPE.itemsize)
-        splits = "%d/%d" % kattn.plan_splits(B * HKV, ctx + T, block_n, dev)
+        splits = kattn.choose_splits(B * HKV, ctx + T, block_n, dev)
         floor_us = case.read_bytes / bw * 1e6
         k_us = graph_us(case.kernel, case.layers)
         try:
@@ -262,7 +257,7 @@ def main() -> None:
         except RuntimeError as e:          # the torch path not capturable in some build: say so
             print(f"  (torch path not captured: {e})")
             t_us = float("nan")
-        print(f"{mode:6s} {B:3d} {ctx:5d} {splits:>6s} {floor_us:9.2f} {k_us:10.2f} {floor_us / k_us:6.1%} "
+        print(f"{mode:6s} {B:3d} {ctx:5d} {splits:6d} {floor_us:9.2f} {k_us:10.2f} {floor_us / k_us:6.1%} "
               f"{t_us:9.2f} {floor_us / t_us:6.1%}")
         del case
         torch.cuda.empty_cache()

@@ -35,9 +35,6 @@ MAX_HEAD_DIM = 256
 _WAVES = 2              # aim for >= this many programs per SM before splitting stops
 _MIN_BLOCKS_PER_SPLIT = 2
 _MAX_SPLITS = 64
-_BALANCE_WAVES = 4      # below this many waves of (sequence, kv head) programs, long sequences split
-                        # (H100, lengths 100-1,100: at ~4 waves chunks gain 2%; at ~8 they cost 3-8%)
-_BALANCE_SPLITS = 4     # ... into at most this many chunks of the host bound
 _TILE_BYTES = 16384     # one K (or V) tile per pipeline stage
 _NUM_STAGES = 3         # K/V tiles in flight: 2 prefetched (~70 KB shared at bf16 D 128)
 # The interpreter's dot multiplies bf16 bit patterns as integers (triton 3.9 create_dot):
@@ -45,10 +42,10 @@ _NUM_STAGES = 3         # K/V tiles in flight: 2 prefetched (~70 KB shared at bf
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
 
-@triton.jit(do_not_specialize=["T", "n_splits", "chunk", "region", "write_offset", "smb", "smt", "smm", "s_pt"])
+@triton.jit(do_not_specialize=["T", "n_splits", "region", "write_offset", "smb", "smt", "smm", "s_pt"])
 def _slot_attn_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, prefix_ptr, mask_ptr, pos_ptr, out_ptr, pacc_ptr, pm_ptr, pl_ptr, nu_ptr,
-    pt_ptr, tstart_ptr, tcount_ptr, T, n_splits, chunk, region, write_offset, window, qk_scale,
+    pt_ptr, tstart_ptr, tcount_ptr, T, n_splits, region, write_offset, window, qk_scale,
     s_slot, s_pre, s_pt,
     sqb, sqt, sqh, sqd,
     sks, skl, skh, skd,
@@ -109,12 +106,10 @@ def _slot_attn_kernel(
         first = tl.min(tl.where(row_ok, pos, 2147483647), 0) - window + 1
         lo = tl.minimum(tl.maximum(first, 0), prefix)
 
-    # This split's contiguous chunk of blocks among those the slot actually reads: its share of
-    # n_splits, and at least `chunk` blocks (a short slot then uses fewer splits, so every
-    # program reads about as much as the longest slot's: mixed lengths stay balanced).
+    # This split's contiguous chunk of blocks among those the slot actually reads.
     blk_lo = lo // BLOCK_N
     n_blk = tl.cdiv(n_rows, BLOCK_N) - blk_lo
-    per_split = tl.maximum(tl.cdiv(n_blk, n_splits), chunk)
+    per_split = tl.cdiv(n_blk, n_splits)
     start = blk_lo + s * per_split
     end = tl.minimum(start + per_split, blk_lo + n_blk)
 
@@ -248,27 +243,11 @@ def choose_splits(programs: int, max_rows: int, block_n: int, device: torch.devi
     return max(1, min(want, most, _MAX_SPLITS))
 
 
-def plan_splits(programs: int, max_rows: int, block_n: int, device: torch.device) -> tuple[int, int]:
-    """(splits, chunk: the fewest blocks a split reads). Under ~_WAVES waves of programs: splits
-    for parallelism (choose_splits), no chunk. Up to _BALANCE_WAVES waves, one program per
-    (sequence, kv head) would leave the longest sequences' programs running alone (lengths of a
-    batch vary ~10x), so a sequence splits into chunks of the host bound / _BALANCE_SPLITS blocks:
-    the longest ones into _BALANCE_SPLITS, short ones into one."""
-    waves = programs / _sm_count(device)
-    if waves < _WAVES:
-        return choose_splits(programs, max_rows, block_n, device), 0
-    blocks = triton.cdiv(max_rows, block_n)
-    splits = min(_BALANCE_SPLITS, blocks // _MIN_BLOCKS_PER_SPLIT)
-    if waves >= _BALANCE_WAVES or splits < 2:
-        return 1, 0
-    return splits, triton.cdiv(blocks, splits)
-
-
 def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                    prefix_lens: torch.Tensor, scale: float, *, tree_mask: torch.Tensor | None = None,
                    write_offset: int = 0, positions: torch.Tensor | None = None,
                    sliding_window: int | None = None, max_rows: int | None = None,
-                   num_splits: int | None = None, split_chunk: int | None = None, out: torch.Tensor | None = None,
+                   num_splits: int | None = None, out: torch.Tensor | None = None,
                    page_table: torch.Tensor | None = None, tile_start: torch.Tensor | None = None,
                    tile_count: torch.Tensor | None = None, tile_size: int = 0) -> torch.Tensor:
     """q [B, T, Hq, D] over caches [S, L, Hkv, D] -> out [B, T, Hq, D] (q's dtype).
@@ -276,8 +255,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     slots, prefix_lens [B] int64; tree_mask [B, T, M] bool (None = causal over write_offset + T
     region rows); positions [B, T] (only read with sliding_window); max_rows: host bound on
     prefix_b + M, for the split choice only (default: the cache length). page_table [S, pages
-    per slot] (int): the caches are paged, [pages, P, Hkv, D]. num_splits / split_chunk override
-    the split plan (plan_splits; split_chunk: the fewest blocks a split reads, 0 none).
+    per slot] (int): the caches are paged, [pages, P, Hkv, D].
 
     tile_start, tile_count [R] (int), tile_size: one new token a sequence (T = 1, causal), the
     sequences grouped into query tiles: tile r is sequences [start, start + count), count <=
@@ -324,10 +302,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if num_splits is None:
         rows_bound = max_rows if max_rows is not None else (
             page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1])
-        planned = (1, 0) if n_tiles > 1 or tiled else plan_splits(B * Hkv, rows_bound, BLOCK_N, q.device)
-        num_splits, chunk = planned if split_chunk is None else (planned[0], split_chunk)
-    else:
-        chunk = split_chunk or 0
+        num_splits = 1 if n_tiles > 1 or tiled else choose_splits(B * Hkv, rows_bound, BLOCK_N, q.device)
     if (n_tiles > 1 or tiled) and num_splits > 1:
         raise ValueError("splits are for one query tile (decode / verify), not prefills")
     split = num_splits > 1
@@ -350,7 +325,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
     _slot_attn_kernel[(programs, Hkv, n_tiles * num_splits)](
         q, k_cache, v_cache, slots, prefix_lens, mask, pos, out, pacc, pm, pl, used,
-        pt, tile_start if tiled else slots, tile_count if tiled else slots, T, num_splits, chunk,
+        pt, tile_start if tiled else slots, tile_count if tiled else slots, T, num_splits,
         region, write_offset, window, scale * 1.4426950408889634,      # log2(e): exp2 domain
         slots.stride(0), prefix_lens.stride(0), pt.stride(0) if paged else 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *smask, *spos, *out.stride(),

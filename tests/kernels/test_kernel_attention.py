@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from specbatch.kernels.attention import choose_splits, plan_splits, slot_attention  # noqa: E402
+from specbatch.kernels.attention import choose_splits, slot_attention  # noqa: E402
 from specbatch.models.attention import AttnMetadata, QueryTiles, attend  # noqa: E402
 from specbatch.speculative.tree import ancestor_mask  # noqa: E402
 
@@ -135,28 +135,6 @@ def test_default_splits_and_empty_splits_interpreter():
     case = build_case(2, 2, 4, 2, 16, torch.float32, [10, 100], "causal")
     check(case, max_rows=64 * 12)                        # 6 splits, 2 blocks of rows
     check(case, num_splits=7)
-
-
-@pytest.mark.parametrize("mode,window", [("causal", None), ("tree", None), ("causal", 70)])
-def test_chunked_splits_interpreter(mode, window):
-    """A split reads at least `split_chunk` blocks (64 rows here): short slots use fewer splits
-    than long ones, and the merge reads each slot's own count; chunks past a slot's rows, or
-    larger than all of them, change nothing."""
-    case = build_case(3, 2, 4, 2, 16, torch.float32, [10, 100, 250], mode)
-    for splits, chunk in ((4, 1), (4, 2), (3, 2), (2, 3), (4, 9)):
-        check(case, window, num_splits=splits, split_chunk=chunk)
-
-
-def test_plan_splits():
-    cpu = torch.device("cpu")                                    # 132 SMs, as an H100
-    assert plan_splits(8, 8192, 64, cpu) == (33, 0)              # batch 1: splits for parallelism
-    assert plan_splits(200, 8192, 64, cpu) == (choose_splits(200, 8192, 64, cpu), 0)
-    # 64 rows x 8 kv heads: ~4 waves; the longest sequences split into 4 chunks of 36 / 4 blocks
-    assert plan_splits(512, 2304, 64, cpu) == (4, 9)
-    assert plan_splits(512, 100, 64, cpu) == (1, 0)              # 2 blocks: nothing worth splitting
-    assert plan_splits(512, 300, 64, cpu) == (2, 3)              # 5 blocks: >= 2 a split
-    assert plan_splits(1024, 2304, 64, cpu) == (1, 0)            # 128 rows, ~8 waves: programs enough to even out
-    assert plan_splits(2560, 2304, 64, cpu) == (1, 0)            # 320 rows
 
 
 def test_rejects_a_tree_over_one_query_tile():
@@ -330,8 +308,6 @@ def test_matches_torch_gpu(shape, mode, dtype, B):
                       device="cuda", seed=B * 10 + T)
     check(case, max_rows=case["kv"].shape[2])            # the engine's graph-mode bound
     check(case, num_splits=1)
-    if B == 64:                 # a chunked plan (plan_splits at ~4 waves), forced whatever the SM count
-        check(case, num_splits=4, split_chunk=9)
 
 
 @pytest.mark.gpu
