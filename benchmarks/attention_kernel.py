@@ -10,7 +10,8 @@ bandwidth. Calls rotate over enough layer planes of one cache tensor to overflow
 layers do, so every call reads from HBM. --sweep times splits x pipeline stages for decode at
 batch 1 and 8, to tune the defaults in kernels/attention.py. --paged times the job's operating
 point instead: a paged cache (64-row pages in shuffled order), 64 to 512 rows of mixed contexts
-(uniform 100 to 1,100 rows: mean ~600), decode and chain verify of 2 and 4 tokens. --prefill times
+(uniform 100 to 1,100 rows: mean ~600), decode and chain verify of 2 and 4 tokens, each also
+with its programs started longest first (`longest_first`), then equal contexts. --prefill times
 packed prefill forwards of 8,192 tokens as the engine builds them (one sequence a prompt token,
 query tiles of 32 tokens x 4 heads, each token reading its prompt's earlier rows) against the
 causal FLOPs at the measured matmul rate, for the default tile shape and, with --sweep, other
@@ -101,9 +102,9 @@ class PagedCase:
 
     P = 64
 
-    def __init__(self, B: int, T: int, dev: torch.device, seed: int = 0):
+    def __init__(self, B: int, T: int, dev: torch.device, seed: int = 0, lengths: tuple[int, int] = (100, 1100)):
         g = torch.Generator().manual_seed(seed)
-        ctx = torch.randint(100, 1101, (B,), generator=g)
+        ctx = torch.randint(lengths[0], lengths[1] + 1, (B,), generator=g)
         self.B, self.T = B, T
         rows = int((ctx + T).sum())
         self.read_bytes = 2 * rows * HKV * D * DTYPE.itemsize
@@ -125,19 +126,31 @@ class PagedCase:
 
 
 def paged(dev: torch.device, bw: float) -> None:
-    print("\npaged, mixed contexts 100-1100 (the job's decode and verify)")
-    print(f"{'T':>2s} {'B':>4s} {'GB read':>8s} {'floor us':>9s} {'splits':>6s} {'triton us':>10s} {'of bw':>6s}"
-          "   (then other split counts: us, of bw)")
-    for T, B in itertools.product((1, 2, 4), (16, 32, 64, 128, 320, 512)):
-        case = PagedCase(B, T, dev)
+    print("\npaged, mixed contexts 100-1100 (the job's decode and verify); 'longest first': the "
+          "programs started in longest_first's order (found once a forward: 'order us')")
+    print(f"{'T':>2s} {'B':>4s} {'GB read':>8s} {'floor us':>9s} {'splits':>6s} {'triton us':>10s} {'of bw':>6s} "
+          f"{'longest first':>13s} {'of bw':>6s} {'order us':>8s}   (then other split counts: us, of bw)")
+    rows = [(T, B, (100, 1100)) for T, B in itertools.product((1, 2, 4), (16, 32, 64, 128, 320, 512))]
+    rows += [(1, B, (1024, 1024)) for B in (64, 128, 320)]
+    for T, B, lengths in rows:
+        if lengths[0] == lengths[1] and B == 64:
+            print("equal contexts, 1,024 rows each")
+        case = PagedCase(B, T, dev, lengths=lengths)
         floor_us = case.read_bytes / bw * 1e6
         block_n, _, _ = kattn._config(max(16, T * HQ // HKV), D, DTYPE.itemsize)
         splits = kattn.choose_splits(B * HKV, case.max_rows, block_n, dev)
         k_us = graph_us(case.kernel, case.layers)
+        order = kattn.longest_first(case.prefix, HKV)
+        if order is None:
+            o_us = sort_us = float("nan")
+        else:
+            o_us = graph_us(functools.partial(case.kernel, order=order), case.layers)
+            sort_us = _graph_us([functools.partial(kattn.longest_first, case.prefix, HKV)], 50)
         other = [(n, graph_us(functools.partial(case.kernel, num_splits=n), case.layers))
                  for n in (1, 2, 4, 8) if n != splits and B <= 128]
         print(f"{T:2d} {B:4d} {case.read_bytes / 1e9:8.3f} {floor_us:9.2f} {splits:6d} {k_us:10.2f} "
-              f"{floor_us / k_us:6.1%}   " + "  ".join(f"{n}: {us:.1f} {floor_us / us:.0%}" for n, us in other))
+              f"{floor_us / k_us:6.1%} {o_us:13.2f} {floor_us / o_us:6.1%} {sort_us:8.2f}   "
+              + "  ".join(f"{n}: {us:.1f} {floor_us / us:.0%}" for n, us in other))
         del case
         torch.cuda.empty_cache()
 

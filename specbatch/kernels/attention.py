@@ -45,7 +45,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "y
 @triton.jit(do_not_specialize=["T", "n_splits", "region", "write_offset", "smb", "smt", "smm", "s_pt"])
 def _slot_attn_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, prefix_ptr, mask_ptr, pos_ptr, out_ptr, pacc_ptr, pm_ptr, pl_ptr, nu_ptr,
-    pt_ptr, tstart_ptr, tcount_ptr, T, n_splits, region, write_offset, window, qk_scale,
+    pt_ptr, tstart_ptr, tcount_ptr, order_ptr, T, n_splits, region, write_offset, window, qk_scale,
     s_slot, s_pre, s_pt,
     sqb, sqt, sqh, sqd,
     sks, skl, skh, skd,
@@ -57,12 +57,20 @@ def _slot_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     TREE: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TILED: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    n_heads = tl.num_programs(1)
+    if ORDERED:
+        # Blocks start in launch order (axis 0 fastest): the r-th started (sequence, kv head)
+        # pair belongs to the r // n_heads-th program of order_ptr, so the longest start first.
+        started = tl.program_id(0) + tl.num_programs(0) * tl.program_id(1)
+        b = tl.load(order_ptr + started // n_heads).to(tl.int32)
+        h = started % n_heads
+    else:
+        b = tl.program_id(0)
+        h = tl.program_id(1)
     tile = tl.program_id(2) // n_splits
     s = tl.program_id(2) % n_splits
-    n_heads = tl.num_programs(1)
 
     # Query row r = t * G + g: new token t, query head h * G + g (the GQA group of kv head h).
     # TILED: program b is query tile b, sequences [start, start + count) of one token each
@@ -217,6 +225,33 @@ def _combine_kernel(
              o.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _longest_first_kernel(len_ptr, order_ptr, n, BI: tl.constexpr, BJ: tl.constexpr):
+    """order[rank[i]] = i, rank[i] = #{j: len[j] > len[i], or len[j] == len[i] and j < i}."""
+    i = tl.program_id(0) * BI + tl.arange(0, BI)
+    li = tl.load(len_ptr + i, mask=i < n, other=0)
+    rank = tl.zeros([BI], tl.int32)
+    for j0 in range(0, n, BJ):
+        j = j0 + tl.arange(0, BJ)
+        lj = tl.load(len_ptr + j, mask=j < n, other=0)
+        ahead = (lj[None, :] > li[:, None]) | ((lj[None, :] == li[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum((ahead & (j < n)[None, :]).to(tl.int32), 1)
+    tl.store(order_ptr + rank, i, mask=i < n)
+
+
+def longest_first(lengths: torch.Tensor, heads: int) -> torch.Tensor | None:
+    """lengths [P] (the rows each of the kernel's P programs reads) -> [P] int32 program indices,
+    longest first (ties in index order), for `slot_attention(order=)`; None when the P x heads
+    programs all fit in one wave, where the order cannot matter. One launch: computed once a
+    forward, every layer uses it."""
+    P = lengths.shape[0]
+    if P * heads <= _sm_count(lengths.device):
+        return None
+    order = torch.empty(P, dtype=torch.int32, device=lengths.device)
+    _longest_first_kernel[(triton.cdiv(P, 128),)](lengths.contiguous(), order, P, BI=128, BJ=32, num_warps=4)
+    return order
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -249,7 +284,8 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    sliding_window: int | None = None, max_rows: int | None = None,
                    num_splits: int | None = None, out: torch.Tensor | None = None,
                    page_table: torch.Tensor | None = None, tile_start: torch.Tensor | None = None,
-                   tile_count: torch.Tensor | None = None, tile_size: int = 0) -> torch.Tensor:
+                   tile_count: torch.Tensor | None = None, tile_size: int = 0,
+                   order: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, T, Hq, D] over caches [S, L, Hkv, D] -> out [B, T, Hq, D] (q's dtype).
 
     slots, prefix_lens [B] int64; tree_mask [B, T, M] bool (None = causal over write_offset + T
@@ -261,6 +297,10 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     sequences grouped into query tiles: tile r is sequences [start, start + count), count <=
     tile_size, consecutive positions of one slot (prefix_lens rising by one), so they share
     their K/V reads. Sequences in no tile are not computed (their output is left as it was).
+
+    order [programs] (int, a permutation of the sequences, or of the tiles when tiled): the
+    order in which their programs start (`longest_first`), so the longest do not run alone at the
+    end; the result does not depend on it.
     """
     B, T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -322,10 +362,13 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     paged = page_table is not None
     pt = page_table if paged else slots
     programs = tile_start.shape[0] if tiled else B
+    if order is not None and tuple(order.shape) != (programs,):
+        raise ValueError(f"order {tuple(order.shape)}: need one entry per {'tile' if tiled else 'sequence'} ({programs})")
 
     _slot_attn_kernel[(programs, Hkv, n_tiles * num_splits)](
         q, k_cache, v_cache, slots, prefix_lens, mask, pos, out, pacc, pm, pl, used,
-        pt, tile_start if tiled else slots, tile_count if tiled else slots, T, num_splits,
+        pt, tile_start if tiled else slots, tile_count if tiled else slots,
+        order if order is not None else slots, T, num_splits,
         region, write_offset, window, scale * 1.4426950408889634,      # log2(e): exp2 domain
         slots.stride(0), prefix_lens.stride(0), pt.stride(0) if paged else 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *smask, *spos, *out.stride(),
@@ -333,7 +376,8 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         TREE=tree, WINDOW=sliding_window is not None, SPLIT=split,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",      # fp32: exact, like the torch path
         UPCAST=_INTERPRET and q.dtype == torch.bfloat16, PAGED=paged,
-        PAGE=k_cache.shape[1] if paged else 1, TILED=tiled, num_warps=warps, num_stages=stages,
+        PAGE=k_cache.shape[1] if paged else 1, TILED=tiled, ORDERED=order is not None,
+        num_warps=warps, num_stages=stages,
     )
     if split:
         _combine_kernel[(B, Hkv)](

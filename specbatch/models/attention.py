@@ -64,11 +64,22 @@ class AttnMetadata:
 
     def cache_rows(self) -> torch.Tensor:
         """[B, T] cache row of each new token (computed once: every layer asks)."""
-        rows = self.__dict__.get("_cache_rows")
-        if rows is None:
-            t = torch.arange(self.num_new, device=self.positions.device)
-            rows = self.__dict__["_cache_rows"] = self.prefix_lens[:, None] + self.write_offset + t
-        return rows
+        return self.memo("_cache_rows", lambda: self.prefix_lens[:, None] + self.write_offset
+                         + torch.arange(self.num_new, device=self.positions.device))
+
+    def program_rows(self) -> torch.Tensor:
+        """[programs] committed rows each attention program reads past: a sequence's prefix, or a
+        query tile's last (longest) sequence's."""
+        if self.tiles is None:
+            return self.prefix_lens
+        last = (self.tiles.start + self.tiles.count - 1).clamp(0, self.prefix_lens.shape[0] - 1)
+        return self.prefix_lens[last]
+
+    def memo(self, key: str, make):
+        """`make()` once per metadata (a forward's layers share it), kept under `key`."""
+        if key not in self.__dict__:
+            self.__dict__[key] = make()
+        return self.__dict__[key]
 
     def select_tokens(self, idx: torch.Tensor) -> "AttnMetadata":
         """A causal view of the new tokens idx [K] (row-major over [B, T]), each its own sequence
@@ -123,14 +134,16 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     """q: [B, T, Hq, D] -> [B, T, Hq, D], reading the slots' first kv_len cache rows.
 
     On CUDA the Triton kernel serves every forward (prefill in query tiles, decode, verify,
-    draft steps), reading each slot's own length from the device."""
+    draft steps), reading each slot's own length from the device; its programs start longest
+    first (the order found once a forward)."""
     if kernels.active(q):
-        from ..kernels.attention import slot_attention
+        from ..kernels.attention import longest_first, slot_attention
 
+        order = meta.memo("_longest_first", lambda: longest_first(meta.program_rows(), k_cache.shape[2]))
         return slot_attention(q, k_cache, v_cache, meta.slots, meta.prefix_lens, scale,
                               tree_mask=meta.tree_mask, write_offset=meta.write_offset,
                               positions=meta.positions, sliding_window=sliding_window,
-                              max_rows=meta.kv_len, page_table=meta.page_table,
+                              max_rows=meta.kv_len, page_table=meta.page_table, order=order,
                               **({} if meta.tiles is None else dict(
                                   tile_start=meta.tiles.start, tile_count=meta.tiles.count,
                                   tile_size=meta.tiles.size)))

@@ -1,7 +1,7 @@
 """The Triton slot-cache attention kernel against the eager torch path (`models.attention.attend`).
 
 CPU cases run in the Triton interpreter (conftest sets TRITON_INTERPRET=1 without CUDA): small
-sizes, every mask kind, GQA, odd head_dim, splits, sliding window. GPU cases (`pytest -m gpu`):
+sizes, every mask kind, GQA, odd head_dim, splits, sliding window, programs in any order. GPU cases (`pytest -m gpu`):
 real head shapes, ragged contexts up to 4096, every dtype, and replay of a captured CUDA graph
 after the lengths change in place (how the engine runs it).
 """
@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from specbatch.kernels.attention import choose_splits, slot_attention  # noqa: E402
+from specbatch.kernels.attention import choose_splits, longest_first, slot_attention  # noqa: E402
 from specbatch.models.attention import AttnMetadata, QueryTiles, attend  # noqa: E402
 from specbatch.speculative.tree import ancestor_mask  # noqa: E402
 
@@ -215,14 +215,14 @@ def build_tiled(parts: list[tuple[int, int]], Hq: int, Hkv: int, D: int, dtype: 
     return dict(q=q, kv=poisoned.to(dev), kv_ref=kv.to(dev), meta=meta, tiles=tiles, scale=D ** -0.5)
 
 
-def check_tiled(case: dict, page: int | None = None) -> None:
+def check_tiled(case: dict, page: int | None = None, order: torch.Tensor | None = None) -> None:
     q, m, tiles = case["q"], case["meta"], case["tiles"]
     N = q.shape[0] - 1                                      # the last token is the pad
     want = attend(q, case["kv_ref"][0], case["kv_ref"][1], m, case["scale"])[:N]     # one token a sequence
     kv, table = (case["kv"], None) if page is None else to_pages(case["kv"], page)
     out = torch.full_like(q, float("nan"))
     got = slot_attention(q, kv[0], kv[1], m.slots, m.prefix_lens, case["scale"], out=out, page_table=table,
-                         tile_start=tiles.start, tile_count=tiles.count, tile_size=tiles.size)
+                         tile_start=tiles.start, tile_count=tiles.count, tile_size=tiles.size, order=order)
     atol, rtol = TOL[q.dtype]
     torch.testing.assert_close(got[:N].float(), want.float(), atol=atol, rtol=rtol)
     assert got[N].isnan().all()                             # in no tile: not computed
@@ -240,6 +240,20 @@ def check_tiled(case: dict, page: int | None = None) -> None:
 ])
 def test_query_tiles_give_what_one_token_a_sequence_gives_interpreter(parts, Hq, Hkv, size, dtype, page):
     check_tiled(build_tiled(parts, Hq, Hkv, 16, dtype, size), page)
+
+
+def test_query_tiles_in_any_order_interpreter():
+    """Tiles started longest first (or in any order) give the same result; the metadata ranks
+    a tile by its last sequence's prefix."""
+    case = build_tiled([(0, 37), (64, 10), (0, 5)], 8, 2, 16, torch.float32, 8)
+    tiles = case["tiles"]
+    meta = dataclasses.replace(case["meta"], tiles=tiles)
+    last = tiles.start + tiles.count - 1
+    rows = meta.program_rows()
+    assert rows[tiles.count > 0].tolist() == case["meta"].prefix_lens[last[tiles.count > 0]].tolist()
+    order = torch.argsort(-rows, stable=True).to(torch.int32)
+    check_tiled(case, order=order)
+    check_tiled(case, page=16, order=order.flip(0))
 
 
 def test_query_tiles_need_one_token_causal_sequences():
@@ -262,6 +276,61 @@ def test_query_tiles_refuse_a_window_a_tile_could_cross():
                          sliding_window=9, tile_size=8, **kw)
     want = attend(case["q"], case["kv_ref"][0], case["kv_ref"][1], m, case["scale"], 9)
     torch.testing.assert_close(got[:-1], want[:-1], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode,splits", [("causal", 1), ("tree", 1), ("causal", 3), ("draft", 2)])
+def test_any_program_order_gives_the_same_result_interpreter(mode, splits):
+    case = build_case(6, 2, 4, 2, 16, torch.float32, [10, 100, 250, 0, 64, 33], mode,
+                      write_offset=2 if mode == "draft" else 0)
+    for order in ([5, 4, 3, 2, 1, 0], [2, 1, 4, 0, 5, 3]):
+        check(case, num_splits=splits, order=torch.tensor(order, dtype=torch.int32))
+
+
+def test_attend_starts_programs_longest_first_once_a_forward_interpreter(monkeypatch):
+    """The kernel path of `attend` finds the order once per metadata (every layer shares it)
+    and passes it on; the result is the torch path's."""
+    import specbatch.kernels as kernels_pkg
+    import specbatch.kernels.attention as kattn
+    B = 70                                               # 70 x 2 kv heads: more than one wave
+    prefix = torch.randint(0, 90, (B,), generator=torch.Generator().manual_seed(1)).tolist()
+    case = build_case(B, 1, 4, 2, 16, torch.float32, prefix, "causal")
+    want = reference(case)
+    calls, passed = [], []
+    real_order, real_attn = kattn.longest_first, kattn.slot_attention
+
+    def order(lengths, heads):
+        calls.append(lengths.clone())
+        return real_order(lengths, heads)
+
+    def attn(*a, **kw):
+        passed.append(kw["order"])
+        return real_attn(*a, **kw)
+
+    monkeypatch.setattr(kattn, "longest_first", order)
+    monkeypatch.setattr(kattn, "slot_attention", attn)
+    monkeypatch.setattr(kernels_pkg, "active", lambda t: True)
+    for _ in range(2):                                   # two layers of one forward
+        got = attend(case["q"], case["kv"][0], case["kv"][1], case["meta"], case["scale"])
+        torch.testing.assert_close(got, want, **dict(zip(("atol", "rtol"), TOL[torch.float32])))
+    assert len(calls) == 1 and calls[0].tolist() == prefix
+    assert passed[0] is passed[1] and passed[0].tolist() == torch.argsort(-torch.tensor(prefix), stable=True).tolist()
+
+
+def test_order_needs_one_entry_a_program():
+    case = build_case(3, 1, 4, 2, 16, torch.float32, [10, 100, 250], "causal")
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        run_kernel(case, order=torch.arange(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("P,heads,top", [(17, 8, 40), (200, 1, 1_000), (300, 8, 4), (129, 2, 0)])
+def test_longest_first_interpreter(P, heads, top):
+    """Program indices by length, longest first, ties in index order (one block of 128 programs
+    or several); None while P x heads programs fit in one wave of an H100's 132 SMs."""
+    lengths = torch.randint(0, top + 1, (P,), generator=torch.Generator().manual_seed(P))
+    got = longest_first(lengths, heads)
+    assert got.dtype == torch.int32
+    assert got.tolist() == torch.argsort(-lengths, stable=True).tolist()
+    assert longest_first(lengths[:16], 8) is None                # 128 programs: one wave
 
 
 def test_choose_splits():
@@ -308,6 +377,15 @@ def test_matches_torch_gpu(shape, mode, dtype, B):
                       device="cuda", seed=B * 10 + T)
     check(case, max_rows=case["kv"].shape[2])            # the engine's graph-mode bound
     check(case, num_splits=1)
+    order = torch.randperm(B, generator=torch.Generator().manual_seed(B)).to("cuda", torch.int32)
+    check(case, max_rows=case["kv"].shape[2], order=order)          # programs in any order
+
+
+@pytest.mark.gpu
+def test_longest_first_gpu():
+    lengths = torch.randint(0, 3000, (512,), generator=torch.Generator().manual_seed(0)).cuda()
+    lengths[::7] = 100                                   # ties
+    assert longest_first(lengths, 8).tolist() == torch.argsort(-lengths.cpu(), stable=True).tolist()
 
 
 @pytest.mark.gpu
@@ -320,6 +398,8 @@ def test_query_tiles_gpu(dtype, shape):
     case = build_tiled(parts, Hq, Hkv, D, dtype, size, device="cuda", seed=5)
     check_tiled(case)
     check_tiled(case, page=64)
+    check_tiled(case, page=64, order=torch.arange(case["tiles"].start.shape[0] - 1, -1, -1,
+                                                  device="cuda", dtype=torch.int32))
 
 
 @pytest.mark.gpu
