@@ -22,6 +22,14 @@ one accepted), so the full width's cycles keep every narrower estimate current. 
 width), the seconds a cycle takes (an exponential average). Each width is tried at each bucket
 before the rates decide; every REFRESH-th cycle of a bucket retries the width measured longest
 ago there, since costs drift as contexts grow and acceptance changes.
+
+Buckets inform each other. A wider verify adds GEMM rows, and what a row costs grows with the
+batch (weight reads are shared, FLOPs are not), so the cost of width u over width w < u grows
+with the bucket. If u emitted faster than w at some bucket, it does at every smaller one, and if w
+did, at every larger one. A width so beaten is dropped from a bucket's candidates, so it is
+neither explored nor refreshed there: a job that drains through ever smaller batches does not
+spend two plain-step cycles per bucket relearning that the whole proposal pays. Should the
+measurements contradict each other (GEMM speed is not monotone in rows), every width stays.
 """
 from __future__ import annotations
 
@@ -47,6 +55,7 @@ class WidthPolicy:
         self.rows: dict[int, float] = {w: 0.0 for w in self.widths}      # width -> decayed rows
         self.seconds: dict[tuple[int, int], float] = {}        # (bucket, width) -> seconds per cycle
         self.samples: dict[tuple[int, int], int] = {}
+        self.measured: dict[int, set[int]] = {}                # bucket -> widths with a cycle time there
         self.last: dict[tuple[int, int], int] = {}             # (bucket, width) -> the bucket cycle it last ran
         self.cycles: dict[int, int] = {}
         self.used: dict[int, int] = {}                         # width -> cycles (reported in stats)
@@ -60,17 +69,36 @@ class WidthPolicy:
         widths look their best)."""
         return 1.0 if w == 1 else self.emitted[w] / self.rows[w] if self.rows[w] > 0 else float(w)
 
+    def rate(self, bucket: int, w: int) -> float:
+        """Tokens a row emits per second of cycle at width w (measured at this bucket)."""
+        return self.per_row(w) / self.seconds[(bucket, w)]
+
+    def beaten(self, bucket: int) -> set[int]:
+        """Widths that another width outran at another bucket that settles this one: a wider
+        width at a larger bucket, or a narrower one at a smaller bucket. (At this bucket itself
+        its own rates pick the best, and refresh cycles retry the rest.)"""
+        out = set()
+        for b, measured in self.measured.items():
+            if b == bucket or len(measured) < 2:
+                continue
+            rates = {w: self.rate(b, w) for w in measured}
+            for w in measured:
+                if any((u > w) == (b > bucket) and rates[u] > rates[w] for u in measured if u != w):
+                    out.add(w)
+        return out
+
     def choose(self, bucket: int, greedy: bool) -> int:
         if not greedy or not self.adaptive:
             return self.full
-        for w in reversed(self.widths):                        # untried first, widest first
+        live = [w for w in self.widths if w not in self.beaten(bucket)] or self.widths
+        for w in reversed(live):                               # untried first, widest first
             if self.samples.get((bucket, w), 0) < 2:           # the first sample is dropped: see record
                 return w
         n = self.cycles[bucket] = self.cycles.get(bucket, 0) + 1
-        best = max(self.widths, key=lambda w: self.per_row(w) / self.seconds[(bucket, w)])
-        if n % REFRESH == 0:
-            stale = min((w for w in self.widths if w != best), key=lambda w: self.last.get((bucket, w), -1))
-            return stale
+        best = max(live, key=lambda w: self.rate(bucket, w))
+        others = [w for w in live if w != best]
+        if n % REFRESH == 0 and others:
+            return min(others, key=lambda w: self.last.get((bucket, w), -1))
         return best
 
     def record(self, bucket: int, width: int, emitted: list[int], seconds: float) -> None:
@@ -89,3 +117,4 @@ class WidthPolicy:
             return
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else old + ALPHA * (seconds - old)
+        self.measured.setdefault(bucket, set()).add(width)
