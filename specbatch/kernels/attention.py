@@ -15,7 +15,9 @@ tokens into query tiles (tile_start / tile_count): one program per (tile, kv hea
 tile's tokens as one causal sequence, each token's q and output at its own sequence. A
 split walks its contiguous chunk of BLOCK_N-row blocks, computed in the kernel from the slot's
 own row count: short sequences never loop over the host bound. With several splits, partial
-(acc, max, sum) go to fp32 scratch and a second kernel merges them (log-sum-exp). No host sync
+(acc, max, sum) go to fp32 scratch and the split that finishes last merges them (log-sum-exp):
+each split counts itself in on a per-(sequence, kv head) counter, and the one that brings it to
+the number of splits with rows resets it, so there is no second kernel to launch. No host sync
 and no device-dependent allocation: capturable in a CUDA graph.
 
 Paged caches: k_cache / v_cache are [pages, P, Hkv, D] and cache row l of slot s lives at row
@@ -44,7 +46,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "y
 
 @triton.jit(do_not_specialize=["T", "n_splits", "region", "write_offset", "smb", "smt", "smm", "s_pt"])
 def _slot_attn_kernel(
-    q_ptr, k_ptr, v_ptr, slots_ptr, prefix_ptr, mask_ptr, pos_ptr, out_ptr, pacc_ptr, pm_ptr, pl_ptr, nu_ptr,
+    q_ptr, k_ptr, v_ptr, slots_ptr, prefix_ptr, mask_ptr, pos_ptr, out_ptr, pacc_ptr, pm_ptr, pl_ptr, cnt_ptr,
     pt_ptr, tstart_ptr, tcount_ptr, order_ptr, T, n_splits, region, write_offset, window, qk_scale,
     s_slot, s_pre, s_pt,
     sqb, sqt, sqh, sqd,
@@ -172,56 +174,52 @@ def _slot_attn_kernel(
 
     if SPLIT:
         # Partials [B, Hkv, S, T*G(, D)] of the splits that read rows: the first `used` (splits are
-        # contiguous chunks), whose count split 0 stores for the merge. A host bound far above the
-        # rows read (a graph captured for max_len) leaves most splits empty: they store nothing.
+        # contiguous chunks). A host bound far above the rows read (a graph captured for max_len)
+        # leaves most splits empty: they store nothing and do not count in.
         used = tl.maximum(tl.cdiv(n_blk, tl.maximum(per_split, 1)), 1)
-        if s == 0:
-            tl.store(nu_ptr + b * n_heads + h, used)
         if s < used:
-            part = (b * n_heads + h) * n_splits + s
+            base = (b * n_heads + h) * n_splits
+            part = base + s
             tl.store(pm_ptr + part * (T * G) + rows, m_i, mask=row_ok)
             tl.store(pl_ptr + part * (T * G) + rows, l_i, mask=row_ok)
             tl.store(pacc_ptr + part * (T * G * D) + rows[:, None] * D + dd[None, :], acc,
                      mask=row_ok[:, None] & d_ok[None, :])
+            tl.debug_barrier()                # every thread's partial before the release below
+            arrived = tl.atomic_add(cnt_ptr + b * n_heads + h, 1, sem="acq_rel")
+            if arrived == used - 1:           # the last split in merges, then resets the counter
+                tl.debug_barrier()
+                _merge_splits(pacc_ptr, pm_ptr, pl_ptr, base, used, out_ptr, q_seq, q_col, qh, rows, row_ok,
+                              dd, d_ok, T, sob, sot, soh, sod, G, D, BLOCK_M, BLOCK_D)
+                tl.store(cnt_ptr + b * n_heads + h, 0)
     else:
         o = acc / tl.where(row_ok, l_i, 1.0)[:, None]           # pad rows: no 0 / 0
         tl.store(out_ptr + q_seq[:, None] * sob + q_col[:, None] * sot + qh[:, None] * soh + dd[None, :] * sod,
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["n_splits"])
-def _combine_kernel(
-    pacc_ptr, pm_ptr, pl_ptr, nu_ptr, out_ptr, n_splits,
-    sob, sot, soh, sod,
-    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    n_heads = tl.num_programs(1)
-    rows = tl.arange(0, BLOCK_M)
-    t = rows // G
-    row_ok = rows < T * G
-    qh = h * G + rows % G
-    dd = tl.arange(0, BLOCK_D)
-    ok = row_ok[:, None] & (dd < D)[None, :]
-    base = (b * n_heads + h) * n_splits
-    used = tl.load(nu_ptr + b * n_heads + h)          # splits that read rows (the first ones)
-
+@triton.jit
+def _merge_splits(pacc_ptr, pm_ptr, pl_ptr, base, used, out_ptr, q_seq, q_col, qh, rows, row_ok, dd, d_ok, T,
+                  sob, sot, soh, sod,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out = the log-sum-exp merge of partials base .. base + used - 1. Loads go to L2 (.cg):
+    other programs wrote them during this kernel."""
+    ok = row_ok[:, None] & d_ok[None, :]
     m_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    for s in range(used):
-        m_s = tl.load(pm_ptr + (base + s) * (T * G) + rows, mask=row_ok, other=-1.0e30)
-        m_max = tl.maximum(m_max, m_s)
+    for j in range(used):
+        m_j = tl.load(pm_ptr + (base + j) * (T * G) + rows, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
+        m_max = tl.maximum(m_max, m_j)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(used):
-        m_s = tl.load(pm_ptr + (base + s) * (T * G) + rows, mask=row_ok, other=-1.0e30)
-        l_s = tl.load(pl_ptr + (base + s) * (T * G) + rows, mask=row_ok, other=0.0)
-        a_s = tl.load(pacc_ptr + (base + s) * (T * G * D) + rows[:, None] * D + dd[None, :], mask=ok, other=0.0)
-        w = tl.exp2(m_s - m_max)
-        l_sum += w * l_s
-        acc += w[:, None] * a_s
+    for j in range(used):
+        m_j = tl.load(pm_ptr + (base + j) * (T * G) + rows, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
+        l_j = tl.load(pl_ptr + (base + j) * (T * G) + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+        a_j = tl.load(pacc_ptr + (base + j) * (T * G * D) + rows[:, None] * D + dd[None, :], mask=ok, other=0.0,
+                      cache_modifier=".cg")
+        w = tl.exp2(m_j - m_max)
+        l_sum += w * l_j
+        acc += w[:, None] * a_j
     o = acc / tl.where(row_ok, l_sum, 1.0)[:, None]
-    tl.store(out_ptr + b * sob + t[:, None] * sot + qh[:, None] * soh + dd[None, :] * sod,
+    tl.store(out_ptr + q_seq[:, None] * sob + q_col[:, None] * sot + qh[:, None] * soh + dd[None, :] * sod,
              o.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -285,7 +283,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    num_splits: int | None = None, out: torch.Tensor | None = None,
                    page_table: torch.Tensor | None = None, tile_start: torch.Tensor | None = None,
                    tile_count: torch.Tensor | None = None, tile_size: int = 0,
-                   order: torch.Tensor | None = None) -> torch.Tensor:
+                   order: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, T, Hq, D] over caches [S, L, Hkv, D] -> out [B, T, Hq, D] (q's dtype).
 
     slots, prefix_lens [B] int64; tree_mask [B, T, M] bool (None = causal over write_offset + T
@@ -301,6 +299,9 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     order [programs] (int, a permutation of the sequences, or of the tiles when tiled): the
     order in which their programs start (`longest_first`), so the longest do not run alone at the
     end; the result does not depend on it.
+
+    counters (int32, >= B * Hkv zeros; left zero): the splits' arrival counters. A forward's
+    layers may share one (`attend` does); None: allocated here.
     """
     B, T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -350,9 +351,13 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         pacc = torch.empty(B, Hkv, num_splits, T * G, D, dtype=torch.float32, device=q.device)
         pm = torch.empty(B, Hkv, num_splits, T * G, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
-        used = torch.empty(B, Hkv, dtype=torch.int32, device=q.device)
+        if counters is None:
+            counters = torch.zeros(B * Hkv, dtype=torch.int32, device=q.device)
+        elif counters.dtype != torch.int32 or counters.numel() < B * Hkv or counters.device != q.device:
+            raise ValueError(f"counters {counters.dtype} [{counters.numel()}] on {counters.device}: need int32 "
+                             f">= {B * Hkv} zeros on {q.device}")
     else:
-        pacc = pm = pl = used = out        # unused: the kernel writes out directly
+        pacc = pm = pl = counters = out    # unused: the kernel writes out directly
     # bool -> uint8 is a view (same bytes); unused pointers get any tensor.
     mask = tree_mask.view(torch.uint8) if tree else slots
     smask = tree_mask.stride() if tree else (0, 0, 0)
@@ -366,7 +371,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         raise ValueError(f"order {tuple(order.shape)}: need one entry per {'tile' if tiled else 'sequence'} ({programs})")
 
     _slot_attn_kernel[(programs, Hkv, n_tiles * num_splits)](
-        q, k_cache, v_cache, slots, prefix_lens, mask, pos, out, pacc, pm, pl, used,
+        q, k_cache, v_cache, slots, prefix_lens, mask, pos, out, pacc, pm, pl, counters,
         pt, tile_start if tiled else slots, tile_count if tiled else slots,
         order if order is not None else slots, T, num_splits,
         region, write_offset, window, scale * 1.4426950408889634,      # log2(e): exp2 domain
@@ -379,9 +384,4 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         PAGE=k_cache.shape[1] if paged else 1, TILED=tiled, ORDERED=order is not None,
         num_warps=warps, num_stages=stages,
     )
-    if split:
-        _combine_kernel[(B, Hkv)](
-            pacc, pm, pl, used, out, num_splits, *out.stride(),
-            T=T, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=4,
-        )
     return out

@@ -137,6 +137,19 @@ def test_default_splits_and_empty_splits_interpreter():
     check(case, num_splits=7)
 
 
+def test_the_last_split_merges_and_leaves_the_counters_zero_interpreter():
+    # one counter buffer shared by calls (a forward's layers), as attend passes it; spare entries untouched
+    counters = torch.zeros(3 * 2 + 5, dtype=torch.int32)
+    for mode, splits, prefix in (("causal", 3, [0, 37, 130]), ("tree", 4, [90, 3, 61]), ("causal", 7, [5, 200, 64])):
+        case = build_case(3, 1 if mode == "causal" else 4, 8, 2, 16, torch.float32, prefix, mode)
+        check(case, num_splits=splits, counters=counters)
+        assert not counters.any()
+    with pytest.raises(ValueError, match="counters"):
+        run_kernel(case, num_splits=3, counters=torch.zeros(5, dtype=torch.int32))        # too few
+    with pytest.raises(ValueError, match="counters"):
+        run_kernel(case, num_splits=3, counters=torch.zeros(6, dtype=torch.int64))
+
+
 def test_rejects_a_tree_over_one_query_tile():
     q = torch.zeros(1, 33, 8, 16)
     kv = torch.zeros(2, 2, 64, 2, 16)
