@@ -28,8 +28,9 @@ batch (weight reads are shared, FLOPs are not), so the cost of width u over widt
 with the bucket. If u emitted faster than w at some bucket, it does at every smaller one, and if w
 did, at every larger one. A width so beaten is dropped from a bucket's candidates, so it is
 neither explored nor refreshed there: a job that drains through ever smaller batches does not
-spend two plain-step cycles per bucket relearning that the whole proposal pays. Should the
-measurements contradict each other (GEMM speed is not monotone in rows), every width stays.
+spend two plain-step cycles per bucket relearning that the whole proposal pays. A bucket keeps
+the width its own measurements rank best, and should the buckets contradict each other
+altogether (GEMM speed is not monotone in rows), every width stays.
 """
 from __future__ import annotations
 
@@ -87,10 +88,22 @@ class WidthPolicy:
                     out.add(w)
         return out
 
+    def candidates(self, bucket: int) -> list[int]:
+        """The widths this bucket explores and picks from: those no other bucket settles against,
+        and always the one this bucket's own measurements rank best (so two buckets whose data
+        disagree cannot each lock the other onto a width its own timings call slower)."""
+        beaten = self.beaten(bucket)
+        if beaten >= set(self.widths):
+            return self.widths
+        own = [w for w in self.widths if (bucket, w) in self.seconds]
+        if len(own) > 1:
+            beaten.discard(max(own, key=lambda w: self.rate(bucket, w)))
+        return [w for w in self.widths if w not in beaten]
+
     def choose(self, bucket: int, greedy: bool) -> int:
         if not greedy or not self.adaptive:
             return self.full
-        live = [w for w in self.widths if w not in self.beaten(bucket)] or self.widths
+        live = self.candidates(bucket)
         for w in reversed(live):                               # untried first, widest first
             if self.samples.get((bucket, w), 0) < 2:           # the first sample is dropped: see record
                 return w

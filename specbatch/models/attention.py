@@ -140,14 +140,11 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
         from ..kernels.attention import longest_first, slot_attention
 
         hkv = k_cache.shape[2]
-        order = meta.memo("_longest_first", lambda: longest_first(meta.program_rows(), hkv))
-        # the splits' arrival counters: zeroed once a forward, left zero by every layer's kernel
-        counters = None if meta.tiles is not None else meta.memo(
-            f"_split_counters_{hkv}", lambda: torch.zeros(q.shape[0] * hkv, dtype=torch.int32, device=q.device))
+        order = meta.memo(f"_longest_first_{hkv}", lambda: longest_first(meta.program_rows(), hkv))
         return slot_attention(q, k_cache, v_cache, meta.slots, meta.prefix_lens, scale,
                               tree_mask=meta.tree_mask, write_offset=meta.write_offset,
                               positions=meta.positions, sliding_window=sliding_window,
-                              max_rows=meta.kv_len, page_table=meta.page_table, order=order, counters=counters,
+                              max_rows=meta.kv_len, page_table=meta.page_table, order=order,
                               **({} if meta.tiles is None else dict(
                                   tile_start=meta.tiles.start, tile_count=meta.tiles.count,
                                   tile_size=meta.tiles.size)))

@@ -112,6 +112,24 @@ def test_contradicting_buckets_leave_every_width():
     assert _drive(p, 32, FLAT, ACCEPT, 6) == [4, 4, 2, 2, 1, 1]
 
 
+def test_buckets_that_disagree_cannot_lock_each_other_onto_a_slower_width():
+    # per-row tokens 1 / 1.8 / 2.5: a plain step wins at 64 rows, the whole proposal at 128
+    # (the reverse of what GPUs do: noise, or GEMM speed not monotone in rows)
+    at64 = {1: 0.010, 2: 0.0190, 4: 0.0265}.get
+    at128 = {1: 0.010, 2: 0.0190, 4: 0.0235}.get
+    p = WidthPolicy(4)
+    for bucket, cost in ((64, at64), (128, at128)):          # both measured before either settles
+        for w in (4, 4, 1, 1):
+            p.record(bucket, w, [min(n, w) for n in (1, 2, 3, 4)], cost(w))
+    assert 1 in p.beaten(64) and 4 in p.beaten(128)           # each settles the other's best away...
+    chosen64, chosen128 = [], []
+    for _ in range(4 * REFRESH):
+        chosen64 += _drive(p, 64, at64, ACCEPT, 1)
+        chosen128 += _drive(p, 128, at128, ACCEPT, 1)
+    assert chosen64.count(1) >= 4 * REFRESH - 8               # ...yet each keeps its own measured best
+    assert chosen128.count(4) >= 4 * REFRESH - 8
+
+
 def _rows(n=7, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [RowRequest(row=i, id=str(i), prompt_token_ids=torch.randint(1, 300, (4 + 5 * i,), generator=g).tolist(),
