@@ -18,8 +18,8 @@ own row count: short sequences never loop over the host bound. With several spli
 (acc, max, sum) go to fp32 scratch and the split that finishes last merges them (log-sum-exp):
 each split counts itself in on a per-(sequence, kv head) counter (a buffer the kernel leaves
 zero), and the one that brings it to the number of splits with rows resets it, so there is no
-second kernel to launch. No host sync
-and no device-dependent allocation: capturable in a CUDA graph.
+second kernel to launch. No host sync and no device-dependent allocation: capturable in a CUDA
+graph.
 
 Paged caches: k_cache / v_cache are [pages, P, Hkv, D] and cache row l of slot s lives at row
 l % P of page page_table[s, l // P]; without a page table they are [slots, L, Hkv, D].
@@ -32,6 +32,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from .counters import zeroed_counters
 
 MAX_QUERY_ROWS = 128    # T * G rows per query tile
 MAX_HEAD_DIM = 256
@@ -270,22 +272,6 @@ def _config(block_m: int, block_d: int, elem_bytes: int) -> tuple[int, int, int]
     return block_n, warps, 2 if wide else _NUM_STAGES
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 [>= n] zeros shared by every split launch on the device, left zero by the kernel
-    (attention launches run one after another on one stream). Allocated outside graph capture:
-    a buffer first needed while capturing is the capture's own (zeroed in the graph)."""
-    buf = _counters.get(device)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return _counters[device]
-
-
 def choose_splits(programs: int, max_rows: int, block_n: int, device: torch.device) -> int:
     """Splits of the KV rows: enough programs for ~_WAVES waves, each split >= 2 blocks of rows."""
     want = triton.cdiv(_WAVES * _sm_count(device), programs)
@@ -318,7 +304,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     end; the result does not depend on it.
 
     counters (int32, >= B * Hkv zeros; left zero): the splits' arrival counters; None: the
-    device's shared buffer (`split_counters`).
+    device's shared buffer (`counters.zeroed_counters`).
     """
     B, T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -369,7 +355,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         pm = torch.empty(B, Hkv, num_splits, T * G, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
         if counters is None:
-            counters = split_counters(q.device, B * Hkv)
+            counters = zeroed_counters("attention", q.device, B * Hkv, least=4096)
         elif counters.dtype != torch.int32 or counters.numel() < B * Hkv or counters.device != q.device:
             raise ValueError(f"counters {counters.dtype} [{counters.numel()}] on {counters.device}: need int32 "
                              f">= {B * Hkv} zeros on {q.device}")

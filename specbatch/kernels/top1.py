@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .counters import zeroed_counters
+
 LOG_ZERO = -1e30          # same as specbatch.speculative.topk.LOG_ZERO (kernels import nothing above them)
 MAX_SPLITS = 64           # partials per row the combine step reads (one constexpr: no recompiles)
 PROGRAMS_PER_SM = 4       # target grid size: ~one full wave of resident programs
@@ -124,21 +126,6 @@ def _sm_count(device: torch.device) -> int:
 
 
 # Per device, newest last. Outgrown buffers stay alive: a captured graph may still point at one.
-_counters: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _row_counters(device: torch.device, rows: int) -> torch.Tensor:
-    """int32 [>= rows] zeros, shared by every call on the device and kept at zero by the kernel.
-
-    Two top1 launches must not overlap on different streams. Call once before capturing a graph
-    (compiles the kernel and allocates these outside the graph's memory pool).
-    """
-    bufs = _counters.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < rows:
-        bufs.append(torch.zeros(max(rows, 1024), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
 def plan(rows: int, vocab: int, device: torch.device, num_splits: int | None = None,
          block: int = BLOCK) -> tuple[int, int, int]:
     """-> (block, splits, iterations per split of 2 * block elements): splits fill the GPU
@@ -182,7 +169,7 @@ def top1(logits: torch.Tensor, num_splits: int | None = None,
         part, counters = logp, logp                     # unused (ONE_SPLIT)
     else:
         part = torch.empty(3 * R * splits, dtype=torch.float32, device=dev)
-        counters = _row_counters(dev, R)
+        counters = zeroed_counters("top1", dev, R)      # the kernel leaves them zero
     _top1_kernel[(R, splits)](logits, logits.stride(0), V, tiles, splits, part, counters, idx, logp,
                               BLOCK=block, MAX_SPLITS=MAX_SPLITS, ONE_SPLIT=splits == 1,
                               LOG_ZERO_C=LOG_ZERO, num_warps=num_warps)

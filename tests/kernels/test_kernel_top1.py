@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbatch.kernels.top1 import _counters, plan, top1
+from specbatch.kernels.counters import _buffers
+from specbatch.kernels.top1 import plan, top1
 from specbatch.speculative.topk import LOG_ZERO
 from specbatch.speculative.topk import top1 as ref_top1
 
@@ -63,7 +64,7 @@ def test_top1_matches_reference(dtype, R, V, block, splits):
 def test_top1_any_split_count(splits):
     x = _planted(8, 1000, torch.float32, seed=splits, block=128)
     _check(x, *top1(x, splits, block=128))
-    assert int(_counters[x.device][-1].abs().sum()) == 0    # reset for the next launch
+    assert int(_buffers[("top1", x.device)][-1].abs().sum()) == 0    # reset for the next launch
 
 
 def test_split_plan_fills_and_clips():
