@@ -56,7 +56,6 @@ class WidthPolicy:
         self.rows: dict[int, float] = {w: 0.0 for w in self.widths}      # width -> decayed rows
         self.seconds: dict[tuple[int, int], float] = {}        # (bucket, width) -> seconds per cycle
         self.samples: dict[tuple[int, int], int] = {}
-        self.measured: dict[int, set[int]] = {}                # bucket -> widths with a cycle time there
         self.last: dict[tuple[int, int], int] = {}             # (bucket, width) -> the bucket cycle it last ran
         self.cycles: dict[int, int] = {}
         self.used: dict[int, int] = {}                         # width -> cycles (reported in stats)
@@ -78,13 +77,14 @@ class WidthPolicy:
         """Widths that another width outran at another bucket that settles this one: a wider
         width at a larger bucket, or a narrower one at a smaller bucket. (At this bucket itself
         its own rates pick the best, and refresh cycles retry the rest.)"""
+        rates: dict[int, dict[int, float]] = {}                # other bucket -> width -> rate
+        for b, w in self.seconds:
+            if b != bucket:
+                rates.setdefault(b, {})[w] = self.rate(b, w)
         out = set()
-        for b, measured in self.measured.items():
-            if b == bucket or len(measured) < 2:
-                continue
-            rates = {w: self.rate(b, w) for w in measured}
-            for w in measured:
-                if any((u > w) == (b > bucket) and rates[u] > rates[w] for u in measured if u != w):
+        for b, r in rates.items():
+            for w in r:
+                if any((u > w) == (b > bucket) and r[u] > r[w] for u in r if u != w):
                     out.add(w)
         return out
 
@@ -130,4 +130,3 @@ class WidthPolicy:
             return
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else old + ALPHA * (seconds - old)
-        self.measured.setdefault(bucket, set()).add(width)
