@@ -24,8 +24,8 @@ from specbatch.bench.floor import copy_bandwidth
 from specbatch.bench.job import matmul_rate
 from specbatch.bench.timing import graph_us
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-LAYERS, SETS = 32, 4
+from gemm_rows import LAYERS, SETS, SHAPES      # the same GEMMs and graph form as gemm_rows.py
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps)
 CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 256, 64, 4, 8),
            (64, 128, 64, 5, 4), (64, 64, 128, 4, 4), (128, 64, 64, 5, 4), (256, 64, 64, 4, 8),

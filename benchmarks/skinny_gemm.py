@@ -19,9 +19,9 @@ import triton.language as tl
 from specbatch.bench.floor import copy_bandwidth
 from specbatch.bench.timing import graph_us
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-          "lm_head": (128256, 4096)}
-LAYERS, SETS = 32, 4
+from gemm_rows import LAYERS, SETS, SHAPES as LAYER_SHAPES      # the layer GEMMs of gemm_rows.py
+
+SHAPES = {**LAYER_SHAPES, "lm_head": (128256, 4096)}
 
 
 @triton.jit
