@@ -125,7 +125,6 @@ def _sm_count(device: torch.device) -> int:
     return 4                                            # interpreter: small grids still split
 
 
-# Per device, newest last. Outgrown buffers stay alive: a captured graph may still point at one.
 def plan(rows: int, vocab: int, device: torch.device, num_splits: int | None = None,
          block: int = BLOCK) -> tuple[int, int, int]:
     """-> (block, splits, iterations per split of 2 * block elements): splits fill the GPU
