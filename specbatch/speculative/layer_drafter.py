@@ -93,10 +93,10 @@ class LayerDrafter(Drafter):
     # ---- the draft loop ------------------------------------------------------------------------
 
     def propose(self, slots, last_tokens, lens, kv_bound=None, width=None) -> Proposal:
+        if self.k == 1:
+            return self._propose_chain(slots, last_tokens, lens, kv_bound, width)
         B, k, S = slots.shape[0], self.k, self.S
-        # a chain verified to `width` nodes needs width - 1 drafts, the first made by extend; a
-        # tree's nodes are chosen from every step's candidates, so it always drafts them all
-        steps = S if width is None or k > 1 else max(1, min(S, width - 1))
+        steps = S                   # a tree's nodes are chosen from every step's candidates
         dev = slots.device
         H = self.hidden.shape[1]
         beam_tok, beam_score = self.first_tokens[slots], self.first_logp[slots]        # [B, k]
@@ -127,13 +127,29 @@ class LayerDrafter(Drafter):
                 beam_h = h.gather(1, from_slot[:, :, None].expand(B, k, H))
                 beam_idx = k + (s - 1) * k * k + best
                 anc = anc.gather(1, from_slot[:, :, None].expand(-1, -1, anc.shape[2]))
-        if k == 1:
-            p, d = chain(B, steps + 1, dev)
-            return Proposal(tokens=torch.cat([last_tokens[:, None], *toks], dim=1), parents=p,
-                            depths=d, tree_mask=None)
         tokens, p, d, mask = choose_tree(torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1),
                                          self.cand_depths, last_tokens, self.num_draft_tokens, S)
         return Proposal(tokens=tokens, parents=p, depths=d, tree_mask=mask)
+
+    def _propose_chain(self, slots, last_tokens, lens, kv_bound, width) -> Proposal:
+        """k = 1: each step extends the one path, and its draft sees the committed rows and the
+        drafts before it (causal over the scratch rows), so no beam, scores or ancestor mask: a
+        tree's bookkeeping would be a dozen small kernels a step. A chain verified to `width`
+        nodes needs width - 1 drafts, the first made by extend."""
+        B = slots.shape[0]
+        steps = self.S if width is None else max(1, min(self.S, width - 1))
+        tok = self.first_tokens[slots]                                                 # [B, 1]
+        h = self.hidden[slots][:, None]                                                # [B, 1, H]
+        toks = [tok]
+        kv_base = _bound(lens, kv_bound)
+        for s in range(1, steps):
+            meta = AttnMetadata(slots=slots, positions=(lens + s - 1)[:, None], prefix_lens=lens,
+                                kv_len=kv_base + s, write_offset=s - 1, page_table=self.page_table)
+            h = self.head(tok, h, meta, self.cache.layers[0], features=False)          # [B, 1, H]
+            tok = self.head.to_target(topk_logprobs(self.head.logits(h), 1)[0][..., 0])   # [B, 1]: top-1
+            toks.append(tok)
+        p, d = chain(B, steps + 1, slots.device)
+        return Proposal(tokens=torch.cat([last_tokens[:, None], *toks], dim=1), parents=p, depths=d, tree_mask=None)
 
 
 def _bound(lens: torch.Tensor, kv_bound: int | None) -> int:
