@@ -95,8 +95,7 @@ class LayerDrafter(Drafter):
     def propose(self, slots, last_tokens, lens, kv_bound=None, width=None) -> Proposal:
         if self.k == 1:
             return self._propose_chain(slots, last_tokens, lens, kv_bound, width)
-        B, k, S = slots.shape[0], self.k, self.S
-        steps = S                   # a tree's nodes are chosen from every step's candidates
+        B, k, S = slots.shape[0], self.k, self.S      # a tree drafts every step: all steps give candidates
         dev = slots.device
         H = self.hidden.shape[1]
         beam_tok, beam_score = self.first_tokens[slots], self.first_logp[slots]        # [B, k]
@@ -107,7 +106,7 @@ class LayerDrafter(Drafter):
         anc = torch.zeros(B, k, (S - 1) * k, dtype=torch.bool, device=dev)
         kv_base = _bound(lens, kv_bound)
         eye = torch.eye(k, dtype=torch.bool, device=dev)
-        for s in range(1, steps):
+        for s in range(1, S):
             off = (s - 1) * k
             anc[:, :, off: off + k] |= eye
             meta = AttnMetadata(slots=slots, positions=(lens + s - 1)[:, None].expand(B, k),
@@ -120,7 +119,7 @@ class LayerDrafter(Drafter):
             toks.append(tok)
             scores.append(score)
             parents.append(beam_idx[:, :, None].expand(B, k, k).flatten(1))
-            if s < steps - 1:
+            if s < S - 1:
                 beam_score, best = score.topk(k, dim=1)
                 from_slot = best // k
                 beam_tok = tok.gather(1, best)
