@@ -212,7 +212,7 @@ def job_lengths(tokens: int, seed: int = 0) -> list[int]:
 def prefill(dev: torch.device, rate: float, sweep: bool) -> None:
     print(f"\npacked prefill forwards of 8,192 tokens, query tiles of 32 (matmul rate {rate / 1e12:.0f} TFLOP/s)")
     shapes = {"32x256": [256] * 32, "8x1024": [1024] * 8, "5x1536+": [1536] * 5 + [512],
-              "job mix": job_lengths(8192)}
+              "2x4096": [4096] * 2, "job mix": job_lengths(8192)}
     default = kattn._config
     configs = [None]
     if sweep:
@@ -247,7 +247,7 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"{torch.cuda.get_device_name(dev)} ({sms} SMs); copy bandwidth {bw / 1e9:.0f} GB/s; "
-          f"Hq {HQ} Hkv {HKV} D {D} {DTYPE}")
+          f"Hq {HQ} Hkv {HKV} D {D} {DTYPE}; kernels from {kattn.__file__}")
     if args.paged:
         paged(dev, bw)
         return

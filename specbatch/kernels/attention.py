@@ -113,6 +113,7 @@ def _slot_attn_kernel(
     n_rows = tl.where(tile * BLOCK_M < n_new * G, n_rows, 0)     # an empty tile reads nothing
 
     lo = prefix * 0
+    pos = t * 0
     if WINDOW:
         pos = tl.load(pos_ptr + q_seq * spb + q_col * spt, mask=row_ok, other=0).to(tl.int32)   # [BLOCK_M]
         # Committed rows before every token's window are skipped; region rows are always inside.
@@ -126,7 +127,6 @@ def _slot_attn_kernel(
     start = blk_lo + s * per_split
     end = tl.minimum(start + per_split, blk_lo + n_blk)
 
-    p_dtype = v_ptr.dtype.element_ty                 # p meets V rounded to the cache dtype
     k_base = k_ptr + h * skh
     v_base = v_ptr + h * svh
     if not PAGED:
@@ -136,44 +136,22 @@ def _slot_attn_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)    # running max, log2 domain
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for blk in range(start, end):
-        cols = blk * BLOCK_N + tl.arange(0, BLOCK_N)                             # cache rows
-        col_ok = cols < n_rows
-        kv_ok = col_ok[:, None] & d_ok[None, :]
-        # Unread rows may hold anything (NaN): masked loads give 0 there.
-        if PAGED:
-            page = tl.load(pt_ptr + slot * s_pt + cols // PAGE, mask=col_ok, other=0).to(tl.int64)
-            k_rows = page * sks + (cols % PAGE) * skl
-            v_rows = page * svs + (cols % PAGE) * svl
-        else:
-            k_rows = cols * skl
-            v_rows = cols * svl
-        k = tl.load(k_base + k_rows[:, None] + dd[None, :] * skd, mask=kv_ok, other=0.0)
-        v = tl.load(v_base + v_rows[:, None] + dd[None, :] * svd, mask=kv_ok, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale          # [BLOCK_M, BLOCK_N]
-
-        rel = cols - prefix                                                       # region index
-        in_prefix = rel < 0
-        if TREE:
-            in_region = (rel >= 0) & col_ok
-            allowed = tl.load(mask_ptr + b * smb + t[:, None] * smt + rel[None, :] * smm,
-                              mask=row_ok[:, None] & in_region[None, :], other=0) != 0
-        else:
-            allowed = (rel[None, :] <= write_offset + t[:, None]) & col_ok[None, :]
-        vis = in_prefix[None, :] | allowed
-        if WINDOW:
-            vis = vis & ((rel >= 0)[None, :] | ((pos[:, None] - cols[None, :]) < window))
-        qk = tl.where(vis, qk, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])                                          # 0 where hidden
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(p_dtype).to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    # Blocks wholly before the prefix are visible to every query row (committed rows, no window):
+    # no mask there; the region's blocks (causal or tree) and windowed runs take the masked loop.
+    if WINDOW:
+        mid = start
+    else:
+        mid = tl.maximum(tl.minimum(end, prefix // BLOCK_N), start)
+    for blk in range(start, mid):
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, pt_ptr, mask_ptr, blk, slot, s_pt, prefix, n_rows,
+                                      write_offset, window, qk_scale, b, t, row_ok, pos, dd, d_ok,
+                                      skl, skd, sks, svl, svd, svs, smb, smt, smm, m_i, l_i, acc,
+                                      D, BLOCK_N, BLOCK_D, TREE, WINDOW, DOT_PREC, UPCAST, PAGED, PAGE, False)
+    for blk in range(mid, end):
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, pt_ptr, mask_ptr, blk, slot, s_pt, prefix, n_rows,
+                                      write_offset, window, qk_scale, b, t, row_ok, pos, dd, d_ok,
+                                      skl, skd, sks, svl, svd, svs, smb, smt, smm, m_i, l_i, acc,
+                                      D, BLOCK_N, BLOCK_D, TREE, WINDOW, DOT_PREC, UPCAST, PAGED, PAGE, True)
 
     if SPLIT:
         # Partials [B, Hkv, S, T*G(, D)] of the splits that read rows: the first `used` (splits are
@@ -198,6 +176,64 @@ def _slot_attn_kernel(
         o = acc / tl.where(row_ok, l_i, 1.0)[:, None]           # pad rows: no 0 / 0
         tl.store(out_ptr + q_seq[:, None] * sob + q_col[:, None] * sot + qh[:, None] * soh + dd[None, :] * sod,
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _attend_block(q, k_base, v_base, pt_ptr, mask_ptr, blk, slot, s_pt, prefix, n_rows, write_offset, window,
+                  qk_scale, b, t, row_ok, pos, dd, d_ok, skl, skd, sks, svl, svd, svs, smb, smt, smm,
+                  m_i, l_i, acc, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TREE: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+                  UPCAST: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr):
+    """One BLOCK_N-row block of K/V into the running (max, sum, acc). MASKED = False: every row of
+    the block is a committed row every query row sees (before the prefix, no window)."""
+    cols = blk * BLOCK_N + tl.arange(0, BLOCK_N)                                 # cache rows
+    col_ok = cols < n_rows
+    if PAGED:
+        if PAGE % BLOCK_N == 0:         # the block lies within one page: one lookup
+            page = tl.load(pt_ptr + slot * s_pt + (blk * BLOCK_N) // PAGE).to(tl.int64)
+        else:
+            page = tl.load(pt_ptr + slot * s_pt + cols // PAGE, mask=col_ok, other=0).to(tl.int64)
+        k_rows = page * sks + (cols % PAGE) * skl
+        v_rows = page * svs + (cols % PAGE) * svl
+    else:
+        k_rows = cols * skl
+        v_rows = cols * svl
+    k_at = k_base + k_rows[:, None] + dd[None, :] * skd
+    v_at = v_base + v_rows[:, None] + dd[None, :] * svd
+    if MASKED:
+        # Unread rows may hold anything (NaN): masked loads give 0 there.
+        kv_ok = col_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_at, mask=kv_ok, other=0.0)
+        v = tl.load(v_at, mask=kv_ok, other=0.0)
+    elif BLOCK_D == D:
+        k = tl.load(k_at)
+        v = tl.load(v_at)
+    else:
+        k = tl.load(k_at, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_at, mask=d_ok[None, :], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale              # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        rel = cols - prefix                                                       # region index
+        in_prefix = rel < 0
+        if TREE:
+            in_region = (rel >= 0) & col_ok
+            allowed = tl.load(mask_ptr + b * smb + t[:, None] * smt + rel[None, :] * smm,
+                              mask=row_ok[:, None] & in_region[None, :], other=0) != 0
+        else:
+            allowed = (rel[None, :] <= write_offset + t[:, None]) & col_ok[None, :]
+        vis = in_prefix[None, :] | allowed
+        if WINDOW:
+            vis = vis & ((rel >= 0)[None, :] | ((pos[:, None] - cols[None, :]) < window))
+        qk = tl.where(vis, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])                                              # 0 where hidden
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p_dtype = v_base.dtype.element_ty               # p meets V rounded to the cache dtype
+    acc = acc * alpha[:, None] + tl.dot(p.to(p_dtype).to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit

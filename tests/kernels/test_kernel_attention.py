@@ -181,6 +181,10 @@ def to_pages(kv: torch.Tensor, page: int, seed: int = 0) -> tuple[torch.Tensor, 
     (2, 2, 4, 2, [40, 129], "draft", 4, 16),
     (2, 40, 8, 2, [0, 21], "causal", 0, 16),               # a prefill of 2 query tiles (160 rows)
     (1, 70, 4, 4, [13], "causal", 0, 32),                  # G = 1: 70 rows, one tile
+    # pages a whole number of K/V blocks (one page lookup a block), prefixes past a block (no mask)
+    (3, 1, 8, 2, [0, 37, 130], "causal", 0, 64),
+    (2, 5, 4, 1, [0, 166], "tree", 0, 128),
+    (2, 3, 4, 2, [70, 200], "causal", 0, 64),
 ])
 def test_paged_cache_and_prefill_tiles_interpreter(B, T, Hq, Hkv, prefix, mode, off, page):
     case = build_case(B, T, Hq, Hkv, 16, torch.float32, prefix, mode, write_offset=off)
@@ -253,6 +257,8 @@ def check_tiled(case: dict, page: int | None = None, order: torch.Tensor | None 
     ([(13, 30), (0, 3)], 4, 2, 16, torch.bfloat16, None),                  # a continued prompt
     ([(0, 21), (7, 9)], 8, 1, 20, torch.float32, None),                    # 160 query rows: two a tile
     ([(0, 37), (64, 10)], 8, 2, 8, torch.float32, 16),                     # paged
+    ([(0, 37), (70, 10)], 8, 2, 8, torch.float32, 64),                     # pages of whole blocks
+    ([(0, 100), (90, 40)], 8, 2, 32, torch.bfloat16, 64),                  # 128-row tiles, 32-row blocks
 ])
 def test_query_tiles_give_what_one_token_a_sequence_gives_interpreter(parts, Hq, Hkv, size, dtype, page):
     check_tiled(build_tiled(parts, Hq, Hkv, 16, dtype, size), page)
