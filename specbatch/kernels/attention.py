@@ -14,7 +14,9 @@ engine's packed prefill brings one token a sequence instead, and groups runs of 
 tokens into query tiles (tile_start / tile_count): one program per (tile, kv head) then takes the
 tile's tokens as one causal sequence, each token's q and output at its own sequence. A
 split walks its contiguous chunk of BLOCK_N-row blocks, computed in the kernel from the slot's
-own row count: short sequences never loop over the host bound. With several splits, partial
+own row count: short sequences never loop over the host bound. Blocks wholly before the prefix
+(committed rows every query row sees, no window) run without masks; only the region's blocks
+build one. With several splits, partial
 (acc, max, sum) go to fp32 scratch and the split that finishes last merges them (log-sum-exp):
 each split counts itself in on a per-(sequence, kv head) counter (a buffer the kernel leaves
 zero), and the one that brings it to the number of splits with rows resets it, so there is no
