@@ -143,7 +143,8 @@ def main() -> None:
             t, cfg, note = results[0]
             tiles = triton.cdiv(m, cfg[0]) * triton.cdiv(o, cfg[1]) * cfg[5]
             print(f"M {m:4d} {name:8s} floor {floor:7.1f} us  cuBLAS {t_blas:7.1f} ({floor / t_blas:4.0%})  "
-                  f"tma {t:7.1f} ({floor / t:4.0%}, {t_blas / t:4.2f}x) {cfg} {tiles} programs ({tiles / sms:.2f} waves) "
+                  f"tma {t:7.1f} ({floor / t:4.0%}, {t_blas / t:4.2f}x) {cfg} {tiles} programs "
+                  f"({tiles / sms:.2f} waves) "
                   f"{note}; next: " + ", ".join(f"{r[1]} {r[0]:.1f}" for r in results[1:4]), flush=True)
             bad = [r for r in results if r[0] == float("inf")]
             if bad:

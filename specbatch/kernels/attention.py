@@ -183,7 +183,8 @@ def _slot_attn_kernel(
 @triton.jit
 def _attend_block(q, k_base, v_base, pt_ptr, mask_ptr, blk, slot, s_pt, prefix, n_rows, write_offset, window,
                   qk_scale, b, t, row_ok, pos, dd, d_ok, skl, skd, sks, svl, svd, svs, smb, smt, smm,
-                  m_i, l_i, acc, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TREE: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+                  m_i, l_i, acc, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  TREE: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
                   UPCAST: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr):
     """One BLOCK_N-row block of K/V into the running (max, sum, acc). MASKED = False: every row of
     the block is a committed row every query row sees (before the prefix, no window)."""
@@ -409,7 +410,8 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     pt = page_table if paged else slots
     programs = tile_start.shape[0] if tiled else B
     if order is not None and tuple(order.shape) != (programs,):
-        raise ValueError(f"order {tuple(order.shape)}: need one entry per {'tile' if tiled else 'sequence'} ({programs})")
+        per = "tile" if tiled else "sequence"
+        raise ValueError(f"order {tuple(order.shape)}: need one entry per {per} ({programs})")
 
     _slot_attn_kernel[(programs, Hkv, n_tiles * num_splits)](
         q, k_cache, v_cache, slots, prefix_lens, mask, pos, out, pacc, pm, pl, counters,
