@@ -14,18 +14,15 @@ against cuBLAS and the floor max(weight bytes / bandwidth, FLOPs / matmul rate).
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from specbatch.bench.floor import copy_bandwidth
-from specbatch.bench.job import matmul_rate
 from specbatch.bench.timing import graph_us
 
-from gemm_rows import LAYERS, SETS, SHAPES
+from gemm_rows import LAYERS, SETS
+from gemm_triton import cases, grouped_tile      # argument parsing, weights, cuBLAS timing, floor; tile order
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, SPLIT)
 CONFIGS = [(128, 128, 64, 4, 8, 1), (128, 128, 64, 4, 8, 2), (128, 128, 64, 4, 4, 2), (128, 128, 64, 4, 8, 3),
@@ -40,15 +37,8 @@ def _mm_tma_kernel(a_desc, b_desc, c_ptr, part_ptr, cnt_ptr, M, N, K, scm,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                    SPLIT: tl.constexpr):
     # c [M, N] = a [M, K] @ b [N, K]^T; program (tile, s) sums K tiles [s * per, (s + 1) * per)
-    pid = tl.program_id(0)
     s = tl.program_id(1)
-    n_m = tl.cdiv(M, BM)
-    n_n = tl.cdiv(N, BN)
-    group = GROUP_M * n_n
-    first_m = (pid // group) * GROUP_M
-    size_m = tl.minimum(n_m - first_m, GROUP_M)
-    pm = first_m + (pid % group) % size_m
-    pn = (pid % group) // size_m
+    pm, pn = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     k_tiles = tl.cdiv(K, BK)
     per = tl.cdiv(k_tiles, SPLIT)
     k_lo = s * per
@@ -67,7 +57,7 @@ def _mm_tma_kernel(a_desc, b_desc, c_ptr, part_ptr, cnt_ptr, M, N, K, scm,
         off = rm[:, None] * N + rn[None, :]
         tl.store(part_ptr + s * M * N + off, acc, mask=mask)
         tl.debug_barrier()                       # every thread's partial before the release below
-        tile = pm * n_n + pn
+        tile = pm * tl.cdiv(N, BN) + pn
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if arrived == SPLIT - 1:
             tl.debug_barrier()
@@ -101,54 +91,37 @@ class TmaMM:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="64,128,256,320,512")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
-    dev, bf = torch.device("cuda"), torch.bfloat16
-    bw, rate = copy_bandwidth(dev), matmul_rate(dev, bf)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    print(f"{torch.cuda.get_device_name(dev)} ({sms} SMs), torch {torch.__version__}, triton {triton.__version__}; "
-          f"copy {bw / 1e9:.0f} GB/s, matmul {rate / 1e12:.0f} TFLOP/s")
-    shapes = {k: SHAPES[k] for k in args.shapes.split(",")}
-    w = {k: [torch.randn(o, i, device=dev, dtype=bf) * 0.02 for _ in range(SETS)] for k, (o, i) in shapes.items()}
-    rows = [int(v) for v in args.rows.split(",")]
-    part = torch.empty(max(c[5] for c in CONFIGS) * max(rows) * max(o for o, _ in shapes.values()),
-                       device=dev, dtype=torch.float32)
-    cnt = torch.zeros(65536, device=dev, dtype=torch.int32)
-    for m in rows:
-        for name, (o, i) in shapes.items():
-            ws = w[name]
-            x = torch.randn(m, i, device=dev, dtype=bf)
-            y = torch.empty(m, o, device=dev, dtype=bf)
-            floor = max(o * i * 2 / bw, 2 * m * o * i / rate) * 1e6
-            t_blas = graph_us([lambda j=j: torch.mm(x, ws[j % SETS].t(), out=y) for j in range(LAYERS)], args.reps)
-            torch.mm(x, ws[0].t(), out=y)
-            blas = y.clone()
-            ref = x.float() @ ws[0].float().t()
-            results = []
-            for cfg in CONFIGS:
-                try:
-                    calls = [TmaMM(x, ws[j % SETS], y, cfg, part, cnt) for j in range(LAYERS)]
-                    t = graph_us(calls, args.reps)
-                except Exception as e:          # noqa: BLE001  (shared memory or registers out of range)
-                    results.append((float("inf"), cfg, type(e).__name__ + " " + str(e)[:80]))
-                    continue
-                calls[0]()
-                err = (y.float() - ref).abs().max().item()
-                diff = (y.float() - blas.float()).abs().max().item()
-                results.append((t, cfg, f"err {err:.2g} vs cuBLAS {diff:.2g}"))
-            results.sort(key=lambda r: r[0])
-            t, cfg, note = results[0]
-            tiles = triton.cdiv(m, cfg[0]) * triton.cdiv(o, cfg[1]) * cfg[5]
-            print(f"M {m:4d} {name:8s} floor {floor:7.1f} us  cuBLAS {t_blas:7.1f} ({floor / t_blas:4.0%})  "
-                  f"tma {t:7.1f} ({floor / t:4.0%}, {t_blas / t:4.2f}x) {cfg} {tiles} programs "
-                  f"({tiles / sms:.2f} waves) "
-                  f"{note}; next: " + ", ".join(f"{r[1]} {r[0]:.1f}" for r in results[1:4]), flush=True)
-            bad = [r for r in results if r[0] == float("inf")]
-            if bad:
-                print("   failed:", "; ".join(f"{r[1]} {r[2]}" for r in bad[:3]))
+    cnt = None
+    for m, name, o, ws, x, y, floor, t_blas, sms, reps in cases():
+        if cnt is None:
+            cnt = torch.zeros(65536, device=x.device, dtype=torch.int32)
+        part = torch.empty(max(c[5] for c in CONFIGS) * m * o, device=x.device, dtype=torch.float32)
+        torch.mm(x, ws[0].t(), out=y)
+        blas = y.clone()
+        ref = x.float() @ ws[0].float().t()
+        results = []
+        for cfg in CONFIGS:
+            try:
+                calls = [TmaMM(x, ws[j % SETS], y, cfg, part, cnt) for j in range(LAYERS)]
+                t = graph_us(calls, reps)
+            except Exception as e:          # noqa: BLE001  (shared memory or registers out of range)
+                results.append((float("inf"), cfg, type(e).__name__ + " " + str(e)[:80]))
+                continue
+            calls[0]()
+            err = (y.float() - ref).abs().max().item()
+            diff = (y.float() - blas.float()).abs().max().item()
+            results.append((t, cfg, f"err {err:.2g} vs cuBLAS {diff:.2g}"))
+        results.sort(key=lambda r: r[0])
+        t, cfg, note = results[0]
+        tiles = triton.cdiv(m, cfg[0]) * triton.cdiv(o, cfg[1]) * cfg[5]
+        print(f"M {m:4d} {name:8s} floor {floor:7.1f} us  cuBLAS {t_blas:7.1f} ({floor / t_blas:4.0%})  "
+              f"tma {t:7.1f} ({floor / t:4.0%}, {t_blas / t:4.2f}x) {cfg} {tiles} programs "
+              f"({tiles / sms:.2f} waves) {note}; next: " + ", ".join(f"{r[1]} {r[0]:.1f}" for r in results[1:4]),
+              flush=True)
+        bad = [r for r in results if r[0] == float("inf")]
+        if bad:
+            print("   failed:", "; ".join(f"{r[1]} {r[2]}" for r in bad[:3]))
+        del part
 
 
 if __name__ == "__main__":

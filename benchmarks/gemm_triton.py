@@ -33,17 +33,22 @@ CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64
 
 
 @triton.jit
-def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sbn, scm,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # c [M, N] = a [M, K] @ b [N, K]^T (b: nn.Linear's weight layout)
-    pid = tl.program_id(0)
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program pid's output tile (row tile, column tile): GROUP_M row tiles share each column
+    tile's weight reads while they are in L2."""
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
     group = GROUP_M * n_n
     first_m = (pid // group) * GROUP_M
     size_m = tl.minimum(n_m - first_m, GROUP_M)
-    pm = first_m + (pid % group) % size_m
-    pn = (pid % group) // size_m
+    return first_m + (pid % group) % size_m, (pid % group) // size_m
+
+
+@triton.jit
+def _mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sbn, scm,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # c [M, N] = a [M, K] @ b [N, K]^T (b: nn.Linear's weight layout)
+    pm, pn = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -69,7 +74,9 @@ def mm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cfg: tuple[int, ...]) 
                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_stages=stages, num_warps=warps)
 
 
-def main() -> None:
+def cases():
+    """Parses --rows / --shapes / --reps, prints the machine line, then yields one case per row
+    count and shape: (m, name, out features, weight sets, x, y, floor us, cuBLAS us, SMs, reps)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="64,128,256,320,512")
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -89,23 +96,28 @@ def main() -> None:
             y = torch.empty(m, o, device=dev, dtype=bf)
             floor = max(o * i * 2 / bw, 2 * m * o * i / rate) * 1e6
             t_blas = graph_us([lambda j=j: torch.mm(x, ws[j % SETS].t(), out=y) for j in range(LAYERS)], args.reps)
-            ref = x.float() @ ws[0].float().t()
-            results = []
-            for cfg in CONFIGS:
-                try:
-                    t = graph_us([lambda j=j, cfg=cfg: mm(x, ws[j % SETS], y, cfg) for j in range(LAYERS)], args.reps)
-                except Exception as e:          # noqa: BLE001  (shared memory or registers out of range)
-                    results.append((float("inf"), cfg, type(e).__name__))
-                    continue
-                mm(x, ws[0], y, cfg)
-                err = (y.float() - ref).abs().max().item()
-                results.append((t, cfg, f"err {err:.2g}"))
-            results.sort(key=lambda r: r[0])
-            t, cfg, note = results[0]
-            tiles = triton.cdiv(m, cfg[0]) * triton.cdiv(o, cfg[1])
-            print(f"M {m:4d} {name:8s} floor {floor:7.1f} us  cuBLAS {t_blas:7.1f} ({floor / t_blas:4.0%})  "
-                  f"triton {t:7.1f} ({floor / t:4.0%}, {t_blas / t:4.2f}x) {cfg} {tiles} tiles ({tiles / sms:.2f} waves) "
-                  f"{note}; next: " + ", ".join(f"{r[1]} {r[0]:.1f}" for r in results[1:3]))
+            yield m, name, o, ws, x, y, floor, t_blas, sms, args.reps
+
+
+def main() -> None:
+    for m, name, o, ws, x, y, floor, t_blas, sms, reps in cases():
+        ref = x.float() @ ws[0].float().t()
+        results = []
+        for cfg in CONFIGS:
+            try:
+                t = graph_us([lambda j=j, cfg=cfg: mm(x, ws[j % SETS], y, cfg) for j in range(LAYERS)], reps)
+            except Exception as e:          # noqa: BLE001  (shared memory or registers out of range)
+                results.append((float("inf"), cfg, type(e).__name__))
+                continue
+            mm(x, ws[0], y, cfg)
+            err = (y.float() - ref).abs().max().item()
+            results.append((t, cfg, f"err {err:.2g}"))
+        results.sort(key=lambda r: r[0])
+        t, cfg, note = results[0]
+        tiles = triton.cdiv(m, cfg[0]) * triton.cdiv(o, cfg[1])
+        print(f"M {m:4d} {name:8s} floor {floor:7.1f} us  cuBLAS {t_blas:7.1f} ({floor / t_blas:4.0%})  "
+              f"triton {t:7.1f} ({floor / t:4.0%}, {t_blas / t:4.2f}x) {cfg} {tiles} tiles ({tiles / sms:.2f} waves) "
+              f"{note}; next: " + ", ".join(f"{r[1]} {r[0]:.1f}" for r in results[1:3]))
 
 
 if __name__ == "__main__":
