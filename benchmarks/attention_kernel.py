@@ -24,6 +24,7 @@ import functools
 import itertools
 
 import torch
+import triton
 
 from specbatch.bench.timing import graph_us as _graph_us
 from specbatch.bench.floor import copy_bandwidth
@@ -160,11 +161,12 @@ class PrefillCase:
     token at its position, runs of C tokens of one prompt grouped into query tiles, in a paged
     cache; tokens attend causally within their prompt."""
 
-    P, C = 64, 32
+    P = 64
 
-    def __init__(self, lengths: list[int], dev: torch.device, seed: int = 0):
+    def __init__(self, lengths: list[int], dev: torch.device, seed: int = 0, C: int = 32):
         g = torch.Generator().manual_seed(seed)
-        C, P = self.C, self.P
+        self.C = C
+        P = self.P
         slots, pos, start, count = [], [], [], []
         for i, L in enumerate(lengths):
             for a in range(0, L, C):
@@ -209,16 +211,16 @@ def job_lengths(tokens: int, seed: int = 0) -> list[int]:
     return out
 
 
-def prefill(dev: torch.device, rate: float, sweep: bool) -> None:
-    print(f"\npacked prefill forwards of 8,192 tokens, query tiles of 32 (matmul rate {rate / 1e12:.0f} TFLOP/s)")
+def prefill(dev: torch.device, rate: float, sweep: bool, tiles: list[int]) -> None:
+    print(f"\npacked prefill forwards of 8,192 tokens, query tiles of {tiles} tokens (matmul rate {rate / 1e12:.0f} TFLOP/s)")
     shapes = {"32x256": [256] * 32, "8x1024": [1024] * 8, "5x1536+": [1536] * 5 + [512],
               "2x4096": [4096] * 2, "job mix": job_lengths(8192)}
     default = kattn._config
     configs = [None]
     if sweep:
         configs += [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
-    for name, lengths in shapes.items():
-        case = PrefillCase(lengths, dev)
+    for (name, lengths), C in itertools.product(shapes.items(), tiles):
+        case = PrefillCase(lengths, dev, C=C)
         for cfg in configs:
             if cfg is not None:
                 kattn._config = lambda *a, cfg=cfg: cfg
@@ -230,8 +232,9 @@ def prefill(dev: torch.device, rate: float, sweep: bool) -> None:
             finally:
                 kattn._config = default
             floor_us = case.flops / rate * 1e6
-            label = "default " + str(default(128, 128, 2)) if cfg is None else str(cfg)
-            print(f"  {name:8s} tiles {case.R:4d} {label:22s} {us:9.1f} us/layer  floor {floor_us:7.1f}  "
+            rows = min(kattn.MAX_QUERY_ROWS, max(16, triton.next_power_of_2(C * HQ // HKV)))
+            label = "default " + str(default(rows, D, DTYPE.itemsize)) if cfg is None else str(cfg)
+            print(f"  {name:8s} C {C:3d} tiles {case.R:4d} {label:22s} {us:9.1f} us/layer  floor {floor_us:7.1f}  "
                   f"{floor_us / us:6.1%} of the rate  (x32 layers: {us * 32 / 1e3:6.2f} ms)")
         del case
         torch.cuda.empty_cache()
@@ -242,6 +245,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time splits x stages for decode at batch 1 and 8")
     ap.add_argument("--paged", action="store_true", help="only the paged job shapes (decode / verify, 64-512 rows)")
     ap.add_argument("--prefill", action="store_true", help="only packed prefill forwards (--sweep: tile shapes too)")
+    ap.add_argument("--tiles", default="32", help="--prefill: prompt tokens a query tile (comma-separated)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
@@ -252,7 +256,7 @@ def main() -> None:
         paged(dev, bw)
         return
     if args.prefill:
-        prefill(dev, matmul_rate(dev, DTYPE), args.sweep)
+        prefill(dev, matmul_rate(dev, DTYPE), args.sweep, [int(c) for c in args.tiles.split(",")])
         return
     print(f"{'mode':6s} {'B':>3s} {'ctx':>5s} {'splits':>6s} {'floor us':>9s} "
           f"{'triton us':>10s} {'of bw':>6s} {'torch us':>9s} {'of bw':>6s}")
