@@ -84,6 +84,7 @@ def main() -> None:
             torch.cuda.synchronize()
             pr.disable()
             pstats.Stats(pr).sort_stats("tottime").print_stats(12)
+            pstats.Stats(pr).sort_stats("cumulative").print_stats(40)
 
 
 if __name__ == "__main__":

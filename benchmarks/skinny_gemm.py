@@ -1,4 +1,4 @@
-"""Experiment: a Triton GEMM for a few rows (decode at batch 1-16) against cuBLAS (GPU only).
+"""The few-row linear kernel (`kernels/skinny.py`, decode at batch 1-16) against cuBLAS (GPU only).
 
     python benchmarks/skinny_gemm.py [--rows 1,4,8,16]
 
@@ -14,38 +14,22 @@ import argparse
 
 import torch
 import triton
-import triton.language as tl
 
 from specbatch.bench.floor import copy_bandwidth
 from specbatch.bench.timing import graph_us
+from specbatch.kernels.skinny import _skinny_kernel
 
 from gemm_rows import LAYERS, SETS, SHAPES as LAYER_SHAPES      # the layer GEMMs of gemm_rows.py
 
 SHAPES = {**LAYER_SHAPES, "lm_head": (128256, 4096)}
 
 
-@triton.jit
-def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # x [M, K], w [N, K] (nn.Linear's layout), y [M, N]; one program: BN columns, all M rows
-    pid = tl.program_id(0)
-    rm = tl.arange(0, BM)
-    rn = pid * BN + tl.arange(0, BN)
-    acc = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :], mask=rm[:, None] < M, other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=rn[:, None] < N, other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
 def skinny(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bn: int, bk: int, stages: int, warps: int) -> None:
+    """kernels/skinny.py's kernel at another tile config."""
     m, k = x.shape
     n = w.shape[0]
     _skinny_kernel[(triton.cdiv(n, bn),)](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-                                          BM=16, BN=bn, BK=bk, num_stages=stages, num_warps=warps)
+                                          BM=16, BN=bn, BK=bk, UPCAST=False, num_stages=stages, num_warps=warps)
 
 
 CONFIGS = [(bn, bk, st, wp) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4, 6) for wp in (4,)

@@ -16,7 +16,7 @@ from torch import nn
 
 from .attention import AttnMetadata
 from .config import DecoderConfig, ModelError, load_config_dict
-from .llama import MLP, Attention, RMSNorm, Rope, rope_inv_freq
+from .llama import MLP, Attention, RMSNorm, Rope, linear, rope_inv_freq
 from .loader import iter_tensors, load_weights, safetensors_files, tensor_names
 
 
@@ -89,7 +89,7 @@ class Eagle3Head(nn.Module):
         written but only those go through attention output, O-proj and MLP: [K, 1, H].
         """
         layer = self.midlayer
-        h = self.fc(hidden) if features else hidden
+        h = linear(hidden, self.fc.weight, self.fc.bias) if features else hidden
         emb = self.embed_tokens(input_ids)
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], dim=-1)
         attn = layer.self_attn(x, Rope(self.inv_freq, meta.positions, x.dtype), meta, *kv, out_tokens=out_tokens)
@@ -100,7 +100,7 @@ class Eagle3Head(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm [..., H] -> float32 draft-vocabulary logits [..., V_draft]."""
-        return self.lm_head(self.norm(hidden)).float()
+        return linear(self.norm(hidden), self.lm_head.weight, self.lm_head.bias).float()
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -104,6 +104,17 @@ def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Ro
     return q
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """nn.functional.linear; a few rows on the GPU (decode and verify at small batches) take
+    `kernels.skinny` instead: no split-K reduce kernel, each row computed alone."""
+    if kernels.active(x):
+        from ..kernels.skinny import serves, skinny_linear
+
+        if serves(x, weight, bias):
+            return skinny_linear(x, weight)
+    return nn.functional.linear(x, weight, bias)
+
+
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight [sum of outputs, in] (and bias) whose row blocks the given layers' parameters
     become views of: one GEMM instead of several, same parameter names, no extra memory."""
@@ -168,7 +179,7 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             hq, hkv = self.cfg.num_heads * d, self.cfg.num_kv_heads * d
-            q, k, v = nn.functional.linear(x, *self.qkv).split([hq, hkv, hkv], dim=-1)
+            q, k, v = linear(x, *self.qkv).split([hq, hkv, hkv], dim=-1)
         q, k, v = q.view(B, T, -1, d), k.view(B, T, -1, d), v.view(B, T, -1, d)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -177,7 +188,7 @@ class Attention(nn.Module):
             q = q.reshape(B * T, 1, *q.shape[2:])[out_tokens]
             meta = meta.select_tokens(out_tokens)
         out = attend(q, k_cache, v_cache, meta, self.scale, self.cfg.sliding_window)
-        return self.o_proj(out.reshape(*q.shape[:2], q.shape[2] * d))
+        return linear(out.reshape(*q.shape[:2], q.shape[2] * d), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -192,11 +203,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = nn.functional.linear(x, *self.gate_up)
+        gate_up = linear(x, *self.gate_up)
         if kernels.active(gate_up):
             from ..kernels.activation import silu_mul
 
-            return self.down_proj(silu_mul(gate_up))
+            return linear(silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
@@ -267,4 +278,4 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> float32 [..., V]."""
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight, self.lm_head.bias).float()

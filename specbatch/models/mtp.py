@@ -25,7 +25,7 @@ from torch import nn
 
 from .attention import AttnMetadata
 from .config import DecoderConfig, ModelError, load_config_dict
-from .llama import MLP, Attention, CausalLM, RMSNorm, Rope, rope_inv_freq
+from .llama import MLP, Attention, CausalLM, RMSNorm, Rope, linear, rope_inv_freq
 from .loader import iter_tensors, safetensors_files, tensor_names
 
 LAYOUTS = ("deepseek", "mimo", "qwen")
@@ -108,7 +108,7 @@ class MTPLayer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Normed output [..., H] -> float32 target-vocabulary logits [..., V]."""
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids                     # the full target vocabulary: no reduced draft vocab
