@@ -29,12 +29,12 @@ l % P of page page_table[s, l // P]; without a page table they are [slots, L, Hk
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from . import INTERPRET
 from .counters import zeroed_counters
 
 MAX_QUERY_ROWS = 128    # T * G rows per query tile
@@ -44,9 +44,6 @@ _MIN_BLOCKS_PER_SPLIT = 2
 _MAX_SPLITS = 64
 _TILE_BYTES = 16384     # one K (or V) tile per pipeline stage
 _NUM_STAGES = 3         # K/V tiles in flight: 2 prefetched (~70 KB shared at bf16 D 128)
-# The interpreter's dot multiplies bf16 bit patterns as integers (triton 3.9 create_dot):
-# there the kernel upcasts bf16 operands to fp32, rounding p to bf16 first as the GPU path does.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
 
 @triton.jit(do_not_specialize=["T", "n_splits", "region", "write_offset", "smb", "smt", "smm", "s_pt"])
@@ -423,7 +420,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         TREE=tree, WINDOW=sliding_window is not None, SPLIT=split,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",      # fp32: exact, like the torch path
-        UPCAST=_INTERPRET and q.dtype == torch.bfloat16, PAGED=paged,
+        UPCAST=INTERPRET and q.dtype == torch.bfloat16, PAGED=paged,     # UPCAST: p rounded to bf16 first, as on GPU
         PAGE=k_cache.shape[1] if paged else 1, TILED=tiled, ORDERED=order is not None,
         num_warps=warps, num_stages=stages,
     )

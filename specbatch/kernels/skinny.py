@@ -12,18 +12,17 @@ or on M: a verify of 4 tokens computes each token exactly as a plain step would.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from . import INTERPRET
 
 MAX_ROWS = 16           # one dot tile of rows
 BLOCK_N = 32
 BLOCK_K = 512
 NUM_STAGES = 4
 NUM_WARPS = 4
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
 
 @triton.jit
@@ -40,7 +39,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
         k_ok = rk < K
         x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + rn[:, None] * swn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if UPCAST:          # the interpreter's dot multiplies bf16 bit patterns: fp32 there
+        if UPCAST:          # the interpreter (kernels.INTERPRET): fp32 dots
             x = x.to(tl.float32)
             w = w.to(tl.float32)
         acc += tl.dot(x, tl.trans(w))
@@ -72,6 +71,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if M and N:
         _skinny_kernel[(triton.cdiv(N, BLOCK_N),)](
             x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-            BM=MAX_ROWS, BN=BLOCK_N, BK=BLOCK_K, UPCAST=_INTERPRET and x.dtype == torch.bfloat16,
+            BM=MAX_ROWS, BN=BLOCK_N, BK=BLOCK_K, UPCAST=INTERPRET and x.dtype == torch.bfloat16,
             num_stages=NUM_STAGES, num_warps=NUM_WARPS)
     return y.view(*x.shape[:-1], N)
