@@ -1,6 +1,6 @@
 """Where a graphed cycle's time goes, per kernel, at Llama-3.1-8B shapes (random weights, GPU).
 
-    python benchmarks/profile_step.py [--recipe vanilla] [--batch 1] [--ctx 1024] [--top 25]
+    python benchmarks/profile_step.py [--recipe vanilla] [--batch 1] [--ctx 1024] [--top 25] [--trace t.json]
 
 Builds the engine on random weights, prefills `batch` prompts of `ctx` tokens, runs a few
 cycles to warm up, then profiles cycles with torch.profiler and prints the CUDA kernels grouped
@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=20)
     ap.add_argument("--simulate", default="0.8,0.6,0.45")
     ap.add_argument("--top", type=int, default=25, help="kernel names listed")
+    ap.add_argument("--trace", default=None, help="also write the profiler's Chrome trace (JSON) here")
     args = ap.parse_args()
     dev = torch.device("cuda")
     target = random_target(BUILTIN["llama-3.1-8b"], torch.bfloat16, dev)
@@ -76,6 +77,8 @@ def main() -> None:
         pass
     torch.cuda.synchronize()
     prof.stop()
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     cycles = [c for c in eng.cycle_times if c.batch == args.batch]
     n0 = len(cycles)
     wall = statistics.median(c.wall_ms for c in cycles)

@@ -38,33 +38,58 @@ def accept(node_tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tenso
     depth d decides position start+1+d)."""
     B, N, V = logits.shape
     dev = logits.device
-    if sp.all_greedy and kernels.active(logits):
-        from ..kernels.accept import greedy_accept
-
-        tokens, num, path = greedy_accept(node_tokens, parents, top1(logits)[0], max_depth)
-        return Acceptance(tokens=tokens, num=num, path=path)
+    if sp.all_greedy:
+        return greedy_walk(node_tokens, parents, top1(logits)[0] if kernels.active(logits) else logits.argmax(dim=-1),
+                           max_depth)
     rows = torch.arange(B, device=dev)
-    # kids[b, n, c]: node c is a child of node n
-    kids_of = parents[:, None, :] == torch.arange(N, device=dev)[None, :, None]
+    kids_of = _kids_of(parents)
     argmax = logits.argmax(dim=-1)                                           # [B, N]
-    probs = None
-    if not sp.all_greedy:
-        probs = sp.repeat_rows(N).target_probs(logits.float().reshape(B * N, V)).view(B, N, V)
-        onehot = torch.nn.functional.one_hot(argmax, V).to(probs.dtype)
-        probs = torch.where((sp.temperature == 0)[:, None, None], onehot, probs)
+    probs = sp.repeat_rows(N).target_probs(logits.float().reshape(B * N, V)).view(B, N, V)
+    onehot = torch.nn.functional.one_hot(argmax, V).to(probs.dtype)
+    probs = torch.where((sp.temperature == 0)[:, None, None], onehot, probs)
 
     def level(d: int, cur: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        kids = kids_of[rows, cur]                                            # [B, N]
-        if probs is None:
-            tok = argmax[rows, cur]
-            hit = kids & (node_tokens == tok[:, None])
-        else:
-            tok, hit = _sample_level(probs[rows, cur], node_tokens, kids, sp, start + 1 + d)
-        accepted = hit.any(dim=1)
-        nxt = hit.to(torch.int8).argmax(dim=1)                               # first hit
-        return torch.where(accepted, node_tokens[rows, nxt], tok), accepted, nxt
+        tok, hit = _sample_level(probs[rows, cur], node_tokens, kids_of[rows, cur], sp, start + 1 + d)
+        return _first_hit(node_tokens, rows, tok, hit)
 
     return walk(B, max_depth, dev, level)
+
+
+def greedy_walk(node_tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor,
+                max_depth: int) -> Acceptance:
+    """Greedy acceptance from the target's argmax at every node, target_argmax [B, N] int64: at
+    each level the first child (node order) holding the current node's argmax is accepted, else
+    that argmax is the emitted correction. One launch on GPU (kernels/accept.py), the walk here
+    elsewhere; the bench's simulated acceptance goes through it too."""
+    if kernels.active(target_argmax):
+        from ..kernels.accept import greedy_accept
+
+        tokens, num, path = greedy_accept(node_tokens, parents, target_argmax, max_depth)
+        return Acceptance(tokens=tokens, num=num, path=path)
+    B = node_tokens.shape[0]
+    rows = torch.arange(B, device=node_tokens.device)
+    kids_of = _kids_of(parents)
+
+    def level(d: int, cur: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tok = target_argmax[rows, cur]
+        return _first_hit(node_tokens, rows, tok, kids_of[rows, cur] & (node_tokens == tok[:, None]))
+
+    return walk(B, max_depth, node_tokens.device, level)
+
+
+def _kids_of(parents: torch.Tensor) -> torch.Tensor:
+    """parents [B, N] -> [B, N, N] bool: [b, n, c] node c is a child of node n."""
+    N = parents.shape[1]
+    return parents[:, None, :] == torch.arange(N, device=parents.device)[None, :, None]
+
+
+def _first_hit(node_tokens: torch.Tensor, rows: torch.Tensor, tok: torch.Tensor,
+               hit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A level's verdict from its accepted-children mask hit [B, N]: (emitted token, accepted,
+    the first accepted child)."""
+    accepted = hit.any(dim=1)
+    nxt = hit.to(torch.int8).argmax(dim=1)
+    return torch.where(accepted, node_tokens[rows, nxt], tok), accepted, nxt
 
 
 Level = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]

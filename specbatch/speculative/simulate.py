@@ -3,7 +3,8 @@ random weights (whose drafts the target never accepts) under a chosen acceptance
 
 The walk starts at the root and, at each node, considers ONE child: the one on the path to the
 deepest node of the tree (the first such child in node order when several subtrees are equally
-deep; for a chain, the next node). That child, the d-th draft of the walk, is accepted with
+deep; for a chain, the next node; siblings holding that child's token: the first of them, as greedy
+acceptance takes it). That child, the d-th draft of the walk, is accepted with
 probability probs[d-1] given that the drafts before it were; the token after the last accepted
 draft is the target's greedy choice at that node. So for a tree whose deepest node is at depth D
 the mean number of emitted tokens is exactly 1 + P1 + P1 P2 + ... + P1...PD: the chain formula
@@ -11,6 +12,13 @@ truncated at D. Positions past D cannot be accepted because the tree verified no
 honest property of the proposal, not of the profile. (Random-weight EAGLE3 heads draft near-uniform
 distributions, so their top-N trees favour width: eagle3_tree (k 4, S 5, N 8) proposes 4 nodes at
 depth 1 and 3 at depth 2, D = 2, and a profile's P3 never applies there.)
+
+How: every node's verdict is drawn up front (the uniform of its depth against that depth's
+probability) and becomes a planted argmax, its deepest child's token when accepted and a token no
+node holds when not; the real greedy walk (`accept.greedy_walk`, one launch on GPU) then runs on
+the planted argmaxes and the emitted correction is replaced by the target's argmax at the node
+where the walk stopped. The cycle's acceptance thus costs what a real greedy run's does, plus a
+few whole-tensor ops (a walk of small torch ops per level cost ~0.2 ms a cycle on an H100).
 
 Following the deepest path (not the first child) matters for trees whose deep branch is not the
 first one: a first-child walk would stop short of the depth the tree holds.
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from .accept import Acceptance, walk
+from .accept import Acceptance, greedy_walk
 from .drafter import Drafter, Proposal, takes_width
 from .topk import top1
 from .tree import ancestor_mask
@@ -51,18 +59,23 @@ def simulate_acceptance(prop: Proposal, target_argmax: torch.Tensor, probs: torc
     positions past the list: 0); `generator`: where the acceptance uniforms come from (None: torch's default generator)."""
     B, N = prop.tokens.shape
     dev = prop.tokens.device
-    rows = torch.arange(B, device=dev)
-    child_of, has_child = deepest_child(prop.parents, prop.depths, max_depth)
+    if prop.tree_mask is None:                          # a chain: node n's child is n + 1
+        nodes = torch.arange(N, device=dev).expand(B, N)
+        child_of, has_child = (nodes + 1).clamp(max=N - 1), nodes < N - 1
+    else:
+        child_of, has_child = deepest_child(prop.parents, prop.depths, max_depth)
     u = torch.rand(B, max_depth + 1, device=dev, generator=generator)
-    p = probs.float()[:max_depth]
+    p = probs.to(device=dev, dtype=torch.float32)[:max_depth]
     accept_p = torch.cat([p, p.new_zeros(max_depth + 1 - p.numel())])     # none past the list / deepest level
-
-    def level(d: int, cur: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        child = child_of[rows, cur]
-        ok = has_child[rows, cur] & (u[:, d] < accept_p[d])
-        return torch.where(ok, prop.tokens[rows, child], target_argmax[rows, cur]), ok, child
-
-    return walk(B, max_depth, dev, level)
+    # a node at depth d is the walk's d-th level: its verdict is u[:, d] < P(d + 1)
+    depth = prop.depths.clamp(max=max_depth)
+    ok = has_child & (u.gather(1, depth) < accept_p[depth])
+    planted = torch.where(ok, prop.tokens.gather(1, child_of), -1)       # -1: no node's token
+    acc = greedy_walk(prop.tokens, prop.parents, planted, max_depth)
+    # the last emitted token is always a correction (nothing is accepted at depth max_depth)
+    last = (acc.num - 1)[:, None]
+    acc.tokens.scatter_(1, last, target_argmax.gather(1, acc.path.gather(1, last)))
+    return acc
 
 
 def simulated_acceptor(probs: tuple[float, ...], max_depth: int, device: torch.device):

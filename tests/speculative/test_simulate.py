@@ -1,10 +1,11 @@
 """Simulated acceptance (bench only): the acceptance profile it is given, on chains and trees."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specbatch.speculative.drafter import Proposal
-from specbatch.speculative.simulate import simulate_acceptance
+from specbatch.speculative.simulate import PlantedChain, simulate_acceptance
 from specbatch.speculative.tree import ancestor_mask, chain
 
 
@@ -154,8 +155,6 @@ class _Shallow:
 def test_a_planted_chain_reaches_the_full_depth():
     """eagle3_tree's random-weight trees stop at depth 2 (P3 never applied: 2.28, not 2.50); the
     bench's PlantedChain keeps the N tokens but lays them out with a chain of depth S."""
-    from specbatch.speculative.simulate import PlantedChain
-
     B = 100_000
     shallow = _Shallow().propose(torch.zeros(B, dtype=torch.int64), None, None)
     _check(shallow, 5, 2, B)                                       # 1 + 0.8 + 0.48 = 2.28
@@ -166,3 +165,53 @@ def test_a_planted_chain_reaches_the_full_depth():
     acc = _check(prop, 5, 5, B)                                    # 2.496: P1..P3 apply, P4 = P5 = 0
     assert abs(float(acc.num.double().mean()) - 2.496) < 0.01
     assert planted.max_depth == 5 and planted.num_draft_tokens == 8
+
+
+# ---------------------------------------------------------------- GPU: the kernel walk equals the torch walk
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["chain", "wide", "deep_second", "planted", "duplicates"])
+def test_gpu_walk_equals_the_torch_walk(shape):
+    """On CUDA the simulated acceptance runs the greedy-accept kernel on planted argmaxes; the
+    same draws through the torch walk (kernels.torch_only) give the same tokens, counts and paths."""
+    from specbatch import kernels
+
+    B, dev = 4096, torch.device("cuda")
+    if shape == "chain":
+        prop, D = _chain(B, 4), 3
+    elif shape == "wide":
+        prop, D = _tree([-1, 0, 0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 1, 2, 2, 2], B), 5
+    elif shape == "deep_second":
+        prop, D = _tree([-1, 0, 0, 2, 2, 4], [0, 1, 1, 2, 2, 3], B), 5
+    elif shape == "planted":
+        prop, D = PlantedChain(_Shallow()).propose(torch.zeros(B, dtype=torch.int64), None, None), 5
+    else:                       # the deep child's sibling before it holds its token: greedy takes that one
+        prop = _tree([-1, 0, 0, 2, 2, 3], [0, 1, 1, 2, 2, 3], B)
+        prop = Proposal(torch.tensor([[5, 7, 7, 8, 9, 4]]).expand(B, -1), prop.parents, prop.depths, prop.tree_mask)
+        D = 3
+    prop = Proposal(*(t.to(dev) if t is not None else None
+                      for t in (prop.tokens, prop.parents, prop.depths, prop.tree_mask)))
+    target = torch.randint(0, 50, (B, prop.width), device=dev)
+    probs = torch.tensor([0.8, 0.6, 0.45], device=dev)
+    runs = []
+    for torch_only in (False, True):
+        g = torch.Generator(device=dev).manual_seed(11)
+        if torch_only:
+            with kernels.torch_only():
+                runs.append(simulate_acceptance(prop, target, probs, D, generator=g))
+        else:
+            runs.append(simulate_acceptance(prop, target, probs, D, generator=g))
+    fast, ref = runs
+    assert torch.equal(fast.num, ref.num) and torch.equal(fast.path, ref.path)
+    assert torch.equal(fast.tokens, ref.tokens)
+    assert float(ref.num.double().mean()) > 1.5                       # the walk did go deep
+
+
+def test_siblings_sharing_the_deep_childs_token_take_the_first():
+    # root -> 1 (a leaf, token 7), 2 (token 7) -> 3 -> 5: greedy acceptance of the planted 7 takes
+    # node 1, the first child holding it, and the walk ends there with the target's token
+    prop = _tree([-1, 0, 0, 2, 2, 3], [0, 1, 1, 2, 2, 3], 1)
+    prop = Proposal(torch.tensor([[5, 7, 7, 8, 9, 4]]), prop.parents, prop.depths, prop.tree_mask)
+    acc = simulate_acceptance(prop, torch.full((1, 6), 3), torch.ones(3), 3)
+    assert acc.num.tolist() == [2] and acc.path.tolist() == [[0, 1, 1, 1]]
+    assert acc.tokens[0, :2].tolist() == [7, 3]
