@@ -1,12 +1,12 @@
 """Fused Triton top-1 vs the torch paths, timed inside CUDA graphs (GPU only).
 
-    python benchmarks/top1_kernel.py [--sweep [ROWS]]
+    python benchmarks/top1_kernel.py [--sweep]
 
 For each shape: the kernel (default split plan), the torch reference `spec.topk.top1` and
 `softmax(-1).max(-1)`; microseconds per call (median over replays, CUDA events) and the fraction
 of copy bandwidth a single read of the logits reaches. Inputs rotate over enough copies to
-overflow L2, so every call reads from HBM. --sweep also times splits x block x warps at
-[ROWS, 128256] (ROWS one of the shapes' row counts), to tune the defaults in kernels/top1.py.
+overflow L2, so every call reads from HBM. --sweep also times splits x block x warps on
+every shape, to tune the defaults in kernels/top1.py.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def torch_top1(x):
     with kernels.torch_only():
         return _dispatch_top1(x)
 
-SHAPES = [(64, 128256), (1, 128256), (256, 32000), (256, 128256), (1024, 128256)]
+SHAPES = [(64, 128256), (1, 128256), (256, 32000), (64, 32000), (16, 128256), (256, 128256), (1024, 128256)]
 DTYPE = torch.bfloat16
 
 
@@ -47,8 +47,7 @@ def graph_us(fn, xs: list[torch.Tensor], replays: int = 100) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", nargs="?", const=64, type=int, default=None, metavar="ROWS",
-                    help="time splits x block x warps at [ROWS, 128256] (default 64 rows)")
+    ap.add_argument("--sweep", action="store_true", help="time splits x block x warps on every shape")
     args = ap.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
@@ -66,13 +65,13 @@ def main() -> None:
                          ("softmax(-1).max(-1)", lambda x: x.softmax(-1).max(-1))):
             us = graph_us(fn, xs)
             print(f"  {name:22s} {us:8.2f} us   {read_us / us:6.1%} of copy bandwidth")
-        if args.sweep is not None and (R, V) == (args.sweep, 128256):
+        if args.sweep:
             print("  sweep (splits asked -> used, block, warps): us, fraction")
             rows = []
-            for splits, block, warps in itertools.product((1, 2, 3, 4, 8, 16, 32), (1024, 2048, 4096, 8192), (4, 8)):
+            for splits, block, warps in itertools.product((1, 2, 3, 4, 8, 16, 32), (1024, 2048, 4096), (4, 8)):
                 us = graph_us(lambda x: top1(x, splits, block=block, num_warps=warps), xs, replays=30)
                 rows.append((us, splits, block, warps))
-            for us, splits, block, warps in sorted(rows)[:12]:
+            for us, splits, block, warps in sorted(rows)[:6]:
                 used = plan(R, V, dev, splits, block)[1]
                 print(f"    {splits:3d} -> {used:3d} {block:5d} {warps}: {us:7.2f} us  {read_us / us:6.1%}")
 

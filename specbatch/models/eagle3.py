@@ -99,8 +99,9 @@ class Eagle3Head(nn.Module):
         return h + layer.mlp(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Pre-norm [..., H] -> float32 draft-vocabulary logits [..., V_draft]."""
-        return linear(self.norm(hidden), self.lm_head.weight, self.lm_head.bias).float()
+        """Pre-norm [..., H] -> draft-vocabulary logits [..., V_draft] in the weights' dtype (the
+        draft's top-k reads bf16 as it is; a float32 copy would cost a kernel a draft step)."""
+        return linear(self.norm(hidden), self.lm_head.weight, self.lm_head.bias)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -107,8 +107,9 @@ class MTPLayer(nn.Module):
         return self.shared_head.norm(self.mlp(y), residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Normed output [..., H] -> float32 target-vocabulary logits [..., V]."""
-        return linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+        """Normed output [..., H] -> target-vocabulary logits [..., V] in the weights' dtype (the
+        draft's top-k reads bf16 as it is)."""
+        return linear(hidden, self.lm_head.weight, self.lm_head.bias)
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids                     # the full target vocabulary: no reduced draft vocab

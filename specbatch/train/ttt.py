@@ -195,7 +195,7 @@ def ttt_loss(head: DraftModule, hs: list[torch.Tensor], probs: torch.Tensor, top
     total = 0.0
     stats = {"ce": [], "rows": [], "agree": [], "in_vocab": [], "agree_in_vocab": []}
     for j, h in enumerate(hs):
-        logits = head.logits(h[:, j:])                                   # float32 [B, n-j, Vd]
+        logits = head.logits(h[:, j:]).float()                           # [B, n-j, Vd]
         logp = torch.log_softmax(logits, dim=-1)
         ce = -(probs[:, j:] * logp).sum(-1)                              # [B, n-j]
         total = total + weights[j] * ce.mean()

@@ -105,7 +105,7 @@ def test_nan_documented_behaviour():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("R,V", [(64, 128256), (7, 32000), (1, 128256), (300, 32000)])
+@pytest.mark.parametrize("R,V", [(64, 128256), (7, 32000), (1, 128256), (300, 32000), (256, 128256)])
 def test_top1_gpu_real_sizes(dtype, R, V):
     x = _planted(R, V, dtype, seed=R, block=4096).to(CUDA)
     idx = torch.full((R,), -12345, dtype=torch.int64, device=CUDA)
