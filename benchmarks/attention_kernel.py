@@ -7,9 +7,9 @@ chain verify (T=4, causal) and a tree of 8 nodes, at batch 1/8/64 and context 10
 slot full). Per case: microseconds per call for `kernels.attention.slot_attention` (default split
 plan) and `models.attention.attend`, and the K/V bytes read over the time as a fraction of copy
 bandwidth. Calls rotate over enough layer planes of one cache tensor to overflow L2, as a model's
-layers do, so every call reads from HBM. --sweep times splits x pipeline stages for decode at
-batch 1 and 8, to tune the defaults in kernels/attention.py. --paged times the job's operating
-point instead: a paged cache (64-row pages in shuffled order), 64 to 512 rows of mixed contexts
+layers do, so every call reads from HBM. --sweep instead times split counts for decode and a
+four-token verify at 1-16 rows, to tune the defaults in kernels/attention.py. --paged times the
+job's operating point instead: a paged cache (64-row pages in shuffled order), 64 to 512 rows of mixed contexts
 (uniform 100 to 1,100 rows: mean ~600), decode and chain verify of 2 and 4 tokens, each also
 with its programs started longest first (`longest_first`), then equal contexts. --prefill times
 packed prefill forwards of 8,192 tokens as the engine builds them (one sequence a prompt token,
@@ -86,16 +86,20 @@ def graph_us(fn, layers: int, replays: int = 50) -> float:
 
 
 def sweep(dev: torch.device, bw: float) -> None:
-    print("\nsweep: decode, ctx 4096 (splits x num_stages)")
-    default_stages = kattn._NUM_STAGES
-    for B in (1, 8):
-        case = Case(B, "decode", 1, 4096, dev)
-        for splits, stages in itertools.product((1, 2, 4, 8, 16, 32, 64), (2, 3, 4)):
-            kattn._NUM_STAGES = stages
+    """Decode and a four-token verify at few rows: time against the split count (the default
+    plan marked), where a launch's latency, not its bytes, decides."""
+    print("\nsweep: splits at few rows (* = the default plan)")
+    for B, T, ctx in ((1, 1, 1024), (1, 4, 1024), (4, 4, 1024), (16, 1, 1024), (1, 1, 4096), (8, 1, 4096)):
+        case = Case(B, "decode" if T == 1 else "chain", T, ctx, dev)
+        G = HQ // HKV
+        block_n = kattn._config(min(kattn.MAX_QUERY_ROWS, max(16, triton.next_power_of_2(T * G))),
+                                D, DTYPE.itemsize)[0]
+        default = kattn.choose_splits(B * HKV, ctx + T, block_n, dev)
+        cells = []
+        for splits in sorted({1, 2, 4, 8, 16, 32, 64, default}):
             us = graph_us(lambda i: case.kernel(i, num_splits=splits), case.layers)
-            print(f"  B {B:2d} splits {splits:3d} stages {stages}: {us:8.2f} us  "
-                  f"{case.read_bytes / (us * 1e-6) / bw:6.1%}")
-    kattn._NUM_STAGES = default_stages
+            cells.append(f"{splits}{'*' if splits == default else ''}: {us:.2f}")
+        print(f"  B {B:2d} T {T} ctx {ctx:5d} ({case.read_bytes / bw * 1e6:5.2f} us at bandwidth): " + "  ".join(cells))
 
 
 class PagedCase:
@@ -242,7 +246,7 @@ def prefill(dev: torch.device, rate: float, sweep: bool, tiles: list[int]) -> No
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true", help="time splits x stages for decode at batch 1 and 8")
+    ap.add_argument("--sweep", action="store_true", help="time split counts for decode / verify at 1-16 rows")
     ap.add_argument("--paged", action="store_true", help="only the paged job shapes (decode / verify, 64-512 rows)")
     ap.add_argument("--prefill", action="store_true", help="only packed prefill forwards (--sweep: tile shapes too)")
     ap.add_argument("--tiles", default="32", help="--prefill: prompt tokens a query tile (comma-separated)")
@@ -257,6 +261,9 @@ def main() -> None:
         return
     if args.prefill:
         prefill(dev, matmul_rate(dev, DTYPE), args.sweep, [int(c) for c in args.tiles.split(",")])
+        return
+    if args.sweep:
+        sweep(dev, bw)
         return
     print(f"{'mode':6s} {'B':>3s} {'ctx':>5s} {'splits':>6s} {'floor us':>9s} "
           f"{'triton us':>10s} {'of bw':>6s} {'torch us':>9s} {'of bw':>6s}")
@@ -278,8 +285,6 @@ def main() -> None:
               f"{t_us:9.2f} {floor_us / t_us:6.1%}")
         del case
         torch.cuda.empty_cache()
-    if args.sweep:
-        sweep(dev, bw)
 
 
 if __name__ == "__main__":
