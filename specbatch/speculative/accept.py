@@ -39,8 +39,7 @@ def accept(node_tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tenso
     B, N, V = logits.shape
     dev = logits.device
     if sp.all_greedy:
-        return greedy_walk(node_tokens, parents, top1(logits)[0] if kernels.active(logits) else logits.argmax(dim=-1),
-                           max_depth)
+        return greedy_walk(node_tokens, parents, greedy_targets(logits), max_depth)
     rows = torch.arange(B, device=dev)
     kids_of = _kids_of(parents)
     argmax = logits.argmax(dim=-1)                                           # [B, N]
@@ -53,6 +52,12 @@ def accept(node_tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tenso
         return _first_hit(node_tokens, rows, tok, hit)
 
     return walk(B, max_depth, dev, level)
+
+
+def greedy_targets(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, N, V] -> the target's argmax at every node [B, N] int64 (the first of equal
+    maxima): the fused top-1 pass on GPU, a plain argmax elsewhere."""
+    return top1(logits)[0] if kernels.active(logits) else logits.argmax(dim=-1)
 
 
 def greedy_walk(node_tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor,

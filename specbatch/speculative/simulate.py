@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from .accept import Acceptance, greedy_walk
+from .accept import Acceptance, greedy_targets, greedy_walk
 from .drafter import Drafter, Proposal, takes_width
-from .topk import top1
 from .tree import ancestor_mask
 
 
@@ -86,9 +85,9 @@ def simulated_acceptor(probs: tuple[float, ...], max_depth: int, device: torch.d
     table = torch.tensor(p, dtype=torch.float32, device=device)
 
     def acceptor(prop: Proposal, logits: torch.Tensor, sp, lens: torch.Tensor, depth: int) -> Acceptance:
-        # top1: the greedy acceptance's own argmax (one fused pass on GPU), so the verify costs
-        # what a real greedy run's does
-        return simulate_acceptance(prop, top1(logits)[0], table, depth)
+        # the greedy acceptance's own argmax (one fused pass on GPU): the verify costs what a real
+        # greedy run's does
+        return simulate_acceptance(prop, greedy_targets(logits), table, depth)
 
     return acceptor
 
