@@ -8,14 +8,13 @@ shared-memory stages while the consumer warps run wgmma) as what is missing. Tri
 it on Hopper through `tl.range(..., warp_specialize=True)` over device-side tensor descriptors.
 Two forms, each with and without warp specialisation:
   P  persistent: min(tiles, SMs) programs walk the output tiles (grouped for L2 reuse);
-  T  one program per (tile, K split): SPLIT > 1 writes fp32 partials that the last program to
-     arrive at a tile sums in split order (deterministic), as in gemm_tma.py.
+  T  one program per output tile.
 Same graph form as `gemm_rows.py` (32 calls, 4 weight sets rotated); prints the best config per
 shape and row count against cuBLAS and the floor max(weight bytes / bandwidth, FLOPs / rate),
 with the max |difference| from torch.mm's result (0 = bit-identical). A config whose result is
-off by more than bf16 rounding is listed as failed, not timed (on the H100 the split form's
-reduce gave wrong sums, though the interpreter's are right: not debugged, as gemm_tma.py's
-split-K already lost to cuBLAS).
+off by more than bf16 rounding is listed as failed, not timed. (A split-K form, run once at
+561800c, summed wrongly on the H100 though right under the interpreter; dropped, not debugged:
+gemm_tma.py's split-K had already lost to cuBLAS.)
 """
 from __future__ import annotations
 
@@ -28,14 +27,12 @@ from specbatch.bench.timing import graph_us
 from gemm_rows import LAYERS, SETS
 from gemm_triton import cases, grouped_tile      # argument parsing, weights, cuBLAS timing, floor; tile order
 
-# (form, BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, SPLIT, warp_specialize)
-CONFIGS = [("P", 128, 128, 64, 4, 4, 1, True), ("P", 128, 128, 64, 4, 8, 1, True), ("P", 128, 256, 64, 3, 8, 1, True),
-           ("P", 64, 128, 64, 4, 4, 1, True), ("P", 64, 256, 64, 4, 4, 1, True), ("P", 128, 64, 64, 4, 4, 1, True),
-           ("P", 128, 128, 128, 3, 8, 1, True), ("P", 256, 128, 64, 3, 8, 1, True), ("P", 64, 64, 128, 4, 4, 1, True),
-           ("P", 128, 128, 64, 4, 8, 1, False), ("P", 128, 256, 64, 3, 8, 1, False), ("P", 64, 128, 64, 4, 4, 1, False),
-           ("T", 128, 128, 64, 4, 4, 1, True), ("T", 128, 256, 64, 3, 8, 1, True), ("T", 64, 128, 64, 4, 4, 1, True),
-           ("T", 128, 128, 64, 4, 4, 2, True), ("T", 64, 128, 64, 4, 4, 2, True), ("T", 128, 128, 128, 3, 8, 2, True),
-           ("T", 128, 128, 64, 4, 4, 3, True), ("T", 128, 128, 64, 4, 4, 4, True), ("T", 128, 128, 64, 4, 4, 2, False)]
+# (form, BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, warp_specialize)
+CONFIGS = [("P", 128, 128, 64, 4, 4, True), ("P", 128, 128, 64, 4, 8, True), ("P", 128, 256, 64, 3, 8, True),
+           ("P", 64, 128, 64, 4, 4, True), ("P", 128, 64, 64, 4, 4, True), ("P", 128, 128, 128, 3, 8, True),
+           ("P", 256, 128, 64, 3, 8, True), ("P", 64, 64, 128, 4, 4, True), ("P", 128, 128, 64, 4, 8, False),
+           ("P", 128, 256, 64, 3, 8, False), ("P", 64, 128, 64, 4, 4, False), ("T", 128, 128, 64, 4, 4, True),
+           ("T", 128, 256, 64, 3, 8, True), ("T", 64, 128, 64, 4, 4, True), ("T", 128, 128, 64, 4, 4, False)]
 
 
 @triton.jit
@@ -58,41 +55,19 @@ def _mm_persistent(a_ptr, b_ptr, c_ptr, M, N, K, NUM_PROGS: tl.constexpr,
 
 
 @triton.jit
-def _mm_split(a_ptr, b_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
-              WS: tl.constexpr):
-    # program (tile, s) sums K tiles [s * per, (s + 1) * per)
+def _mm_tile(a_ptr, b_ptr, c_ptr, M, N, K,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, WS: tl.constexpr):
+    # one program per output tile
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
-    s = tl.program_id(1)
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
     pm, pn = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
-    k_tiles = tl.cdiv(K, BK)
-    per = tl.cdiv(k_tiles, SPLIT)
-    k_lo = s * per
-    k_hi = tl.minimum(k_lo + per, k_tiles)
     acc = tl.zeros((BM, BN), tl.float32)
-    for kt in tl.range(k_lo, k_hi, warp_specialize=WS):
+    for kt in tl.range(0, tl.cdiv(K, BK), warp_specialize=WS):
         a = a_desc.load([pm * BM, kt * BK])
         b = b_desc.load([pn * BN, kt * BK])
         acc = tl.dot(a, b.T, acc)
-    rm = pm * BM + tl.arange(0, BM)
-    rn = pn * BN + tl.arange(0, BN)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLIT == 1:
-        tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
-    else:
-        off = rm[:, None] * N + rn[None, :]
-        tl.store(part_ptr + s * M * N + off, acc, mask=mask)
-        tl.debug_barrier()                       # every thread's partial before the release below
-        tile = pm * tl.cdiv(N, BN) + pn
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
-            tl.debug_barrier()
-            tot = tl.zeros((BM, BN), tl.float32)
-            for j in tl.static_range(SPLIT):     # split order, whoever arrived last
-                tot += tl.load(part_ptr + j * M * N + off, mask=mask, other=0.0)
-            tl.store(c_ptr + rm[:, None] * N + rn[None, :], tot.to(c_ptr.dtype.element_ty), mask=mask)
-            tl.store(cnt_ptr + tile, 0)
+    c_desc.store([pm * BM, pn * BN], acc.to(c_ptr.dtype.element_ty))
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -100,9 +75,8 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
-def mm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cfg: tuple, part: torch.Tensor, cnt: torch.Tensor,
-       sms: int) -> None:
-    form, bm, bn, bk, stages, warps, split, ws = cfg
+def mm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cfg: tuple, sms: int) -> None:
+    form, bm, bn, bk, stages, warps, ws = cfg
     M, K = a.shape
     N = b.shape[0]
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
@@ -111,30 +85,26 @@ def mm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cfg: tuple, part: torc
         _mm_persistent[(progs,)](a, b, c, M, N, K, NUM_PROGS=progs, BM=bm, BN=bn, BK=bk, GROUP_M=8, WS=ws,
                                  num_stages=stages, num_warps=warps)
     else:
-        _mm_split[(tiles, split)](a, b, c, part, cnt, M, N, K, BM=bm, BN=bn, BK=bk, GROUP_M=8, SPLIT=split, WS=ws,
-                                  num_stages=stages, num_warps=warps)
+        _mm_tile[(tiles,)](a, b, c, M, N, K, BM=bm, BN=bn, BK=bk, GROUP_M=8, WS=ws,
+                           num_stages=stages, num_warps=warps)
 
 
 def main() -> None:
     triton.set_allocator(_scratch)
-    cnt = None
     for m, name, o, ws, x, y, floor, t_blas, sms, reps in cases():
-        if cnt is None:
-            cnt = torch.zeros(65536, device=x.device, dtype=torch.int32)
-        part = torch.empty(max(c[6] for c in CONFIGS) * m * o, device=x.device, dtype=torch.float32)
         torch.mm(x, ws[0].t(), out=y)
         blas = y.clone()
         ref = x.float() @ ws[0].float().t()
         results = []
         for cfg in CONFIGS:
             try:
-                t = graph_us([lambda j=j, cfg=cfg: mm(x, ws[j % SETS], y, cfg, part, cnt, sms)
+                t = graph_us([lambda j=j, cfg=cfg: mm(x, ws[j % SETS], y, cfg, sms)
                               for j in range(LAYERS)], reps)
             except Exception as e:          # noqa: BLE001  (shared memory, registers, an unsupported form)
                 results.append((float("inf"), cfg, type(e).__name__ + " " + str(e).replace("\n", " ")[:160]))
                 continue
             y.zero_()
-            mm(x, ws[0], y, cfg, part, cnt, sms)
+            mm(x, ws[0], y, cfg, sms)
             err = (y.float() - ref).abs().max().item()
             diff = (y.float() - blas.float()).abs().max().item()
             if err > 0.1:                   # bf16 rounding of |c| < 16 is <= 0.0625: a wrong result, not a time
@@ -143,13 +113,13 @@ def main() -> None:
             results.append((t, cfg, f"err {err:.2g} vs cuBLAS {diff:.2g}"))
         results.sort(key=lambda r: r[0])
         t, cfg, note = results[0]
-        tiles = triton.cdiv(m, cfg[1]) * triton.cdiv(o, cfg[2]) * cfg[6]
+        tiles = triton.cdiv(m, cfg[1]) * triton.cdiv(o, cfg[2])
         print(f"M {m:4d} {name:8s} floor {floor:7.1f} us  cuBLAS {t_blas:7.1f} ({floor / t_blas:4.0%})  "
               f"best {t:7.1f} ({floor / t:4.0%}, {t_blas / t:4.2f}x) {cfg} {tiles} units "
               f"({tiles / sms:.2f} waves) {note}", flush=True)
         print("   next: " + ", ".join(f"{r[1]} {r[0]:.1f}" for r in results[1:6]), flush=True)
         for form, w in (("P", True), ("P", False), ("T", True), ("T", False)):
-            best = [r for r in results if r[1][0] == form and r[1][7] == w and r[0] < float("inf")]
+            best = [r for r in results if r[1][0] == form and r[1][6] == w and r[0] < float("inf")]
             if best:
                 print(f"   best {form} ws={int(w)}: {best[0][0]:.1f} us {best[0][1]} {best[0][2]}")
         bad = [r for r in results if r[0] == float("inf")]
