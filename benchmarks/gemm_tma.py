@@ -19,10 +19,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from specbatch.bench.timing import graph_us
-
 from gemm_rows import LAYERS, SETS
-from gemm_triton import cases, grouped_tile      # argument parsing, weights, cuBLAS timing, floor; tile order
+from gemm_triton import cases, grouped_tile, rank_configs   # arguments, weights, cuBLAS, floor; tile order; the sweep
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, SPLIT)
 CONFIGS = [(128, 128, 64, 4, 8, 1), (128, 128, 64, 4, 8, 2), (128, 128, 64, 4, 4, 2), (128, 128, 64, 4, 8, 3),
@@ -96,22 +94,8 @@ def main() -> None:
         if cnt is None:
             cnt = torch.zeros(65536, device=x.device, dtype=torch.int32)
         part = torch.empty(max(c[5] for c in CONFIGS) * m * o, device=x.device, dtype=torch.float32)
-        torch.mm(x, ws[0].t(), out=y)
-        blas = y.clone()
-        ref = x.float() @ ws[0].float().t()
-        results = []
-        for cfg in CONFIGS:
-            try:
-                calls = [TmaMM(x, ws[j % SETS], y, cfg, part, cnt) for j in range(LAYERS)]
-                t = graph_us(calls, reps)
-            except Exception as e:          # noqa: BLE001  (shared memory or registers out of range)
-                results.append((float("inf"), cfg, type(e).__name__ + " " + str(e)[:80]))
-                continue
-            calls[0]()
-            err = (y.float() - ref).abs().max().item()
-            diff = (y.float() - blas.float()).abs().max().item()
-            results.append((t, cfg, f"err {err:.2g} vs cuBLAS {diff:.2g}"))
-        results.sort(key=lambda r: r[0])
+        results = rank_configs(CONFIGS, lambda cfg: [TmaMM(x, ws[j % SETS], y, cfg, part, cnt) for j in range(LAYERS)],
+                               x, ws[0], y, reps)
         t, cfg, note = results[0]
         tiles = triton.cdiv(m, cfg[0]) * triton.cdiv(o, cfg[1]) * cfg[5]
         print(f"M {m:4d} {name:8s} floor {floor:7.1f} us  cuBLAS {t_blas:7.1f} ({floor / t_blas:4.0%})  "
@@ -120,8 +104,7 @@ def main() -> None:
               flush=True)
         bad = [r for r in results if r[0] == float("inf")]
         if bad:
-            print("   failed:", "; ".join(f"{r[1]} {r[2]}" for r in bad[:3]))
-        del part
+            print("   failed:", "; ".join(f"{r[1]} {r[2][:100]}" for r in bad[:3]))
 
 
 if __name__ == "__main__":

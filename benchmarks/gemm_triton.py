@@ -99,20 +99,38 @@ def cases():
             yield m, name, o, ws, x, y, floor, t_blas, sms, args.reps
 
 
+def rank_configs(configs: list, make_calls, x: torch.Tensor, w0: torch.Tensor, y: torch.Tensor,
+                 reps: int) -> list[tuple[float, tuple, str]]:
+    """Each config timed in graph form (`make_calls(cfg)`: LAYERS calls writing y, the first with
+    weight w0) and its result checked against fp32 and cuBLAS; (us, cfg, note), fastest first. A
+    config that fails to build or run, or whose result is off by more than bf16 rounding, ranks
+    last with us = inf."""
+    torch.mm(x, w0.t(), out=y)
+    blas = y.clone()
+    ref = x.float() @ w0.float().t()
+    results = []
+    for cfg in configs:
+        try:
+            calls = make_calls(cfg)
+            t = graph_us(calls, reps)
+        except Exception as e:          # noqa: BLE001  (shared memory, registers, an unsupported form)
+            results.append((float("inf"), cfg, type(e).__name__ + " " + str(e).replace("\n", " ")[:160]))
+            continue
+        y.zero_()
+        calls[0]()
+        err = (y.float() - ref).abs().max().item()
+        diff = (y.float() - blas.float()).abs().max().item()
+        if err > 0.1:                   # bf16 rounding of |c| < 16 is <= 0.0625: a wrong result, not a time
+            results.append((float("inf"), cfg, f"WRONG (err {err:.2g}) in {t:.1f} us"))
+            continue
+        results.append((t, cfg, f"err {err:.2g} vs cuBLAS {diff:.2g}"))
+    return sorted(results, key=lambda r: r[0])
+
+
 def main() -> None:
     for m, name, o, ws, x, y, floor, t_blas, sms, reps in cases():
-        ref = x.float() @ ws[0].float().t()
-        results = []
-        for cfg in CONFIGS:
-            try:
-                t = graph_us([lambda j=j, cfg=cfg: mm(x, ws[j % SETS], y, cfg) for j in range(LAYERS)], reps)
-            except Exception as e:          # noqa: BLE001  (shared memory or registers out of range)
-                results.append((float("inf"), cfg, type(e).__name__))
-                continue
-            mm(x, ws[0], y, cfg)
-            err = (y.float() - ref).abs().max().item()
-            results.append((t, cfg, f"err {err:.2g}"))
-        results.sort(key=lambda r: r[0])
+        results = rank_configs(CONFIGS, lambda cfg: [lambda j=j: mm(x, ws[j % SETS], y, cfg) for j in range(LAYERS)],
+                               x, ws[0], y, reps)
         t, cfg, note = results[0]
         tiles = triton.cdiv(m, cfg[0]) * triton.cdiv(o, cfg[1])
         print(f"M {m:4d} {name:8s} floor {floor:7.1f} us  cuBLAS {t_blas:7.1f} ({floor / t_blas:4.0%})  "

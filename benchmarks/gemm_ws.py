@@ -22,10 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specbatch.bench.timing import graph_us
-
 from gemm_rows import LAYERS, SETS
-from gemm_triton import cases, grouped_tile      # argument parsing, weights, cuBLAS timing, floor; tile order
+from gemm_triton import cases, grouped_tile, rank_configs   # arguments, weights, cuBLAS, floor; tile order; the sweep
 
 # (form, BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, warp_specialize)
 CONFIGS = [("P", 128, 128, 64, 4, 4, True), ("P", 128, 128, 64, 4, 8, True), ("P", 128, 256, 64, 3, 8, True),
@@ -92,26 +90,8 @@ def mm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cfg: tuple, sms: int) 
 def main() -> None:
     triton.set_allocator(_scratch)
     for m, name, o, ws, x, y, floor, t_blas, sms, reps in cases():
-        torch.mm(x, ws[0].t(), out=y)
-        blas = y.clone()
-        ref = x.float() @ ws[0].float().t()
-        results = []
-        for cfg in CONFIGS:
-            try:
-                t = graph_us([lambda j=j, cfg=cfg: mm(x, ws[j % SETS], y, cfg, sms)
-                              for j in range(LAYERS)], reps)
-            except Exception as e:          # noqa: BLE001  (shared memory, registers, an unsupported form)
-                results.append((float("inf"), cfg, type(e).__name__ + " " + str(e).replace("\n", " ")[:160]))
-                continue
-            y.zero_()
-            mm(x, ws[0], y, cfg, sms)
-            err = (y.float() - ref).abs().max().item()
-            diff = (y.float() - blas.float()).abs().max().item()
-            if err > 0.1:                   # bf16 rounding of |c| < 16 is <= 0.0625: a wrong result, not a time
-                results.append((float("inf"), cfg, f"WRONG (err {err:.2g}) in {t:.1f} us"))
-                continue
-            results.append((t, cfg, f"err {err:.2g} vs cuBLAS {diff:.2g}"))
-        results.sort(key=lambda r: r[0])
+        results = rank_configs(CONFIGS, lambda cfg: [lambda j=j: mm(x, ws[j % SETS], y, cfg, sms)
+                                                     for j in range(LAYERS)], x, ws[0], y, reps)
         t, cfg, note = results[0]
         tiles = triton.cdiv(m, cfg[1]) * triton.cdiv(o, cfg[2])
         print(f"M {m:4d} {name:8s} floor {floor:7.1f} us  cuBLAS {t_blas:7.1f} ({floor / t_blas:4.0%})  "
