@@ -74,14 +74,15 @@ def mm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cfg: tuple[int, ...]) 
                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_stages=stages, num_warps=warps)
 
 
-def cases():
-    """Parses --rows / --shapes / --reps, prints the machine line, then yields one case per row
-    count and shape: (m, name, out features, weight sets, x, y, floor us, cuBLAS us, SMs, reps)."""
+def cases(argv: list[str] | None = None):
+    """Parses --rows / --shapes / --reps (from argv, default the command line), prints the machine
+    line, then yields one case per row count and shape: (m, name, out features, weight sets, x, y,
+    floor us, cuBLAS us, SMs, reps)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="64,128,256,320,512")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dev, bf = torch.device("cuda"), torch.bfloat16
     bw, rate = copy_bandwidth(dev), matmul_rate(dev, bf)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
