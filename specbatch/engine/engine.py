@@ -110,9 +110,13 @@ class Engine:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_ids = set(eos)
 
-        # Rows a request writes past its committed length: verify's N - 1 and the draft's scratch.
+        # Rows a request writes past its committed length: verify's N - 1 and the draft's scratch,
+        # plus depth - 1 for the cycle after its last: it finished on device with up to D drafts
+        # past max_tokens committed, and rides in the next launched cycle once more (cycle.py).
         width = drafter.num_draft_tokens if drafter else opts.spec.width
-        self.headroom = max(width, drafter.scratch_rows if drafter else opts.spec.scratch_rows)
+        steps = drafter.max_depth if drafter else (opts.spec.num_steps or width - 1)
+        depth = min(steps, width - 1)
+        self.headroom = max(width, drafter.scratch_rows if drafter else opts.spec.scratch_rows) + max(0, depth - 1)
         plan = plan_pool(self.cfg, self.dtype, self.device, headroom=self.headroom,
                          drafting=drafter is not None or opts.spec.module is not None,
                          batch_size=opts.batch_size, max_model_len=opts.max_model_len, page_size=opts.page_size,

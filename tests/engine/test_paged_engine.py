@@ -74,6 +74,30 @@ def test_speculative_recipes_on_a_small_pool_are_lossless(recipe):
     assert eng.waited > 0 and sum(r["spec"]["accepted_tokens"] for r in got) > 0
 
 
+@pytest.mark.parametrize("shape", [(2, 2, 7), (3, 2, 11)])
+def test_a_tree_request_that_used_its_whole_context_rides_the_next_cycle_inside_its_pages(shape):
+    """A request that finishes commits up to D drafts past its max_tokens on the device and rides
+    in the cycle launched before the host saw it finish: trees with N >= (S - 1) k + 3 wrote past
+    the page table there (an IndexError on CPU; another slot's pages on GPU) when prompt + max_tokens
+    filled the context and the table was exactly full. Every row now runs, as without the overlap."""
+    from specbatch.resolve import DEMO_DIR
+
+    S, k, N = shape
+    spec = SpecConfig("eagle3", S, k, N, draft=str(DEMO_DIR / "eagle3"), drafter="eagle3")
+    ids = list(range(20, 60))
+    rows = [RowRequest(row=i, id=i, prompt_token_ids=ids[:L]) for i, L in enumerate(range(5, 39, 3))]
+    out = {}
+    for overlap in (True, False):
+        eng = Engine(DEMO_DIR / "target", EngineOptions(device="cpu", dtype="float32", batch_size=4, max_model_len=41,
+                                                        page_size=16, spec=spec, overlap=overlap))
+        recs = sorted(eng.generate(rows, SamplingDefaults(max_tokens=1000, ignore_eos=True)), key=lambda r: r["row"])
+        assert len(recs) == len(rows) and all(r["error"] is None for r in recs)
+        assert all(r["prompt_tokens"] + r["completion_tokens"] == 41 for r in recs)     # each filled its context
+        assert eng.pages.free_pages == eng.pages.usable
+        out[overlap] = [r["output_token_ids"] for r in recs]
+    assert out[True] == out[False]
+
+
 def test_default_slots_do_not_depend_on_the_models_whole_context(monkeypatch):
     """Llama-3.1-8B (131,072 positions) on an 80 GB GPU: admission reserves each request's own
     pages, so the default slot count follows the pool, not slots x max_position_embeddings."""
