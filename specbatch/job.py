@@ -123,7 +123,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
                               model_name=model_name(recipe))
     spooled = None
     try:
-        if len(writer.done_rows):
+        if len(writer.done_rows) or writer.complete:      # complete with no rows: --limit 0, an empty input
             if input_path == "-":
                 spooled = _spool_stdin(output)
                 source = open_rows(spooled, prompt_column=opts.prompt_column, id_column=opts.id_column,

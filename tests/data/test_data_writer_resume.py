@@ -250,3 +250,45 @@ def test_finished_parquet_remembers_its_job(tmp_path):
     with pytest.raises(OutputError, match=r'different job \(recipe: "vanilla" -> "eagle3_topk1"\)'):
         OutputWriter(out, fingerprint={"recipe": "eagle3_topk1"})
     assert OutputWriter(out, fingerprint={"recipe": "vanilla"}).complete
+
+
+def _job(tiny_model, inp, out, **kw):
+    from specbatch.job import JobOptions, run_job
+    from specbatch.recipe import load_recipe
+
+    recipe = load_recipe("vanilla").with_overrides(model=str(tiny_model), max_tokens=3, batch_size=2)
+    opts = JobOptions(output=str(out), device="cpu", **kw)
+    return recipe, opts, run_job(str(inp), recipe, opts)
+
+
+def test_an_output_finished_with_no_rows_takes_the_rows_a_rerun_adds(tiny_model, tmp_path):
+    """--limit 0 (or --fail-fast on a first bad row, or an empty input) finishes an output with no
+    rows; a rerun adds the rest as it does for any smaller --limit."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": f"def f{i}():"}) + "\n" for i in range(3)))
+    _job(tiny_model, inp, out, limit=0)
+    assert out.read_text() == ""
+    _job(tiny_model, inp, out)
+    assert [json.loads(x)["row"] for x in out.read_text().splitlines()] == [0, 1, 2]
+
+
+def test_a_finished_output_with_a_gap_below_its_last_row_is_filled(tiny_model, tmp_path):
+    """--fail-fast with rows finishing out of order (workers) finishes an output with gaps; a rerun
+    generates the missing rows instead of calling the output complete."""
+    from specbatch.data import open_rows
+    from specbatch.job import fingerprint
+    from specbatch.resolve import resolve_model
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": f"def f{i}():"}) + "\n" for i in range(4)))
+    recipe, opts, _ = _job(tiny_model, inp, tmp_path / "ref.jsonl")
+    digests = {r.row: r.digest for r in open_rows(str(inp))}
+    w = OutputWriter(str(out), fingerprint=fingerprint(recipe, resolve_model(recipe.model), None, opts))
+    for r in (0, 1, 3):
+        w.add(rec(r), digests[r])
+    w.finalize()
+    w.close()
+    summary = _job(tiny_model, inp, out)[2]
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["row"] for r in rows] == [0, 1, 2, 3] and not summary.get("complete_before")
+    assert rows[2]["completion"] != rec(2)["completion"] and rows[3]["completion"] == rec(3)["completion"]  # the gap ran
