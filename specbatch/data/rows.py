@@ -70,7 +70,9 @@ def _check_id(v: object, key: str) -> str | int:
 def _row_id(obj: dict, row: int, id_column: str | None) -> str | int:
     if id_column is not None:
         return _check_id(obj.get(id_column), id_column)
-    for key in ("id", "custom_id"):
+    # An OpenAI batch line's key is custom_id (the response echoes it; clients match on it); a
+    # plain row's is id.
+    for key in ("custom_id", "id") if obj.get("body") is not None else ("id", "custom_id"):
         v = obj.get(key)
         if v is not None:
             return _check_id(v, key)

@@ -154,6 +154,10 @@ def test_id_precedence():
     assert "'key'" in e and "null" in e
     assert "'id'" in err({"prompt": "x", "id": [1]})
     assert "'key'" in err({"prompt": "x", "key": True}, id_column="key")
+    # an OpenAI batch line is keyed by custom_id, which its response echoes, whatever else it carries
+    line = {"id": "meta-1", "custom_id": "req-7", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
+    assert parse(line).id == "req-7"
+    assert parse({**line, "custom_id": None}).id == "meta-1"
 
 
 def test_id_column_and_keep_columns_jsonl(tmp_path):
