@@ -8,7 +8,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .data import InputChanged, OutputError, OutputWriter, StdoutWriter, check_input, open_rows
@@ -104,6 +104,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     "record" (the record, the engine's emitted-token count) for every finished row.
     """
     opts = opts or JobOptions()
+    opts = replace(opts, keep_columns=tuple(dict.fromkeys(opts.keep_columns)))     # a column named twice: once
     notify = progress or (lambda event, info: None)
     stats = RunStats()
     spec = spec_config(recipe)

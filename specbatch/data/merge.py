@@ -50,11 +50,23 @@ def _json_strings(values: list) -> pa.Array:
     return pa.array([v if v is None or isinstance(v, str) else _json_text(v, ascii=False) for v in values], pa.string())
 
 
+def _has_empty_struct(t: pa.DataType) -> bool:
+    """Parquet cannot write a struct without fields (a column of {} values)."""
+    if pa.types.is_struct(t):
+        return t.num_fields == 0 or any(_has_empty_struct(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _has_empty_struct(t.value_type)
+    if pa.types.is_map(t):
+        return _has_empty_struct(t.key_type) or _has_empty_struct(t.item_type)
+    return False
+
+
 def _infer_array(values: list) -> pa.Array:
     try:
-        return pa.array(values)
+        arr = pa.array(values)
     except (pa.ArrowException, TypeError, ValueError, OverflowError):
         return _json_strings(values)
+    return _json_strings(values) if _has_empty_struct(arr.type) else arr
 
 
 def part_table(recs: list[dict], digests: list[bytes], *, options: dict[str, bool],
@@ -88,10 +100,21 @@ def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
         return False
 
 
+def _ints_fit(parts: Sequence[str], schemas: list[pa.Schema], column: str) -> bool:
+    """Whether every integer of `column` in the parts that hold it as integers is exact in float64."""
+    for p, s in zip(parts, schemas):
+        if column in s.names and pa.types.is_integer(s.field(column).type):
+            top = pc.max(pc.abs(pq.read_table(p, columns=[column]).column(column))).as_py()
+            if top is not None and top > 2**53:
+                return False
+    return True
+
+
 def merged_schema(part_schemas: list[pa.Schema], options: dict[str, bool],
-                  keep_columns: Sequence[str]) -> tuple[pa.Schema, set[str]]:
+                  keep_columns: Sequence[str], parts: Sequence[str] | None = None) -> tuple[pa.Schema, set[str]]:
     """The standard columns `options` turn on + unified typed columns (standard ones typed by the
-    input, then the kept ones); those that cannot unify become JSON strings."""
+    input, then the kept ones); those that cannot unify become JSON strings, as do integers and
+    floats together when an integer is past float64's exact range (`parts`: the files, read for it)."""
     standard = records.columns(options)
     typed_standard = {c.name for c in standard if c.type is None}
     unified_types: dict[str, pa.DataType] = {}
@@ -104,6 +127,9 @@ def merged_schema(part_schemas: list[pa.Schema], options: dict[str, bool],
                                        promote_options="permissive").field(c).type
             if not all(_castable(t, unified) for t in types):
                 raise pa.ArrowTypeError("not castable")
+            if (pa.types.is_floating(unified) and any(pa.types.is_integer(t) for t in types)
+                    and parts is not None and not _ints_fit(parts, part_schemas, c)):
+                raise pa.ArrowTypeError("integers past float64's exact range")
         except (pa.ArrowException, TypeError, ValueError):
             unified = pa.string()
             as_json.add(c)

@@ -25,7 +25,7 @@ class StdoutWriter:
         """`output_format` "auto": OpenAI batch lines when the first row out is an OpenAI line."""
         self.output_format, self.model_name = output_format, model_name
         self.standard = records.columns({"save_token_ids": save_token_ids})
-        self.keep_columns = list(keep_columns)
+        self.keep_columns = list(dict.fromkeys(keep_columns))
         self.stream = stream or sys.stdout.buffer
         self.done_rows = RowSet()
         self._pending: dict[int, dict] = {}

@@ -89,7 +89,7 @@ class OutputWriter:
             raise ValueError(f"--output-format openai writes OpenAI batch lines (JSONL): give a .jsonl output, not {path}")
         self.output_format = output_format if self.format == "jsonl" else "native"
         self.model_name = model_name
-        keep_columns = tuple(keep_columns)
+        keep_columns = tuple(dict.fromkeys(keep_columns))         # --keep-columns t,t: once
         for c in keep_columns:
             if c in STANDARD_COLUMNS or c == DIGEST_COLUMN:
                 raise ValueError(f"keep column '{c}' clashes with the output column of the same name")
@@ -415,7 +415,7 @@ class OutputWriter:
             openai = self._openai_output(parts)
             options = {"save_token_ids": self.save_token_ids, "openai": openai,
                        **{name: self._any_set(parts, name) for name in ON_REQUEST}}
-            schema, as_json = merged_schema([pq.read_schema(p) for p in parts], options, self.keep_columns)
+            schema, as_json = merged_schema([pq.read_schema(p) for p in parts], options, self.keep_columns, parts)
             rows, digests = part_rows(parts)
         except OSError as e:
             raise fs_error(self.parts_dir, e) from None

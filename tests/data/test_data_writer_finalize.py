@@ -169,3 +169,37 @@ def test_pandas_reads_final(tmp_path):
         df = pd.read_parquet(out) if fmt == "parquet" else pd.read_json(out, lines=True)
         assert list(df["row"]) == [0, 1]
         assert pd.isna(df["lang"][0]) and df["lang"][1] == "en"
+
+
+def _rows(path):
+    if str(path).endswith(".parquet"):
+        return pq.read_table(path).to_pylist()
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_kept_columns_that_arrow_cannot_type_as_they_came_still_finish(tmp_path, fmt):
+    """Each of these made every finalize fail, so the job could never finish: a kept column
+    named twice, one holding only {} (Parquet has no empty struct), and integers past float64's
+    exact range in one part beside floats in another (kept as JSON text: no value changes)."""
+    out = tmp_path / f"out.{fmt}"
+    big = 1152921504606846977
+    w = OutputWriter(str(out), fingerprint=FP, commit_rows=1, keep_columns=["v", "m", "v"])
+    w.add(rec(0, v=big, m={}))
+    w.add(rec(1, v=1.5, m={}))
+    w.finalize()
+    w.close()
+    rows = _rows(out)
+    assert [r["v"] for r in rows] == ([str(big), "1.5"] if fmt == "parquet" else [big, 1.5])
+    assert [r["m"] for r in rows] == (["{}", "{}"] if fmt == "parquet" else [{}, {}])
+    assert list(rows[0]).count("v") == 1
+    if fmt == "parquet":
+        assert pq.read_schema(out).names.count("v") == 1
+    # small integers beside floats still unify as numbers
+    out2 = tmp_path / f"small.{fmt}"
+    w = OutputWriter(str(out2), fingerprint=FP, commit_rows=1, keep_columns=["v"])
+    w.add(rec(0, v=3))
+    w.add(rec(1, v=1.5))
+    w.finalize()
+    w.close()
+    assert [r["v"] for r in _rows(out2)] == [3, 1.5]
