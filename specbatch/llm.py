@@ -71,6 +71,17 @@ def _row(prompt: Prompt, index: int) -> RowRequest | RowError:
     return parse_row(obj, row=index, where=where)
 
 
+def _get(params: SamplingParams | Mapping[str, Any], key: str) -> Any:
+    return getattr(params, key) if isinstance(params, SamplingParams) else params.get(key)
+
+
+def _seeded(rows: Iterable[RowRequest | RowError], seed: int) -> Iterator[RowRequest | RowError]:
+    for r in rows:
+        if isinstance(r, RowRequest) and r.overrides.get("seed") is None:
+            r.overrides = {**r.overrides, "seed": seed}
+        yield r
+
+
 class LLM:
     """A loaded target (and draft) ready to generate, reusable across calls.
 
@@ -105,8 +116,12 @@ class LLM:
 
     def stream(self, rows: Iterable[RowRequest | RowError],
                params: SamplingParams | Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
-        """Output records (dicts, as `specbatch run` writes them) in completion order, streaming `rows`."""
-        return self.engine.generate(rows, self.sampling(params))
+        """Output records (dicts, as `specbatch run` writes them) in completion order, streaming `rows`.
+        A `seed` in `params` is every request's own seed (as vLLM's SamplingParams(seed=...)), not
+        a run seed the rows derive theirs from: identical prompts give identical samples."""
+        defaults = self.sampling(params)
+        seed = defaults.seed if params is not None and _get(params, "seed") is not None else None
+        return self.engine.generate(rows if seed is None else _seeded(rows, seed), defaults)
 
     def reset_prefix_cache(self) -> None:
         """Forget the prompt pages earlier calls left in the KV pool (as vLLM's LLM.reset_prefix_cache):
@@ -114,13 +129,24 @@ class LLM:
         self.engine.reset_prefix_cache()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Mapping[str, Any] | None = None) -> list[Completion]:
+                 params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]]
+                 | None = None) -> list[Completion]:
         """One Completion per prompt, in the order given. A prompt that cannot run (too long,
-        bad fields) comes back with `error` set; the others are unaffected."""
+        bad fields) comes back with `error` set; the others are unaffected. `params`: defaults
+        for every prompt, or (as vLLM's list of SamplingParams) one per prompt, each complete; a
+        row dict's own fields win over either."""
         if isinstance(prompts, (str, Mapping)) or (
                 isinstance(prompts, Sequence) and prompts and not isinstance(prompts[0], (str, Mapping, Sequence))):
             prompts = [prompts]                     # one prompt: text, a row, or token ids
         rows = [_row(p, i) for i, p in enumerate(prompts)]
+        if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
+            if len(params) != len(rows):
+                raise ValueError(f"params: {len(params)} sampling params for {len(rows)} prompts; give one "
+                                 "per prompt, or one mapping for all")
+            for r, p in zip(rows, params):
+                if isinstance(r, RowRequest):       # the prompt's own params, under its row's fields
+                    r.overrides = {**self.sampling(p).to_dict(), **r.overrides}
+            params = None
         out = [Completion.from_record(rec) for rec in self.stream(rows, params)]
         return sorted(out, key=lambda c: c.index)
 

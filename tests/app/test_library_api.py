@@ -108,3 +108,30 @@ def test_bad_arguments_are_clear(llm):
 
     with pytest.raises(RecipeError, match="top_p"):
         llm.generate(["x"], {"top_p": 3})
+    with pytest.raises(ValueError, match="1 sampling params for 2 prompts"):
+        llm.generate(["x", "y"], [{"max_tokens": 3}])
+
+
+def test_a_seed_in_params_is_each_requests_own(llm):
+    """As vLLM's SamplingParams(seed=7): identical prompts with the same seed draw the same
+    tokens (the seed is not a run seed the rows derive different ones from)."""
+    p = "def fib(n):"
+    seeded = llm.generate([p, p, p], {"max_tokens": 10, "temperature": 1.0, "seed": 7})
+    assert len({tuple(c.token_ids) for c in seeded}) == 1
+    unseeded = llm.generate([p, p, p], {"max_tokens": 10, "temperature": 1.0})
+    assert len({tuple(c.token_ids) for c in unseeded}) > 1
+    own = llm.generate([{"prompt": p, "seed": 8}], {"max_tokens": 10, "temperature": 1.0, "seed": 7})
+    alone = llm.generate([p], {"max_tokens": 10, "temperature": 1.0, "seed": 8})
+    assert own[0].token_ids == alone[0].token_ids                    # a row's own seed wins
+
+
+def test_one_params_per_prompt(llm):
+    """vLLM's list form: each prompt takes its own complete params; a row's own fields win."""
+    p = "def fib(n):"
+    outs = llm.generate([p, p, {"prompt": p, "max_tokens": 2}],
+                        [{"temperature": 0, "max_tokens": 4}, {"temperature": 1.0, "max_tokens": 6, "seed": 3},
+                         {"max_tokens": 9}])
+    assert [c.completion_tokens for c in outs] == [4, 6, 2] and all(c.error is None for c in outs)
+    alone = llm.generate([p], {"temperature": 1.0, "max_tokens": 6, "seed": 3})
+    assert outs[1].token_ids == alone[0].token_ids
+    assert outs[0].token_ids == llm.generate([p], {"temperature": 0, "max_tokens": 4})[0].token_ids
