@@ -23,6 +23,7 @@ from typing import Iterable, Sequence
 import torch
 
 from .params import SamplingParams
+from .sampling import FLOAT32_MAX
 
 Row = tuple[SamplingParams, int]        # a request's params and its prompt length
 
@@ -162,7 +163,11 @@ def _penalty(x: torch.Tensor, count: torch.Tensor, present: torch.Tensor, r: tor
              f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """vLLM's formulas: repetition divides positive logits by r and multiplies the others, for
     tokens in the prompt or generated; then logit -= frequency * count + presence * (count > 0)."""
-    x = torch.where(present, torch.where(x > 0, x / r, x * r), x)
+    # Kept finite: a tiny r (1e-45 is a float32 denormal) sends x / r to inf and an r past float32's
+    # range makes 0 * r NaN; softmax of an inf is NaN, which samples token 0.
+    scaled = torch.where(x > 0, x / r, torch.where(x < 0, x * r, x))
+    scaled = torch.where(torch.isfinite(x), scaled.clamp(-FLOAT32_MAX, FLOAT32_MAX), x)   # masked: -inf stays
+    x = torch.where(present, scaled, x)
     return x - f * count - p * (count > 0).float()
 
 

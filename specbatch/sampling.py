@@ -15,6 +15,8 @@ import torch
 from .host import to_device
 from .params import SamplingParams
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -95,7 +97,8 @@ class BatchSampling:
         params = [p.resolved() for p in params]          # unset fields: their defaults
         lo, hi = zip(*(split_seed(p.seed or 0) for p in params)) if params else ((), ())
         return cls(
-            temperature=to_device([p.temperature for p in params], torch.float32, device),
+            # a temperature past float32's range would be inf, and -inf / inf (a masked token) NaN
+            temperature=to_device([min(p.temperature, FLOAT32_MAX) for p in params], torch.float32, device),
             top_k=to_device([p.top_k for p in params], torch.int64, device),
             top_p=to_device([p.top_p for p in params], torch.float32, device),
             seed_lo=to_device(lo, torch.int64, device),

@@ -135,3 +135,15 @@ def test_one_params_per_prompt(llm):
     alone = llm.generate([p], {"temperature": 1.0, "max_tokens": 6, "seed": 3})
     assert outs[1].token_ids == alone[0].token_ids
     assert outs[0].token_ids == llm.generate([p], {"temperature": 0, "max_tokens": 4})[0].token_ids
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1e39, "min_tokens": 3}, {"temperature": 1.0, "repetition_penalty": 1e-45},
+                                    {"temperature": 1.0, "repetition_penalty": 1e300}])
+def test_extreme_sampling_values_stay_numbers(llm, params):
+    """Values valid as fields but past float32's range: a temperature of 1e39 is inf in float32
+    (-inf / inf = NaN for the tokens min_tokens masks) and x / 1e-45 overflows; a NaN distribution
+    drew token 0 (EOS) every time. Now the first is uniform over the allowed tokens and the
+    second boosts the repeated ones, as their limits do."""
+    (c,) = llm.generate(["def fib(n):"], {**params, "max_tokens": 8, "seed": 1})
+    assert c.error is None and c.finish_reason == "length" and c.completion_tokens == 8
+    assert llm.engine.tokenizer.eos_token_id not in c.token_ids
