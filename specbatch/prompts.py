@@ -117,8 +117,10 @@ def encode_row(tokenizer: Any, row: Any, vocab_size: int, max_tokens_allowed: in
                 raise PromptError(f"{where}: field 'messages': the model's tokenizer has no chat "
                                   "template; give a 'prompt' instead")
             try:
-                text = tokenizer.apply_chat_template(row.messages, add_generation_prompt=True,
-                                                     tokenize=False)
+                opts = dict(getattr(row, "chat", None) or {})
+                kwargs = opts.pop("chat_template_kwargs", {})
+                opts.setdefault("add_generation_prompt", True)
+                text = tokenizer.apply_chat_template(row.messages, tokenize=False, **opts, **kwargs)
             except Exception as e:
                 raise PromptError(f"{where}: field 'messages': chat template failed "
                                   f"({exception_line(e)})") from None

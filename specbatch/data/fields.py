@@ -90,7 +90,22 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "audio": ("null", _empty),
     "modalities": ("null", lambda v: _empty(v) or v == ["text"]),
     "reasoning_effort": ("null", _empty),
+    "chat_template": ("null", _empty),
+    "documents": ("null", _empty),
+    "mm_processor_kwargs": ("null", _empty),
+    "return_tokens_as_token_ids": ("false", _false),
+    "detokenize": ("true", _true),
+    "structural_tag": ("null", _empty),
+    "logits_processors": ("null", _empty),
+    "prompt_embeds": ("null", _empty),
 }
+
+# Chat-template options of a messages row (vLLM's chat completion extras), passed to the
+# tokenizer's apply_chat_template: name -> its default.
+CHAT_OPTIONS = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": None}
+# (and add_special_tokens, which must be the endpoint's default: true for a prompt, false for a chat)
+_CHAT_RESERVED = ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+                  "return_dict", "chat_template", "tools", "documents")
 
 
 class BadField(Exception):
@@ -403,6 +418,37 @@ def _parse_more(get: Callable[[str], object], prefix: str, endpoint: str | None,
     for key in ("include_stop_str_in_output", "skip_special_tokens"):
         if (v := get(key)) is not None:
             out[key] = _bool_field(v, prefix + key)
+
+
+def parse_chat_options(src: dict, prefix: str, chat: bool, exempt: Sequence[str] = ()) -> dict:
+    """A row's chat-template options, validated: those set to other than their defaults (a
+    completion row may not set them)."""
+    out: dict = {}
+    for name, default in CHAT_OPTIONS.items():
+        v = src.get(name) if name not in exempt else None
+        if v is None or v == default or (default is None and _empty(v)):
+            continue
+        if not chat:
+            raise BadField(f"field '{prefix}{name}': applies to 'messages' rows (a chat template), not to a "
+                           "prompt; remove it")
+        if name == "chat_template_kwargs":
+            if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+                raise bad(prefix + name, "an object of template variables", v)
+            clash = [k for k in v if k in _CHAT_RESERVED]
+            if clash:
+                raise BadField(f"field '{prefix}{name}': '{clash[0]}' is not a template variable; set it as its "
+                               "own field or remove it")
+            out[name] = dict(v)
+        else:
+            out[name] = _bool_field(v, prefix + name)
+    special = src.get("add_special_tokens") if "add_special_tokens" not in exempt else None
+    if special is not None and special is not (not chat):
+        raise BadField(f"field '{prefix}add_special_tokens': not supported by specbatch yet (got {show(special)}); "
+                       f"remove it or set it to its default {'false (chat)' if chat else 'true (completions)'}")
+    if out.get("continue_final_message") and src.get("add_generation_prompt", True) is not False:
+        raise BadField(f"field '{prefix}continue_final_message': true needs '{prefix}add_generation_prompt': "
+                       "false (the final message is continued, not followed by a new turn)")
+    return out
 
 
 def check_unsupported(src: dict, prefix: str, exempt: Sequence[str] = ()) -> None:

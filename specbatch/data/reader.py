@@ -13,7 +13,7 @@ from typing import BinaryIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .fields import OVERRIDE_KEYS, UNSUPPORTED_FIELDS
+from .fields import CHAT_OPTIONS, OVERRIDE_KEYS, UNSUPPORTED_FIELDS
 from .rows import InputError, RowError, RowRequest, parse_row
 
 PARQUET_BATCH_ROWS = 1024
@@ -254,7 +254,7 @@ def _open_stdin(opts: dict) -> RowSource:
 
 def _parquet_columns(names: list[str], opts: dict) -> list[str]:
     wanted = [opts["prompt_column"], "messages", "prompt_token_ids", "body", "method", "url", *OVERRIDE_KEYS]
-    wanted += list(UNSUPPORTED_FIELDS)
+    wanted += [*UNSUPPORTED_FIELDS, *CHAT_OPTIONS, "add_special_tokens"]
     wanted += [opts["id_column"]] if opts["id_column"] is not None else ["id", "custom_id"]
     wanted += list(opts["keep_columns"])
     present = set(names)

@@ -16,6 +16,7 @@ from .fields import (
     check_unicode,
     check_unsupported,
     nested_surrogate,
+    parse_chat_options,
     parse_overrides,
     show,
 )
@@ -37,6 +38,7 @@ class RowRequest:
     messages: list[dict] | None = None  # [{"role": str, "content": str}, ...]
     prompt_token_ids: list[int] | None = None
     overrides: dict = field(default_factory=dict)
+    chat: dict = field(default_factory=dict)  # chat-template options set off their defaults (fields.CHAT_OPTIONS)
     keep: dict = field(default_factory=dict)
     endpoint: str | None = None  # the OpenAI response it takes: "chat" (messages) or "completion"
     request_model: str | None = None  # OpenAI batch lines: the body's `model`, echoed in the response
@@ -134,6 +136,7 @@ def _parse_body(obj: dict, req: RowRequest) -> None:
         else:
             req.prompt = check_prompt(p, "body.prompt")
     req.overrides = parse_overrides(body, "body.", endpoint=req.endpoint)
+    req.chat = parse_chat_options(body, "body.", req.messages is not None)
     check_unsupported(body, "body.")
 
 
@@ -156,6 +159,7 @@ def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequenc
         req.prompt_token_ids = check_token_ids(obj[form], form, non_empty=True)
     req.endpoint = "chat" if form == "messages" else "completion"
     req.overrides = parse_overrides(obj, "", exempt=exempt)
+    req.chat = parse_chat_options(obj, "", req.messages is not None, exempt)
     check_unsupported(obj, "", exempt)
 
 

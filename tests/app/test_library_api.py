@@ -147,3 +147,14 @@ def test_extreme_sampling_values_stay_numbers(llm, params):
     (c,) = llm.generate(["def fib(n):"], {**params, "max_tokens": 8, "seed": 1})
     assert c.error is None and c.finish_reason == "length" and c.completion_tokens == 8
     assert llm.engine.tokenizer.eos_token_id not in c.token_ids
+
+
+def test_chat_template_options_change_the_prompt(llm):
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    base, no_turn, cont, kw = llm.generate(
+        [{"messages": chat}, {"messages": chat, "add_generation_prompt": False},
+         {"messages": chat, "add_generation_prompt": False, "continue_final_message": True},
+         {"messages": chat, "chat_template_kwargs": {"unused_variable": 1}}], {"max_tokens": 2})
+    assert all(c.error is None for c in (base, no_turn, cont, kw))
+    assert base.prompt_tokens > no_turn.prompt_tokens > cont.prompt_tokens          # each reached the template
+    assert kw.prompt_tokens == base.prompt_tokens

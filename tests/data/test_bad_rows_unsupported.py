@@ -20,6 +20,9 @@ NON_DEFAULT = {
     "truncate_prompt_tokens": 10, "spaces_between_special_tokens": False, "echo": True, "suffix": "}", "stream": True,
     "stream_options": {"include_usage": True}, "prediction": {"type": "content", "content": "x"},
     "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "reasoning_effort": "high",
+    "chat_template": "{{ messages }}", "documents": [{"text": "d"}], "mm_processor_kwargs": {"x": 1},
+    "return_tokens_as_token_ids": True, "detokenize": False, "structural_tag": {"type": "x"},
+    "logits_processors": ["my.module:Proc"], "prompt_embeds": "AAAA",
 }
 DEFAULTS = {
     "n": 1, "best_of": None, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0.0,
@@ -28,7 +31,8 @@ DEFAULTS = {
     "function_call": "none", "parallel_tool_calls": True, "use_beam_search": False, "bad_words": [],
     "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "echo": False, "suffix": "", "stream": False, "stream_options": None, "modalities": ["text"],
-    "reasoning_effort": None, "prompt_logprobs": None,
+    "reasoning_effort": None, "prompt_logprobs": None, "return_tokens_as_token_ids": False, "detokenize": True,
+    "add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {},
 }
 
 
@@ -99,3 +103,24 @@ def test_unsupported_fields_in_parquet(tmp_path):
     out = list(open_rows(str(path)))
     assert isinstance(out[0], RowRequest)
     assert "field 'method'" in out[1].error and "field 'body.logprobs'" in out[2].error
+
+
+def test_chat_template_options_reach_the_template_or_are_refused():
+    """add_generation_prompt / continue_final_message / chat_template_kwargs change the prompt, so
+    they are carried to the chat template (vLLM's chat extras), never dropped; a prompt row or a
+    clash is the row's error, and add_special_tokens only at its endpoint's default."""
+    r = parse({"messages": MESSAGES, "add_generation_prompt": False, "continue_final_message": True,
+               "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.chat == {"add_generation_prompt": False, "continue_final_message": True,
+                      "chat_template_kwargs": {"enable_thinking": False}}
+    assert parse({"body": {"messages": MESSAGES, "add_generation_prompt": True}}).chat == {}
+    assert "true needs 'body.add_generation_prompt': false" in err(
+        {"body": {"messages": MESSAGES, "continue_final_message": True}}).error
+    assert "applies to 'messages' rows" in err({"prompt": "x", "add_generation_prompt": False}).error
+    assert "'tokenize' is not a template variable" in err({"messages": MESSAGES,
+                                                           "chat_template_kwargs": {"tokenize": True}}).error
+    assert "expected an object of template variables" in err({"messages": MESSAGES, "chat_template_kwargs": [1]}).error
+    assert "add_special_tokens" in err({"messages": MESSAGES, "add_special_tokens": True}).error
+    assert "add_special_tokens" in err({"prompt": "x", "add_special_tokens": False}).error
+    assert isinstance(parse({"prompt": "x", "add_special_tokens": True}), RowRequest)
+    assert isinstance(parse({"messages": MESSAGES, "add_special_tokens": False}), RowRequest)
