@@ -262,8 +262,9 @@ def _parse_sampling(data: Any, source: str) -> SamplingDefaults:
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
-        top_k=None if get("top_k") is None else _int(source, k + "top_k", get("top_k"), minimum=0),
-        seed=_int(source, k + "seed", get("seed"), minimum=0, nullable=True),
+        # top_k -1 is vLLM's "off" (0 here), as rows take it; any integer seed (used mod 2**64), as rows take it
+        top_k=None if get("top_k") is None else max(0, _int(source, k + "top_k", get("top_k"), minimum=-1)),
+        seed=_int(source, k + "seed", get("seed"), nullable=True),
         stop=_str_list(source, k + "stop", get("stop")),
         stop_token_ids=_int_list(source, k + "stop_token_ids", get("stop_token_ids")),
         ignore_eos=_bool(source, k + "ignore_eos", get("ignore_eos")),

@@ -78,7 +78,7 @@ def test_wrong_types(data, expected):
         ({"sampling": {"temperature": -0.1}}, "sampling.temperature: expected a number >= 0"),
         ({"sampling": {"top_p": 0}}, "sampling.top_p: expected 0 < top_p <= 1, got 0.0"),
         ({"sampling": {"top_p": 1.01}}, "sampling.top_p: expected 0 < top_p <= 1, got 1.01"),
-        ({"sampling": {"top_k": -1}}, "sampling.top_k: expected an integer >= 0, got -1"),
+        ({"sampling": {"top_k": -2}}, "sampling.top_k: expected an integer >= -1, got -2"),
         ({"sampling": {"stop_token_ids": [-1]}}, "sampling.stop_token_ids[0]: expected an integer >= 0, got -1"),
     ],
 )
@@ -91,6 +91,9 @@ def test_valid_edges():
     assert r.sampling.top_p == 1.0 and isinstance(r.sampling.top_p, float)
     assert r.sampling.temperature == 0.0 and r.sampling.seed == 0
     assert _parse(algorithm="vanilla", sampling=None).sampling == SamplingDefaults()
+    # as rows take them: top_k -1 is vLLM's "off", and any integer seed
+    r = _parse(algorithm="vanilla", sampling={"top_k": -1, "seed": -5})
+    assert r.sampling.top_k == 0 and r.sampling.seed == -5
 
 
 # ---------------------------------------------------------------- algorithm parameters
