@@ -128,7 +128,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
             if input_path == "-":
                 spooled = _spool_stdin(output)
                 source = open_rows(spooled, prompt_column=opts.prompt_column, id_column=opts.id_column,
-                                   keep_columns=opts.keep_columns)
+                                   keep_columns=opts.keep_columns, display="<stdin>")
             try:
                 digests, pending = check_input(iter(source), writer.expected(), limit=opts.limit,
                                                input_name="<stdin>" if input_path == "-" else input_path,

@@ -55,6 +55,10 @@ def _true(v: object) -> bool:
     return v is None or v is True
 
 
+def _set_keys(v: object) -> object:
+    return {k: x for k, x in v.items() if x is not None} if isinstance(v, dict) else v
+
+
 def _empty(v: object) -> bool:
     return v is None or (isinstance(v, (str, list, tuple, dict)) and not v)
 
@@ -66,7 +70,8 @@ def _empty(v: object) -> bool:
 # above n is refused by parse_overrides: best_of = n is n.)
 UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "length_penalty": ("1.0", _num(1.0)),
-    "response_format": ("null", lambda v: _empty(v) or v == {"type": "text"}),
+    # (a Parquet struct column fills the keys a row lacks with null)
+    "response_format": ("null", lambda v: _empty(v) or _set_keys(v) == {"type": "text"}),
     "guided_json": ("null", _empty),
     "guided_regex": ("null", _empty),
     "guided_choice": ("null", _empty),

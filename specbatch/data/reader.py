@@ -207,26 +207,27 @@ def _check_block(name: str, lines: list[bytes], cut: bool, opts: dict) -> None:
             raise InputError(f"{name}: keep column '{c}' is not in the first {rows} (fields: {seen})")
 
 
-def _open_jsonl_file(path: str, opts: dict) -> RowSource:
+def _open_jsonl_file(path: str, opts: dict, display: str | None = None) -> RowSource:
+    shown = display or path          # what messages call it (stdin spooled to a file: "<stdin>")
     try:
         with open(path, "rb") as f:
             lines, cut = _read_block(f)
-            _check_block(path, lines, cut, opts)
+            _check_block(shown, lines, cut, opts)
             f.seek(0)
             total = count_nonblank_lines(f)
     except FileNotFoundError:
-        raise InputError(f"{path}: cannot read JSONL: no such file") from None
+        raise InputError(f"{shown}: cannot read JSONL: no such file") from None
     except IsADirectoryError:
-        raise InputError(f"{path}: cannot read JSONL: is a directory") from None
+        raise InputError(f"{shown}: cannot read JSONL: is a directory") from None
     except OSError as e:
-        raise InputError(f"{path}: cannot read JSONL: {e.strerror or _one_line(e)}") from None
-    name = _display(path)
+        raise InputError(f"{shown}: cannot read JSONL: {e.strerror or _one_line(e)}") from None
+    name = display or _display(path)
 
     def rows() -> Iterator[Row]:
         try:
             f = open(path, "rb")
         except OSError as e:
-            raise InputError(f"{path}: cannot read JSONL: {e.strerror or _one_line(e)}") from None
+            raise InputError(f"{shown}: cannot read JSONL: {e.strerror or _one_line(e)}") from None
         with f:
             yield from _jsonl_rows(f, name, opts)
 
@@ -320,14 +321,16 @@ def open_rows(
     prompt_column: str = "prompt",
     id_column: str | None = None,
     keep_columns: Sequence[str] = (),
+    display: str | None = None,
 ) -> RowSource:
-    """Open `path` (.jsonl, .parquet, or - for JSONL on stdin) as a streaming RowSource."""
+    """Open `path` (.jsonl, .parquet, or - for JSONL on stdin) as a streaming RowSource;
+    `display`: the name messages give a JSONL file (stdin a resume spooled to a file)."""
     opts = {"prompt_column": prompt_column, "id_column": id_column, "keep_columns": tuple(keep_columns)}
     if path == "-":
         return _open_stdin(opts)
     low = path.lower()
     if low.endswith(".jsonl"):
-        return _open_jsonl_file(path, opts)
+        return _open_jsonl_file(path, opts, display)
     if low.endswith(".parquet"):
         return _open_parquet(path, opts)
     raise InputError(f"{path}: unsupported input; expected a .jsonl or .parquet file, or - for JSONL on stdin")

@@ -195,6 +195,18 @@ def test_rerun_without_limit_completes_the_rest(tiny_model, data_dir, tmp_path):
     assert [r["row"] for r in read_out(out)] == list(range(N))
 
 
+def test_a_stdin_resume_names_stdin_in_row_errors(tiny_model, tmp_path):
+    """A resume from stdin spools it to a file; its row errors still say <stdin>, not that file."""
+    data = b'{"prompt": "a"}\n{"prompt": "b"}\nnot json\n{"prompt": "c"}\n'
+    out = tmp_path / "s.jsonl"
+    args = ["run", "-", "--model", str(tiny_model), "--max-tokens", "2", "--device", "cpu", "-o", str(out), "-q"]
+    assert CliRunner().invoke(app, [*args, "--limit", "2"], input=data).exit_code == 0
+    r = CliRunner().invoke(app, args, input=data)
+    assert r.exit_code == 0, r.output
+    err = [x for x in read_out(out) if x["error"]]
+    assert len(err) == 1 and err[0]["error"].startswith("<stdin>:3: ")
+
+
 # ---------------------------------------------------------------- other row forms
 
 

@@ -65,6 +65,9 @@ def test_defaults_are_accepted():
     assert isinstance(r, RowRequest), r
     assert isinstance(parse({"body": {"prompt": "x", "logprobs": 0}}), RowRequest)   # completions API
     assert isinstance(parse({"body": {"prompt": "x", "logprobs": None, "n": 1.0}}), RowRequest)
+    # a Parquet struct fills the keys a row lacks with null: still the default
+    assert isinstance(parse({"body": {"prompt": "x", "response_format": {"type": "text", "json_schema": None}}}),
+                      RowRequest)
 
 
 def test_metadata_and_named_columns_stay_allowed():
