@@ -204,9 +204,11 @@ def merge_chunks(parts: Sequence[str], schema: pa.Schema, as_json: set[str]) -> 
         yield chunk
 
 
-def jsonl_lines(chunk: pa.Table, json_columns: Sequence[str], openai_model: str | None = None) -> Iterator[bytes]:
+def jsonl_lines(chunk: pa.Table, json_columns: Sequence[str], openai_model: str | None = None,
+                keep_columns: Sequence[str] = ()) -> Iterator[bytes]:
     """A merged chunk as JSONL bytes, typed columns held as JSON text decoded to their values;
-    with `openai_model`, as OpenAI batch output lines."""
+    with `openai_model`, as OpenAI batch output lines (the kept columns beside their keys, as
+    `-o -` writes them)."""
     for batch in chunk.to_batches(max_chunksize=JSONL_BATCH_ROWS):
         lines = []
         for r in batch.to_pylist():
@@ -214,7 +216,9 @@ def jsonl_lines(chunk: pa.Table, json_columns: Sequence[str], openai_model: str 
                 if r.get(c) is not None:
                     r[c] = json.loads(r[c])
             if openai_model is not None:
-                r = to_openai_line(r, openai_model)
+                line = to_openai_line(r, openai_model)
+                line.update((c, r.get(c)) for c in keep_columns)
+                r = line
             lines.append(json.dumps(r, ensure_ascii=False, default=str))
         yield ("\n".join(lines) + "\n").encode("utf-8")
 
@@ -238,13 +242,14 @@ def write_parquet(f: BinaryIO, parts: Sequence[str], schema: pa.Schema, as_json:
 
 
 def write_jsonl(f: BinaryIO, parts: Sequence[str], schema: pa.Schema, as_json: set[str],
-                json_columns: Sequence[str], openai_model: str | None = None) -> tuple[int, int, str]:
+                json_columns: Sequence[str], openai_model: str | None = None,
+                keep_columns: Sequence[str] = ()) -> tuple[int, int, str]:
     """The merged parts as JSONL (native rows, or OpenAI batch lines for `openai_model`);
     -> (rows, bytes, blake2b hex of the bytes)."""
     out = HashingFile(f)
     count = 0
     for chunk in merge_chunks(parts, schema, as_json):
-        for data in jsonl_lines(chunk, json_columns, openai_model):
+        for data in jsonl_lines(chunk, json_columns, openai_model, keep_columns):
             out.write(data)
         count += chunk.num_rows
     return count, out.size, out.h.hexdigest()

@@ -22,7 +22,10 @@ class StdoutWriter:
 
     def __init__(self, *, save_token_ids: bool = False, keep_columns: Sequence[str] = (),
                  stream: BinaryIO | None = None, output_format: str = "native", model_name: str = "specbatch") -> None:
-        """`output_format` "auto": OpenAI batch lines when the first row out is an OpenAI line."""
+        """`output_format` "auto": OpenAI batch lines when the first row whose form is known (a
+        malformed line's is not) is an OpenAI line; rows wait in order until one shows it."""
+        if output_format not in ("native", "openai", "auto"):
+            raise ValueError(f"--output-format {output_format}: expected native, openai or auto")
         self.output_format, self.model_name = output_format, model_name
         self.standard = records.columns({"save_token_ids": save_token_ids})
         self.keep_columns = list(dict.fromkeys(keep_columns))
@@ -37,6 +40,13 @@ class StdoutWriter:
 
     def add(self, record: dict, digest: bytes = b"") -> None:
         self._pending[record["row"]] = record
+        if self.output_format == "auto":
+            row = self._next
+            while row in self._pending and self._pending[row].get("batch_line") is None:
+                row += 1                              # malformed lines: their form is unknown
+            if row not in self._pending:
+                return                                # the first row of known form is not here yet
+            self.output_format = "openai" if self._pending[row]["batch_line"] else "native"
         while self._next in self._pending:
             self._emit(self._pending.pop(self._next))
             self._next += 1
@@ -44,8 +54,8 @@ class StdoutWriter:
             self.stream.flush()
 
     def _emit(self, rec: dict[str, Any]) -> None:
-        if self.output_format == "auto":
-            self.output_format = "openai" if rec.get("batch_line") else "native"
+        if self.output_format == "auto":                # finalize: no row of known form came
+            self.output_format = "native"
         out = {c.name: _struct_value(rec.get(c.name), c.type) if c.type is not None and pa.types.is_struct(c.type)
                else rec.get(c.name) for c in self.standard}
         for name in records.ON_REQUEST:             # on the rows that asked for them

@@ -340,10 +340,12 @@ class OutputWriter:
         if len(self._buffer) >= self.commit_rows or time.monotonic() - self._last_commit >= self.commit_seconds:
             self.commit()
 
-    @staticmethod
-    def _native(line: dict) -> dict:
-        """A line of a finished JSONL output as a native record (OpenAI lines converted back)."""
-        return from_openai_line(line) if "custom_id" in line and "specbatch" in line else line
+    def _native(self, line: dict) -> dict:
+        """A line of a finished JSONL output as a native record (OpenAI lines converted back, their
+        kept columns with them)."""
+        if "custom_id" in line and "specbatch" in line:
+            return {**from_openai_line(line), **{c: line.get(c) for c in self.keep_columns}}
+        return line
 
     def _part_table(self, items: list[tuple[dict, bytes]]) -> pa.Table:
         # Parts hold every column a final format may need (the OpenAI ones, logprobs and choices too).
@@ -433,7 +435,7 @@ class OutputWriter:
         def jsonl(f: BinaryIO) -> None:
             nonlocal count
             count, size, digest = write_jsonl(f, parts, schema, as_json, json_columns,
-                                              self.model_name if openai else None)
+                                              self.model_name if openai else None, self.keep_columns)
             final["output"] = {"bytes": size, "blake2b": digest}
 
         if self.format == "parquet":

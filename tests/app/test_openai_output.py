@@ -198,3 +198,30 @@ def test_other_outputs_and_formats(tiny_model, batch_file, tmp_path):
     lines = consume(out)
     assert [ln.custom_id for ln in lines] == ["a", "1"]                  # custom_id: always a string
     assert all(isinstance(body(ln), TextCompletion) for ln in lines)
+
+
+def test_stdout_and_a_file_write_the_same_lines(tiny_model, batch_file, tmp_path):
+    """`-o -` and `-o file.jsonl` agree: a malformed first line does not make stdout native (the
+    first row of known form decides "auto"), kept columns sit beside the OpenAI keys in both, and
+    a bad --output-format is refused for both."""
+    inp, rows = batch_file
+    src = tmp_path / "bad_first.jsonl"
+    src.write_text("not json\n" + "".join(json.dumps({**r, "tag": i}) + "\n" for i, r in enumerate(rows)))
+    out = tmp_path / "f.jsonl"
+    ok("run", src, "-o", out, *_args(tiny_model, "--keep-columns", "tag"))
+    r = ok("run", src, "-o", "-", *_args(tiny_model, "--keep-columns", "tag"))
+    file_lines = [json.loads(x) for x in out.read_text().splitlines()]
+    std_lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert len(file_lines) == len(std_lines) == len(rows) + 1
+    for a, b in zip(file_lines, std_lines):
+        assert set(a) == set(b) and "custom_id" in a and a.get("tag") == b.get("tag")
+    assert [x.get("tag") for x in file_lines] == [None, *range(len(rows))]
+    # a finished OpenAI output reopened to add rows keeps its kept columns
+    more = tmp_path / "more.jsonl"
+    more.write_text(src.read_text() + json.dumps({**rows[0], "custom_id": "req-x", "tag": 99}) + "\n")
+    ok("run", more, "-o", out, *_args(tiny_model, "--keep-columns", "tag"))
+    assert [json.loads(x).get("tag") for x in out.read_text().splitlines()] == [None, *range(len(rows)), 99]
+    for dest in ("-", tmp_path / "g.jsonl"):
+        line = one_line_cli_error(cli("run", src, "-o", dest, *_args(tiny_model, "--output-format", "bogus")),
+                                  EXIT_USAGE)
+        assert "--output-format bogus" in line
