@@ -13,6 +13,7 @@ from typing import Any
 
 from .data import InputChanged, OutputError, OutputWriter, StdoutWriter, check_input, open_rows
 from .data.reader import Row
+from .data.writer import output_file_format
 from .recipe import Recipe
 from .resolve import DEMO_DIR, JobError, describe_draft, resolve_draft, resolve_model, spec_config
 from .stats import RunStats
@@ -77,6 +78,8 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _check_paths(input_path: str, output: str) -> None:
+    if output != "-":
+        output_file_format(output)           # a bad output path fails before the input is counted
     if output == "-" or input_path == "-":
         return
     for p in (output, output + ".parts", output + ".manifest.json", output + ".lock"):

@@ -56,6 +56,15 @@ _PART_RE = re.compile(r"^part-(?:[0-9a-f]{8}-)?(\d{6,})\.parquet$")
 _OUR_NAMES = re.compile(r"^(part-.*\.parquet(\.tmp)?|manifest\.json(\.tmp)?)$")
 
 
+def output_file_format(path: str) -> str:
+    """"parquet" or "jsonl" by the output path's ending (a ValueError naming it otherwise)."""
+    low = path.lower()
+    for fmt in ("parquet", "jsonl"):
+        if low.endswith("." + fmt):
+            return fmt
+    raise ValueError(f"{path}: unsupported output; expected a path ending in .parquet or .jsonl")
+
+
 class OutputWriter:
     """Buffers result records and commits them as atomic Parquet parts; finalize() merges them.
     Holds the output's lock from construction to close() (or the end of a `with` block)."""
@@ -76,13 +85,7 @@ class OutputWriter:
         """`output_format`: native rows, "openai" (OpenAI Batch output lines, JSONL only), or "auto"
         (openai when the job's first row is an OpenAI batch line and the output is JSONL);
         `model_name`: the response's model when a line names none."""
-        low = path.lower()
-        if low.endswith(".parquet"):
-            self.format = "parquet"
-        elif low.endswith(".jsonl"):
-            self.format = "jsonl"
-        else:
-            raise ValueError(f"{path}: unsupported output; expected a path ending in .parquet or .jsonl")
+        self.format = output_file_format(path)
         if output_format not in ("native", "openai", "auto"):
             raise ValueError(f"--output-format {output_format}: expected native, openai or auto")
         if output_format == "openai" and self.format != "jsonl":

@@ -292,3 +292,14 @@ def test_a_finished_output_with_a_gap_below_its_last_row_is_filled(tiny_model, t
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["row"] for r in rows] == [0, 1, 2, 3] and not summary.get("complete_before")
     assert rows[2]["completion"] != rec(2)["completion"] and rows[3]["completion"] == rec(3)["completion"]  # the gap ran
+
+
+def test_a_bad_output_path_fails_before_the_input_is_read(tiny_model, tmp_path):
+    """The output's ending is checked first: a huge input is not counted line by line (nor a
+    missing one reported) only to fail on '-o x.csv' afterwards."""
+    from specbatch.job import JobOptions, run_job
+    from specbatch.recipe import load_recipe
+
+    recipe = load_recipe("vanilla").with_overrides(model=str(tiny_model))
+    with pytest.raises(ValueError, match=r"x\.csv: unsupported output"):
+        run_job(str(tmp_path / "missing.jsonl"), recipe, JobOptions(output=str(tmp_path / "x.csv"), device="cpu"))
