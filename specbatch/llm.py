@@ -38,6 +38,7 @@ class Completion:
     logprobs: list[dict[str, Any]] | None = None   # per token {token_id, token, logprob, top_logprobs}: rows that asked
     choices: list[dict[str, Any]] | None = None    # n > 1: every choice (index, completion, ..., logprobs)
     prompt_logprobs: list[dict[str, Any] | None] | None = None   # per prompt token (None first): rows that asked
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (None: EOS, length)
     record: dict[str, Any] = field(default_factory=dict, repr=False)   # every column (records.py), as a file row
 
     @classmethod
@@ -46,7 +47,8 @@ class Completion:
                    token_ids=rec.get("output_token_ids"), prompt_tokens=rec.get("prompt_tokens", 0),
                    completion_tokens=rec.get("completion_tokens", 0), finish_reason=rec.get("finish_reason"),
                    error=rec.get("error"), spec=rec.get("spec"), logprobs=rec.get("logprobs"),
-                   choices=rec.get("choices"), prompt_logprobs=rec.get("prompt_logprobs"), record=dict(rec))
+                   choices=rec.get("choices"), prompt_logprobs=rec.get("prompt_logprobs"),
+                   stop_reason=rec.get("stop_reason"), record=dict(rec))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

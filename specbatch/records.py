@@ -71,6 +71,7 @@ class Finished:
     output_ids: list[int]
     finish_reason: str
     spec: dict[str, Any]
+    stop_reason: int | str | None = None   # the stop string or stop token id that ended it (vLLM's)
     endpoint: str | None = None          # the OpenAI response it takes: "chat" or "completion"
     request_model: str | None = None     # OpenAI batch lines: the body's model
     batch_line: bool = False             # the row was an OpenAI batch line
@@ -98,6 +99,8 @@ COLUMNS: list[Column] = [
            lambda f: sum(c["completion_tokens"] for c in f.choices) if f.choices else len(f.output_ids),
            "generated token count (n > 1: of every choice)"),
     Column("finish_reason", pa.string(), lambda f: f.finish_reason, "stop (EOS, a stop token id or string) or length"),
+    Column("stop_reason", None, lambda f: f.stop_reason,
+           "the stop string or stop_token_ids entry that ended the completion; null for EOS and length (vLLM's)"),
     Column("error", pa.string(), lambda f: None, "null, or one line saying what was wrong with the row"),
     Column("spec", SPEC_TYPE, lambda f: {**f.spec, "accept_length": float(f.spec["accept_length"])},
            "speculation stats: verify_steps, draft_tokens, accepted_tokens, accept_length, accept_histogram"),

@@ -26,6 +26,7 @@ class Request:
     finish_reason: str | None = None    # "stop" | "length"
     stop_hit: bool = False              # finished on a stop string: text is cut at it
     stop_token: bool = False            # finished on EOS or a stop token id: its text is left out
+    stop_id: int | None = None          # finished on this stop_token_ids entry (not EOS)
     logprobs: list | None = None        # per kept token: (logprob, top ids, top logprobs); None: not asked
     prompt_logprobs: list | None = None  # per prompt token after the first: (logprob, rank, top ids, top logprobs)
     choice: int = 0                     # which of the row's n completions
@@ -67,8 +68,10 @@ class StopChecker:
 
     def _stops(self, req: Request, tok: int) -> bool:
         p = req.params
-        if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
+        eos = tok in self.eos_ids and not p.ignore_eos
+        if tok in p.stop_token_ids or eos:
             req.stop_token = True
+            req.stop_id = None if eos else tok          # EOS is checked first, as vLLM does
             return True
         if p.stop:
             longest = max(len(s) for s in p.stop)
@@ -87,10 +90,16 @@ class StopChecker:
         return False
 
     def completion_text(self, req: Request) -> str:
-        """The generated text (special tokens skipped unless skip_special_tokens is false), cut
-        before a matched stop string and without the stop token's text (EOS, a stop token id),
-        or through them with include_stop_str_in_output, as vLLM writes it."""
+        return self.completion(req)[0]
+
+    def completion(self, req: Request) -> tuple[str, int | str | None]:
+        """(The generated text, the stop reason). The text: special tokens skipped unless
+        skip_special_tokens is false, cut before a matched stop string and without the stop
+        token's text (EOS, a stop token id), or through them with include_stop_str_in_output, as
+        vLLM writes it. The stop reason, as vLLM's: the stop string the text was cut at, or the
+        stop_token_ids entry that ended it; None for EOS and length."""
         p = req.params
+        reason: int | str | None = req.stop_id
         ids = req.output_ids
         if req.stop_token and not p.include_stop_str_in_output:
             ids = ids[:-1]
@@ -99,8 +108,8 @@ class StopChecker:
             start = 0          # a stop string must end in text generated from min_tokens on
             if p.min_tokens > 1:
                 start = len(self.tokenizer.decode(ids[: p.min_tokens - 1], skip_special_tokens=p.skip_special_tokens))
-            cuts = [(i, -len(s)) for s in p.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+            cuts = [(i, -len(s), s) for s in p.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
             if cuts:
-                i, neg = min(cuts)
+                i, neg, reason = min(cuts)
                 text = text[: i - neg] if p.include_stop_str_in_output else text[:i]
-        return text
+        return text, reason

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 
-BASE_COLUMNS = ["row", "id", "completion", "prompt_tokens", "completion_tokens", "finish_reason", "error",
+BASE_COLUMNS = ["row", "id", "completion", "prompt_tokens", "completion_tokens", "finish_reason", "stop_reason", "error",
                 "spec"]
 SPEC_FIELDS = ["verify_steps", "draft_tokens", "accepted_tokens", "accept_length", "accept_histogram"]
 PROMPTS = [

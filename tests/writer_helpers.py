@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 
 
 FP = {"input": "in.jsonl", "recipe": "vanilla", "model": "m", "sampling": {"temperature": 0.0}}
-STANDARD = ["row", "id", "completion", "prompt_tokens", "completion_tokens", "finish_reason", "error", "spec"]
+STANDARD = ["row", "id", "completion", "prompt_tokens", "completion_tokens", "finish_reason", "stop_reason",
+            "error", "spec"]
 
 
 def rec(row, **extra):

@@ -36,11 +36,13 @@ def to_openai_line(rec: dict[str, Any], model: str) -> dict[str, Any]:
     else:
         chat = rec.get("endpoint") == "chat"
         native = rec.get("choices") or [{"index": 0, "completion": rec.get("completion"),
-                                         "finish_reason": rec.get("finish_reason"), "logprobs": rec.get("logprobs")}]
+                                         "finish_reason": rec.get("finish_reason"), "logprobs": rec.get("logprobs"),
+                                         "stop_reason": rec.get("stop_reason")}]
         prompt_lps = _openai_prompt_logprobs(rec.get("prompt_logprobs"))
         choices = []
         for c in native:
             choice: dict[str, Any] = {"index": c["index"], "finish_reason": c.get("finish_reason"),
+                                      "stop_reason": c.get("stop_reason"),       # vLLM's extension
                                       "logprobs": _openai_logprobs(c.get("logprobs"), chat)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": c.get("completion")}
@@ -161,7 +163,8 @@ def from_openai_line(line: dict[str, Any]) -> dict[str, Any]:
     rec.update(error=None, completion=choice["completion"], logprobs=choice["logprobs"],
                prompt_logprobs=_native_prompt_logprobs(prompt_lps, extra.get("prompt_top", 0)),
                choices=choices if len(choices) > 1 else None,
-               finish_reason=choice.get("finish_reason"), prompt_tokens=body["usage"]["prompt_tokens"],
+               finish_reason=choice.get("finish_reason"), stop_reason=body["choices"][0].get("stop_reason"),
+               prompt_tokens=body["usage"]["prompt_tokens"],
                completion_tokens=body["usage"]["completion_tokens"], endpoint="chat" if chat else "completion",
                batch_line=extra.get("batch_line", True),
                request_model=body.get("model"), created=body.get("created"))

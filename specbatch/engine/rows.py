@@ -103,8 +103,9 @@ class RowConverter:
         return prompt_logprob_entries(req.prompt_ids, req.prompt_logprobs, self._token)
 
     def record(self, req: Request) -> dict[str, Any]:
+        text, stop_reason = self.stops.completion(req)
         return completion_record(Finished(
-            row=req.row, id=req.id, text=self.stops.completion_text(req), prompt_tokens=len(req.prompt_ids),
+            row=req.row, id=req.id, text=text, prompt_tokens=len(req.prompt_ids), stop_reason=stop_reason,
             output_ids=req.output_ids, finish_reason=req.finish_reason, spec=spec_stats(req),
             endpoint=req.endpoint, request_model=req.request_model, batch_line=req.batch_line,
             logprobs=self._logprobs(req), prompt_logprobs=self._prompt_logprobs(req)), req.keep)
@@ -116,12 +117,14 @@ class RowConverter:
         choices = []
         for i in range(group.n):
             r = ran[i] if i < len(ran) else ran[0]
-            choices.append({"index": i, "completion": self.stops.completion_text(r),
+            text, stop_reason = self.stops.completion(r)
+            choices.append({"index": i, "completion": text, "stop_reason": stop_reason,
                             "completion_tokens": len(r.output_ids), "finish_reason": r.finish_reason,
                             "logprobs": self._logprobs(r), "output_token_ids": list(r.output_ids)})
         first = ran[0]
         return completion_record(Finished(
             row=first.row, id=first.id, text=choices[0]["completion"], prompt_tokens=len(first.prompt_ids),
+            stop_reason=choices[0]["stop_reason"],
             output_ids=first.output_ids, finish_reason=first.finish_reason, spec=combined_spec_stats(ran),
             endpoint=first.endpoint, request_model=first.request_model, batch_line=first.batch_line,
             logprobs=choices[0]["logprobs"], prompt_logprobs=self._prompt_logprobs(first), choices=choices),

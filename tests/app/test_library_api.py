@@ -158,3 +158,17 @@ def test_chat_template_options_change_the_prompt(llm):
     assert all(c.error is None for c in (base, no_turn, cont, kw))
     assert base.prompt_tokens > no_turn.prompt_tokens > cont.prompt_tokens          # each reached the template
     assert kw.prompt_tokens == base.prompt_tokens
+
+
+def test_stop_reason_reaches_the_outputs(llm, tmp_path):
+    p = "def fib(n):"
+    (free,) = llm.generate([p], {"max_tokens": 6})
+    stop_id = free.token_ids[2]
+    (c,) = llm.generate([p], {"max_tokens": 6, "stop_token_ids": [stop_id]})
+    assert c.finish_reason == "stop" and c.stop_reason == c.record["stop_reason"] == stop_id
+    assert free.record["stop_reason"] is None                                  # length
+    from specbatch.data.openai_out import from_openai_line, to_openai_line
+
+    line = to_openai_line({**c.record, "endpoint": "completion", "batch_line": True}, "m")
+    assert line["response"]["body"]["choices"][0]["stop_reason"] == stop_id
+    assert from_openai_line(line)["stop_reason"] == stop_id                   # a reopened output keeps it

@@ -51,3 +51,20 @@ def test_nothing_stops_before_min_tokens():
     assert kept == 6 and text == "abcd"
     req, kept, text = _run("abcEND", stop=("END",), min_tokens=6, include_stop_str_in_output=True)
     assert kept == 6 and text == "abcEND"
+
+
+def test_stop_reason_names_what_ended_the_completion():
+    """vLLM's stop_reason: the stop string the text was cut at, or the stop_token_ids entry; None
+    for EOS (checked first, even when it is also a stop id) and for length."""
+    chk = StopChecker(_CharTokenizer(), eos_ids={0})
+
+    def reason(text, **kw):
+        req = _req(**kw)
+        chk.append(req, [0 if c == "#" else ord(c) for c in text])
+        return chk.completion(req)
+
+    assert reason("abENDcd", stop=("XY", "END")) == ("ab", "END")
+    assert reason("abXYcd", stop=("END", "XY", "b")) == ("a", "b")          # the earliest cut
+    assert reason("abxyz", stop_token_ids=(ord("x"),)) == ("ab", ord("x"))
+    assert reason("ab#cd", stop_token_ids=(0,)) == ("ab", None)             # EOS
+    assert reason("abcd", max_tokens=3) == ("abc", None)                   # length
