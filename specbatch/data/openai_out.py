@@ -42,7 +42,9 @@ def to_openai_line(rec: dict[str, Any], model: str) -> dict[str, Any]:
         choices = []
         for c in native:
             choice: dict[str, Any] = {"index": c["index"], "finish_reason": c.get("finish_reason"),
-                                      "stop_reason": c.get("stop_reason"),       # vLLM's extension
+                                      # vLLM's extension (n > 1: the choices column holds none; choice 0's is the row's)
+                                      "stop_reason": c.get("stop_reason", rec.get("stop_reason") if c["index"] == 0
+                                                           else None),
                                       "logprobs": _openai_logprobs(c.get("logprobs"), chat)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": c.get("completion")}
