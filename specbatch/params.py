@@ -107,7 +107,11 @@ class SamplingParams:
                     top_p=float(p.top_p), top_k=min(int(p.top_k), 2**31 - 1),   # >= vocab: no filter
                     repetition_penalty=float(p.repetition_penalty))
         if p.min_tokens > p.max_tokens:
-            raise SamplingError("min_tokens", f"{p.min_tokens} is more than max_tokens ({p.max_tokens})")
+            if "min_tokens" in overrides or "max_tokens" not in overrides:
+                raise SamplingError("min_tokens", f"{p.min_tokens} is more than max_tokens ({p.max_tokens})")
+            # the row's max_tokens under the run's min_tokens (--min-tokens or the recipe's): name the row's field
+            raise SamplingError("max_tokens", f"{p.max_tokens} is less than the run's min_tokens ({p.min_tokens}, "
+                                f"--min-tokens or the recipe's sampling.min_tokens)")
         return p
 
     def for_choice(self, index: int) -> "SamplingParams":

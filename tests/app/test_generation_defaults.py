@@ -72,6 +72,10 @@ def test_logit_bias_outside_the_vocabulary_is_the_rows_error(tiny_model):
     assert "field 'logit_bias (--logit-bias or the recipe's sampling.logit_bias)': token id 400" in rec["error"]
     (rec,) = eng.generate(rows(prompts(1), {"min_tokens": 5}), SamplingDefaults(max_tokens=2))
     assert rec["error"] == "row 0: field 'min_tokens': 5 is more than max_tokens (2)"
+    # the row's max_tokens under the run's min_tokens: the row's field is named, and where the other came from
+    (rec,) = eng.generate(rows(prompts(1), {"max_tokens": 2}), SamplingDefaults(max_tokens=8, min_tokens=5))
+    assert rec["error"] == ("row 0: field 'max_tokens': 2 is less than the run's min_tokens (5, --min-tokens or "
+                            "the recipe's sampling.min_tokens)")
 
 
 def test_run_flags(tiny_model, tmp_path):
