@@ -60,6 +60,8 @@ OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
 
 
 def _check_id(v: object, key: str) -> str | int:
+    if isinstance(v, float) and v.is_integer() and abs(v) <= 2**53:
+        v = int(v)          # a pandas integer column with nulls is stored as float (1.0)
     if v is None or isinstance(v, bool) or not isinstance(v, (int, str)):
         raise bad(key, "a string or integer id", v)
     if isinstance(v, int):

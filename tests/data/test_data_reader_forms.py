@@ -158,6 +158,8 @@ def test_id_precedence():
     line = {"id": "meta-1", "custom_id": "req-7", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
     assert parse(line).id == "req-7"
     assert parse({**line, "custom_id": None}).id == "meta-1"
+    # pandas stores an integer column with nulls as float: whole values are the integer ids
+    assert parse({"prompt": "x", "id": 12.0}).id == 12 and "'id'" in err({"prompt": "x", "id": 1.5})
 
 
 def test_id_column_and_keep_columns_jsonl(tmp_path):
