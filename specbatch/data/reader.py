@@ -100,11 +100,11 @@ def _display(name: str) -> str:
 def _jsonl_rows(lines: Iterable[bytes], name: str, opts: dict) -> Iterator[Row]:
     row = 0
     for lineno, line in enumerate(lines, 1):
+        if lineno == 1 and line.startswith(_BOM):
+            line = line[len(_BOM) :]            # before the blank check: a line of only a BOM is blank
         if not line.strip():
             continue
         where = f"{name}:{lineno}"
-        if lineno == 1 and line.startswith(_BOM):
-            line = line[len(_BOM) :]
         digest = _digest(line.strip())  # the raw bytes: invalid UTF-8 lines get one too
         try:
             text = line.rstrip(b"\r\n").decode("utf-8")
@@ -215,6 +215,8 @@ def _open_jsonl_file(path: str, opts: dict, display: str | None = None) -> RowSo
             _check_block(shown, lines, cut, opts)
             f.seek(0)
             total = count_nonblank_lines(f)
+            if lines and lines[0].startswith(_BOM) and not lines[0][len(_BOM):].strip():
+                total -= 1                      # a first line of only a BOM is blank
     except FileNotFoundError:
         raise InputError(f"{shown}: cannot read JSONL: no such file") from None
     except IsADirectoryError:

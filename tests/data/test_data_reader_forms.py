@@ -139,6 +139,11 @@ def test_bom_is_ignored(tmp_path):
     path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n')
     (r,) = list(open_rows(str(path)))
     assert r.prompt == "a"
+    only = tmp_path / "bom_line.jsonl"                 # a first line holding only the BOM is blank
+    only.write_bytes(b'\xef\xbb\xbf\n{"prompt": "a"}\n')
+    src = open_rows(str(only))
+    rows = list(src)
+    assert [type(x).__name__ for x in rows] == ["RowRequest"] and rows[0].row == 0 and src.total == 1
 
 
 # ---- ids and keep columns -----------------------------------------------
