@@ -21,6 +21,14 @@ import hashlib
 from typing import Any
 
 ERROR_CODE = "invalid_request"
+OUTPUT_FORMATS = ("native", "openai", "auto")
+
+
+def check_output_format(name: str) -> str:
+    """--output-format's value, or a ValueError naming it (the file and stdout writers both ask)."""
+    if name not in OUTPUT_FORMATS:
+        raise ValueError(f"--output-format {name}: expected {', '.join(OUTPUT_FORMATS[:-1])} or {OUTPUT_FORMATS[-1]}")
+    return name
 
 
 def _hex(*parts: object, n: int = 24) -> str:

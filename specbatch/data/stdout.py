@@ -12,7 +12,7 @@ import pyarrow as pa
 from .. import records
 from .digests import Expected, RowSet
 from .merge import _struct_value
-from .openai_out import to_openai_line
+from .openai_out import check_output_format, to_openai_line
 
 
 class StdoutWriter:
@@ -24,9 +24,7 @@ class StdoutWriter:
                  stream: BinaryIO | None = None, output_format: str = "native", model_name: str = "specbatch") -> None:
         """`output_format` "auto": OpenAI batch lines when the first row whose form is known (a
         malformed line's is not) is an OpenAI line; rows wait in order until one shows it."""
-        if output_format not in ("native", "openai", "auto"):
-            raise ValueError(f"--output-format {output_format}: expected native, openai or auto")
-        self.output_format, self.model_name = output_format, model_name
+        self.output_format, self.model_name = check_output_format(output_format), model_name
         self.standard = records.columns({"save_token_ids": save_token_ids})
         self.keep_columns = list(dict.fromkeys(keep_columns))
         self.stream = stream or sys.stdout.buffer

@@ -36,7 +36,7 @@ from .digests import Expected, RowSet, block_digests, block_size
 from .files import file_hash, fs_error, fsync_dir, write_atomic
 from ..records import ON_REQUEST
 from .lock import OutputLock
-from .openai_out import from_openai_line
+from .openai_out import check_output_format, from_openai_line
 from .merge import (
     DIGEST_COLUMN,
     STANDARD_COLUMNS,
@@ -86,8 +86,7 @@ class OutputWriter:
         (openai when the job's first row is an OpenAI batch line and the output is JSONL);
         `model_name`: the response's model when a line names none."""
         self.format = output_file_format(path)
-        if output_format not in ("native", "openai", "auto"):
-            raise ValueError(f"--output-format {output_format}: expected native, openai or auto")
+        check_output_format(output_format)
         if output_format == "openai" and self.format != "jsonl":
             raise ValueError(f"--output-format openai writes OpenAI batch lines (JSONL): give a .jsonl output, not {path}")
         self.output_format = output_format if self.format == "jsonl" else "native"
