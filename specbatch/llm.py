@@ -147,7 +147,10 @@ class LLM:
                                  "per prompt, or one mapping for all")
             for r, p in zip(rows, params):
                 if isinstance(r, RowRequest):       # the prompt's own params, under its row's fields
-                    r.overrides = {**self.sampling(p).to_dict(), **r.overrides}
+                    own = self.sampling(p).to_dict()
+                    if _get(p, "seed") is None:     # the run seed stays a run seed (rows derive theirs)
+                        del own["seed"]
+                    r.overrides = {**own, **r.overrides}
             params = None
         out = [Completion.from_record(rec) for rec in self.stream(rows, params)]
         return sorted(out, key=lambda c: c.index)

@@ -135,6 +135,11 @@ def test_one_params_per_prompt(llm):
     alone = llm.generate([p], {"temperature": 1.0, "max_tokens": 6, "seed": 3})
     assert outs[1].token_ids == alone[0].token_ids
     assert outs[0].token_ids == llm.generate([p], {"temperature": 0, "max_tokens": 4})[0].token_ids
+    # without a seed of its own a prompt derives one from the run seed, as with one params for all
+    seeded_run = LLM(recipe="eagle3_topk1", device="cpu", batch_size=3, seed=5)
+    each = seeded_run.generate([p, p], [{"temperature": 1.0, "max_tokens": 10}] * 2)
+    shared = seeded_run.generate([p, p], {"temperature": 1.0, "max_tokens": 10})
+    assert [c.token_ids for c in each] == [c.token_ids for c in shared] and each[0].token_ids != each[1].token_ids
 
 
 @pytest.mark.parametrize("params", [{"temperature": 1e39, "min_tokens": 3}, {"temperature": 1.0, "repetition_penalty": 1e-45},
