@@ -32,8 +32,22 @@ PROMPT_LOGPROBS_TYPE = pa.list_(pa.struct([("token_id", pa.int64()), ("token", p
                                            ("top_logprobs", pa.list_(_TOP))]))
 CHOICES_TYPE = pa.list_(pa.struct([("index", pa.int64()), ("completion", pa.string()),
                                    ("completion_tokens", pa.int64()), ("finish_reason", pa.string()),
+                                   ("stop_string", pa.string()), ("stop_token_id", pa.int64()),
                                    ("logprobs", LOGPROBS_TYPE), ("output_token_ids", pa.list_(pa.int64()))]))
 LOGPROB_FLOOR = -9999.0      # what a -inf logprob (a token the filters removed) is written as, as vLLM does
+
+
+def stop_fields(stop_reason: int | str | None) -> dict[str, Any]:
+    """A choice's stop_reason as the choices struct holds it (one Arrow type a field): the stop
+    string, or the stop token id."""
+    text = isinstance(stop_reason, str)
+    return {"stop_string": stop_reason if text else None, "stop_token_id": None if text else stop_reason}
+
+
+def choice_stop_reason(choice: Mapping[str, Any]) -> int | str | None:
+    """vLLM's stop_reason of a choice written with stop_fields."""
+    tid = choice.get("stop_token_id")
+    return choice.get("stop_string") if tid is None else tid
 
 
 def _logprob(x: float) -> float:
@@ -114,7 +128,8 @@ COLUMNS: list[Column] = [
            "per prompt token (null for the first): token_id, token, logprob, rank, top_logprobs (the "
            "model's raw distribution)", option="prompt_logprobs"),
     Column("choices", CHOICES_TYPE, lambda f: f.choices,
-           "n > 1: every choice (index, completion, completion_tokens, finish_reason, logprobs, output_token_ids)",
+           "n > 1: every choice (index, completion, completion_tokens, finish_reason, stop_string, stop_token_id, "
+           "logprobs, output_token_ids)",
            option="choices"),
     # What an OpenAI batch response needs (kept in the parts always, written with --output-format openai)
     Column("endpoint", pa.string(), lambda f: f.endpoint, "the OpenAI response it takes: chat or completion",

@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from .. import records
+
 ERROR_CODE = "invalid_request"
 OUTPUT_FORMATS = ("native", "openai", "auto")
 
@@ -45,14 +47,12 @@ def to_openai_line(rec: dict[str, Any], model: str) -> dict[str, Any]:
         chat = rec.get("endpoint") == "chat"
         native = rec.get("choices") or [{"index": 0, "completion": rec.get("completion"),
                                          "finish_reason": rec.get("finish_reason"), "logprobs": rec.get("logprobs"),
-                                         "stop_reason": rec.get("stop_reason")}]
+                                         **records.stop_fields(rec.get("stop_reason"))}]
         prompt_lps = _openai_prompt_logprobs(rec.get("prompt_logprobs"))
         choices = []
         for c in native:
             choice: dict[str, Any] = {"index": c["index"], "finish_reason": c.get("finish_reason"),
-                                      # vLLM's extension (n > 1: the choices column holds none; choice 0's is the row's)
-                                      "stop_reason": c.get("stop_reason", rec.get("stop_reason") if c["index"] == 0
-                                                           else None),
+                                      "stop_reason": records.choice_stop_reason(c),    # vLLM's extension
                                       "logprobs": _openai_logprobs(c.get("logprobs"), chat)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": c.get("completion")}
@@ -166,6 +166,7 @@ def from_openai_line(line: dict[str, Any]) -> dict[str, Any]:
     chat = body.get("object") == "chat.completion"
     choices = [{"index": c["index"], "completion": c["message"]["content"] if chat else c.get("text"),
                 "completion_tokens": None, "finish_reason": c.get("finish_reason"),
+                **records.stop_fields(c.get("stop_reason")),
                 "logprobs": _native_logprobs(c.get("logprobs"), chat), "output_token_ids": None}
                for c in body["choices"]]
     choice = choices[0]

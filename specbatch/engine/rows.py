@@ -9,7 +9,8 @@ from ..data import RowError, RowRequest
 from ..models.config import DecoderConfig
 from ..params import SamplingError, SamplingParams
 from ..prompts import PromptError, encode_row, too_long
-from ..records import Finished, completion_record, error_record, logprob_entries, prompt_logprob_entries
+from ..records import (Finished, choice_stop_reason, completion_record, error_record, logprob_entries,
+                       prompt_logprob_entries, stop_fields)
 from ..request import Request, StopChecker
 from ..stats import combined_spec_stats, spec_stats
 
@@ -118,13 +119,13 @@ class RowConverter:
         for i in range(group.n):
             r = ran[i] if i < len(ran) else ran[0]
             text, stop_reason = self.stops.completion(r)
-            choices.append({"index": i, "completion": text, "stop_reason": stop_reason,
+            choices.append({"index": i, "completion": text, **stop_fields(stop_reason),
                             "completion_tokens": len(r.output_ids), "finish_reason": r.finish_reason,
                             "logprobs": self._logprobs(r), "output_token_ids": list(r.output_ids)})
         first = ran[0]
         return completion_record(Finished(
             row=first.row, id=first.id, text=choices[0]["completion"], prompt_tokens=len(first.prompt_ids),
-            stop_reason=choices[0]["stop_reason"],
+            stop_reason=choice_stop_reason(choices[0]),
             output_ids=first.output_ids, finish_reason=first.finish_reason, spec=combined_spec_stats(ran),
             endpoint=first.endpoint, request_model=first.request_model, batch_line=first.batch_line,
             logprobs=choices[0]["logprobs"], prompt_logprobs=self._prompt_logprobs(first), choices=choices),

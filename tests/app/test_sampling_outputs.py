@@ -182,3 +182,44 @@ def test_library_completion_carries_choices_and_logprobs(tiny_model):
     assert b.choices is None and b.logprobs is None
     (c,) = llm.generate([prompts(1)[0]], {"max_tokens": 3, "logprobs": 2})
     assert [len(e["top_logprobs"]) for e in c.logprobs] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "openai"])
+def test_each_choice_keeps_what_stopped_it(tiny_model, tmp_path, fmt):
+    """n > 1: every choice says which stop token id or stop string ended it (vLLM's per-output
+    stop_reason), in the choices column and in OpenAI choices[], and a reopened output keeps them."""
+    ps = prompts(4)
+    stop_ids = list(range(3, 200, 2))                      # choices stop early, on different ids
+    body = {"n": 4, "temperature": 1.0, "seed": 11, "stop_token_ids": stop_ids, "max_tokens": 6}
+    if fmt == "openai":
+        inp = _write(tmp_path / "in.jsonl", [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                                              "body": {"prompt": p, **body}} for i, p in enumerate(ps)])
+    else:
+        inp = _write(tmp_path / "in.jsonl", [{"prompt_token_ids": p, **body} for p in ps])
+    out = tmp_path / ("out.parquet" if fmt == "parquet" else "out.jsonl")
+    _job(tiny_model, inp, out)
+    if fmt == "openai":
+        later = []
+        for line in _lines(out):
+            choices = line["response"]["body"]["choices"]
+            for c in choices:
+                s = c["stop_reason"]
+                assert s is None or (c["finish_reason"] == "stop" and isinstance(s, int) and s in stop_ids)
+                later += [s] if c["index"] > 0 and s is not None else []
+            again = to_openai_line(from_openai_line(line), "m")
+            assert again["response"]["body"]["choices"] == choices
+        assert len(set(later)) > 2                         # choices 1..n-1 carry their own
+        return
+    recs = pq.read_table(out).to_pylist() if fmt == "parquet" else _lines(out)
+    stopped = 0
+    for r in recs:
+        for c in r["choices"]:
+            last = c["output_token_ids"][-1]
+            assert c["stop_string"] is None
+            if c["finish_reason"] == "stop" and last in stop_ids:
+                assert c["stop_token_id"] == last
+                stopped += c["index"] > 0
+            else:
+                assert c["stop_token_id"] is None              # EOS or length
+        assert r["stop_reason"] == r["choices"][0]["stop_token_id"]
+    assert stopped > 2
