@@ -113,6 +113,7 @@ def run(
     output_format: str = typer.Option("auto", help="native | openai (OpenAI Batch output lines, JSONL) | auto: openai for OpenAI batch input written to .jsonl."),
     bucket: int = typer.Option(0, min=0, help="Length-bucketing window: admit similar prompt lengths together (0 = FIFO)."),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs: run every cycle eagerly (the reference path)."),
+    logprobs_mode: str = typer.Option("raw_logprobs", help="What logprobs hold (vLLM's --logprobs-mode): raw_logprobs (the model's distribution, default), processed_logprobs (the one each token was drawn from: after bias, penalties, temperature and filters), raw_logits or processed_logits."),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Prompts that begin alike share the KV pages of their common prefix, and prefill skips it (default; the same outputs, up to the rounding batching already varies)."),
     stats_json: Optional[str] = typer.Option(None, help="Also write the run summary as JSON to this path."),
     fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop at the first bad row (exit 1), assembling the rows that finished."),
@@ -126,6 +127,7 @@ def run(
     from .data import InputError, OutputError
     from .job import JobError, JobOptions, run_job
     from .models.config import ModelError
+    from .params import LOGPROBS_MODES
     from .recipe import RecipeError, load_recipe
 
     overrides = dict(model=model, draft=draft, batch_size=batch_size, max_tokens=max_tokens,
@@ -148,12 +150,14 @@ def run(
         _fail(f"{_FLAGS[key]}: {e.detail}" if overrides.get(key) is not None else str(e))
     if stats_json:
         _check_stats_path(stats_json)
+    if logprobs_mode not in LOGPROBS_MODES:
+        _fail(f"--logprobs-mode {logprobs_mode}: expected one of {', '.join(LOGPROBS_MODES)}")
     opts = JobOptions(
         output=output, limit=limit, prompt_column=prompt_column, id_column=id_column,
         keep_columns=[c.strip() for c in keep_columns.split(",") if c.strip()] if keep_columns else (),
         save_token_ids=save_token_ids, fail_fast=fail_fast, overwrite=overwrite, device=device,
         bucket_window=bucket, eager=eager, output_format=output_format, gpus=gpus, workers=workers,
-        prefix_caching=prefix_caching)
+        prefix_caching=prefix_caching, logprobs_mode=logprobs_mode)
     view = ProgressView(err, quiet=quiet, every=progress_every)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:

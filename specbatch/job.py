@@ -14,6 +14,7 @@ from typing import Any
 from .data import InputChanged, OutputError, OutputWriter, StdoutWriter, check_input, open_rows
 from .data.reader import Row
 from .data.writer import output_file_format
+from .params import DEFAULT_LOGPROBS_MODE
 from .recipe import Recipe
 from .resolve import DEMO_DIR, JobError, describe_draft, resolve_draft, resolve_model, spec_config
 from .stats import RunStats
@@ -40,6 +41,7 @@ class JobOptions:
     workers: int | None = None           # engine processes on --device (CPU by default); 1 = in process
     output_format: str = "auto"          # native | openai (OpenAI Batch lines) | auto: openai for OpenAI batch input
     prefix_caching: bool = True          # share the KV pages of prompts that begin alike
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE  # what logprobs hold: vLLM's --logprobs-mode (engine/logprobs.py)
 
 
 def default_output(input_path: str) -> str:
@@ -61,7 +63,7 @@ def fingerprint(recipe: Recipe, model: Any, draft: str | None, opts: JobOptions)
         "max_model_len": r["max_model_len"], "sampling": r["sampling"],
         "prompt_column": opts.prompt_column, "id_column": opts.id_column,
         "keep_columns": list(opts.keep_columns), "save_token_ids": opts.save_token_ids,
-        "output_format": opts.output_format,
+        "output_format": opts.output_format, "logprobs_mode": opts.logprobs_mode,
     }
 
 
@@ -162,7 +164,7 @@ class _Runner:
         # runs); --workers 1 (the default) runs the engine in this process.
         if len(devices) > 1 or opts.gpus is not None:
             self.pool = WorkerPool(recipe, devices, eager=opts.eager, bucket=opts.bucket_window,
-                                   prefix_caching=opts.prefix_caching)
+                                   prefix_caching=opts.prefix_caching, logprobs_mode=opts.logprobs_mode)
             first = self.pool.wait_ready()
             self.device, self.max_len = ",".join(devices), first["max_model_len"]
             self.capture_s = max(w.get("capture_s", 0.0) for w in self.pool.per_worker())
@@ -170,7 +172,8 @@ class _Runner:
             from .llm import LLM
 
             self.llm = LLM(recipe=recipe, device=opts.device, eager=opts.eager,
-                           bucket=opts.bucket_window, enable_prefix_caching=opts.prefix_caching)
+                           bucket=opts.bucket_window, enable_prefix_caching=opts.prefix_caching,
+                           logprobs_mode=opts.logprobs_mode)
             eng = self.llm.engine
             self.device, self.max_len, self.capture_s = str(eng.device), eng.max_len, eng.capture_seconds
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from .data import RowError, RowRequest, parse_row
-from .params import SamplingParams
+from .params import DEFAULT_LOGPROBS_MODE, SamplingParams
 from .recipe import Recipe, load_recipe
 from .resolve import describe_draft, resolve_model, spec_config
 
@@ -90,11 +90,13 @@ class LLM:
     `model`: an HF model directory (default: the recipe's; the embedded demo model for builtin
     recipes). `recipe`: a builtin recipe name, a YAML path or a Recipe. `overrides`: recipe keys
     (batch_size, dtype, max_model_len, and sampling defaults such as max_tokens or temperature).
+    `logprobs_mode`: what logprobs hold, in vLLM's modes (raw_logprobs by default, as vLLM's).
     """
 
     def __init__(self, model: str | Path | None = None, recipe: str | Recipe = "vanilla", *,
                  draft: str | Path | None = None, device: str | None = None, eager: bool = False,
-                 bucket: int = 0, enable_prefix_caching: bool = True, **overrides: Any):
+                 bucket: int = 0, enable_prefix_caching: bool = True, logprobs_mode: str = DEFAULT_LOGPROBS_MODE,
+                 **overrides: Any):
         from .engine import Engine, EngineOptions      # torch is imported here, not at package import
 
         base = recipe if isinstance(recipe, Recipe) else load_recipe(str(recipe))
@@ -106,7 +108,8 @@ class LLM:
         r = self.recipe
         self.engine = Engine(self.model_dir, EngineOptions(
             batch_size=r.batch_size, max_model_len=r.max_model_len, dtype=r.dtype, device=device,
-            bucket_window=bucket, spec=spec, graphs=not eager, prefix_caching=enable_prefix_caching))
+            bucket_window=bucket, spec=spec, graphs=not eager, prefix_caching=enable_prefix_caching,
+            logprobs_mode=logprobs_mode))
 
     def sampling(self, params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
         """The recipe's sampling defaults with `params` applied (validated as recipe keys)."""

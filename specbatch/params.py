@@ -22,6 +22,18 @@ MODEL_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 FALLBACK = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
 
 LOGPROBS_MAX = 20         # top alternatives per token at most (vLLM's default max_logprobs, OpenAI's cap)
+# What a token's logprobs hold, in vLLM's names (--logprobs-mode; engine/logprobs.py computes them):
+# raw = the model's logits as they came, processed = after the bias, penalties, min_tokens,
+# temperature and filters (what sampling draws from); *_logprobs their log_softmax, *_logits as is.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+DEFAULT_LOGPROBS_MODE = "raw_logprobs"     # vLLM's default
+
+
+def check_logprobs_mode(mode: str) -> str:
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"--logprobs-mode {mode!r}: expected one of {', '.join(LOGPROBS_MODES)}")
+    return mode
+
 LOGIT_BIAS_MAX = 1024     # entries of one logit_bias at most
 LOGIT_BIAS_RANGE = 100.0  # |bias| at most (OpenAI's range)
 PENALTY_RANGE = 2.0       # |presence_penalty|, |frequency_penalty| at most (OpenAI's range)

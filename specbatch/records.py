@@ -122,7 +122,8 @@ COLUMNS: list[Column] = [
            "the generated ids, ending with the EOS id when generation stopped on EOS", option="save_token_ids"),
     # Written when some row of the job asked for them (parts keep them always; null for other rows).
     Column("logprobs", LOGPROBS_TYPE, lambda f: f.logprobs,
-           "per generated token: token_id, token, logprob, top_logprobs (the distribution sampled from)",
+           "per generated token: token_id, token, logprob, top_logprobs (--logprobs-mode: by default the "
+           "model's raw distribution)",
            option="logprobs"),
     Column("prompt_logprobs", PROMPT_LOGPROBS_TYPE, lambda f: f.prompt_logprobs,
            "per prompt token (null for the first): token_id, token, logprob, rank, top_logprobs (the "

@@ -130,6 +130,13 @@ class BatchSampling:
         top-k, top-p)."""
         return self._filtered(logits).softmax(dim=-1)
 
+    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [R, V] float32 -> what sampling draws from, before the softmax: sampled rows
+        after temperature and the filters (removed tokens -inf), greedy rows as they are."""
+        if self.all_greedy:
+            return logits
+        return torch.where((self.temperature > 0)[:, None], self._filtered(logits), logits)
+
     def target_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [R, V] float32 -> log-probabilities of the distribution each row's token came
         from: sampled rows the one they draw from (after temperature and the filters), greedy rows

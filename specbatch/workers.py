@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .params import DEFAULT_LOGPROBS_MODE
 from .recipe import Recipe
 
 POLL_S = 0.005
@@ -43,6 +44,7 @@ class WorkerSpec:
     bucket: int
     threads: int | None = None       # CPU: torch threads of this worker
     prefix_caching: bool = True
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE
 
 
 def devices_for(gpus: str | None, workers: int | None, device: str | None) -> list[str]:
@@ -101,7 +103,7 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
 
         t0 = time.perf_counter()
         llm = LLM(recipe=spec.recipe, device=spec.device, eager=spec.eager, bucket=spec.bucket,
-                  enable_prefix_caching=spec.prefix_caching)
+                  enable_prefix_caching=spec.prefix_caching, logprobs_mode=spec.logprobs_mode)
         eng = llm.engine
         outbox.send(("ready", wid, {"device": str(eng.device), "max_model_len": eng.max_len,
                                    "capture_s": eng.capture_seconds, "load_s": time.perf_counter() - t0,
@@ -168,7 +170,7 @@ class WorkerPool:
     completion order, as `Engine.generate` does in process."""
 
     def __init__(self, recipe: Recipe, devices: list[str], *, eager: bool = False, bucket: int = 0,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, logprobs_mode: str = DEFAULT_LOGPROBS_MODE):
         self.ctx = mp.get_context("spawn")
         threads = None
         if all(d == "cpu" for d in devices):
@@ -178,7 +180,7 @@ class WorkerPool:
             inbox = self.ctx.Queue()
             reader, writer = self.ctx.Pipe(duplex=False)
             spec = WorkerSpec(recipe=recipe, device=dev, eager=eager, bucket=bucket, threads=threads,
-                              prefix_caching=prefix_caching)
+                              prefix_caching=prefix_caching, logprobs_mode=logprobs_mode)
             proc = self.ctx.Process(target=_worker, args=(wid, spec, os.getpid(), inbox, writer), daemon=True)
             proc.start()
             writer.close()                   # the child's copy is the only one: its death reads as EOF

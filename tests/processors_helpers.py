@@ -50,8 +50,10 @@ def rows(prompt_ids: list[list[int]], per_row: list[dict] | dict) -> list[RowReq
             for i, (p, o) in enumerate(zip(prompt_ids, per_row))]
 
 
-def run(model, rows_, bs=4, spec=SpecConfig(), drafter=None, **defaults) -> list[dict]:
-    eng = Engine(model, EngineOptions(batch_size=bs, device="cpu", dtype="float32", spec=spec), drafter=drafter)
+def run(model, rows_, bs=4, spec=SpecConfig(), drafter=None, logprobs_mode="processed_logprobs",
+        **defaults) -> list[dict]:
+    eng = Engine(model, EngineOptions(batch_size=bs, device="cpu", dtype="float32", spec=spec,
+                                      logprobs_mode=logprobs_mode), drafter=drafter)
     recs = sorted(eng.generate(rows_, SamplingDefaults(**{"max_tokens": 20, **defaults})), key=lambda r: r["row"])
     assert all(r["error"] is None for r in recs), [r["error"] for r in recs]
     return recs

@@ -28,7 +28,7 @@ import torch
 
 from ..models.attention import AttnMetadata
 from ..host import to_device
-from ..params import LOGPROBS_MAX
+from ..params import DEFAULT_LOGPROBS_MODE, LOGPROBS_MAX
 from ..processors import Processors, count_tokens, processors_key
 from ..request import Request, StopChecker
 from .adaptive import WidthPolicy
@@ -119,12 +119,13 @@ class SpecCycle:
     def __init__(self, model, cache, drafter: Drafter, state: SlotState, stops: StopChecker,
                  target: Callable, *, acceptor: Acceptor = exact_acceptance, max_len: int,
                  graphs: bool, fused: bool, profile: bool, adaptive: bool = True,
-                 time_sizes: bool = True):
+                 time_sizes: bool = True, logprobs_mode: str = DEFAULT_LOGPROBS_MODE):
         self.model, self.cache, self.drafter, self.state, self.stops = model, cache, drafter, state, stops
         self.target, self.acceptor = target, acceptor
         self.device = state.lens.device
         self.vocab = model.cfg.vocab_size
         self.max_len = max_len
+        self.logprobs_mode = logprobs_mode
         self.page_table = getattr(cache, "page_table", None)
         self.timer = StageTimer(profile, self.device)
         self.tokens_emitted = 0
@@ -290,7 +291,7 @@ class SpecCycle:
         meta = AttnMetadata(slots=b.slots, positions=lens[:, None] + prop.depths, prefix_lens=lens,
                             kv_len=b.kv_bound + prop.width, tree_mask=prop.tree_mask, page_table=self.page_table)
         hidden, b.captured = self.target(prop.tokens, meta)
-        logits = self.model.lm_head(hidden)                                      # [B, N, V]
+        logits = raw = self.model.lm_head(hidden)                                # [B, N, V]
         proc = b.proc
         if proc is not None:
             # every node with its own path's state: generated = committed + 1 (the root) - prompt, + depth
@@ -307,7 +308,7 @@ class SpecCycle:
             count_tokens(st.counts, b.slots, acc.tokens, acc.num)
             st.counts[st.dummy:].zero_()
         if b.lp_k is not None:
-            b.lp_out, b.lp_ids = emitted_logprobs(logits, acc.path, acc.tokens, b.sp, b.lp_k)
+            b.lp_out, b.lp_ids = emitted_logprobs(raw, logits, acc.path, acc.tokens, b.sp, b.lp_k, self.logprobs_mode)
         b.acc = acc
         b.out = torch.cat([acc.tokens, acc.num[:, None]], dim=1)
 

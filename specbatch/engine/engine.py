@@ -29,7 +29,7 @@ from ..prompts import load_tokenizer
 from ..request import Request, StopChecker
 from ..runtime.kv_cache import PagedKVCache
 from ..runtime.pages import Grant, PageAllocator
-from ..params import SamplingParams
+from ..params import DEFAULT_LOGPROBS_MODE, SamplingParams, check_logprobs_mode
 from ..scheduler import SlotScheduler
 from ..speculative.drafter import Drafter
 from ..speculative.factory import SpecConfig, make_drafter
@@ -61,6 +61,7 @@ class EngineOptions:
     simulate_acceptance: tuple[float, ...] | None = None   # bench only: per-position acceptance
     overlap: bool = True                 # launch cycle k + 1 before the host commits cycle k
     prefix_caching: bool = True          # share the K/V pages of prompts that begin alike
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE   # what logprobs hold (engine/logprobs.py; vLLM's modes)
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -145,11 +146,12 @@ class Engine:
         self.cycle = SpecCycle(self.model, self.cache, self.drafter, self.state, self.stops, self._target,
                                acceptor=acceptor, max_len=self.max_len, graphs=opts.graphs,
                                fused=self.fused, profile=opts.profile, time_sizes=opts.time_graph_sizes,
-                               adaptive=self.device.type == "cuda" if opts.adaptive is None else opts.adaptive)
+                               adaptive=self.device.type == "cuda" if opts.adaptive is None else opts.adaptive,
+                               logprobs_mode=check_logprobs_mode(opts.logprobs_mode))
         self.rows = RowConverter(self.tokenizer, self.cfg, self.max_len, self.stops, self.model_defaults)
         self.prefiller = Prefiller(self.model, self._target, self.drafter, self.state, self.stops,
                                    self.pages.layout.page_table, opts.prefill_tokens, max_len=self.max_len,
-                                   graphs=opts.graphs)
+                                   graphs=opts.graphs, logprobs_mode=opts.logprobs_mode)
         self._prefill_clock: list = []       # (start, end) per prefill call when profiling: CUDA events / host clock
         self.prefill_calls = 0
         self.occupancy: list[int] = []       # active slots per cycle when profiling

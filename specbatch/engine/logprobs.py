@@ -1,6 +1,8 @@
-"""Logprobs: of the emitted tokens (from the distribution each was drawn from: the processed
-target distribution after temperature and filters), and of the prompt's tokens (the model's raw
-distribution, as vLLM returns prompt_logprobs by default: nothing was sampled there)."""
+"""Logprobs: of the emitted tokens, in one of vLLM's four modes (`LOGPROBS_MODES`: the model's raw
+distribution by default, as vLLM's `--logprobs-mode raw_logprobs`; or the processed distribution
+each token was drawn from, after the bias, penalties, temperature and filters; or the logits
+themselves), and of the prompt's tokens (always the model's raw distribution, as vLLM returns
+prompt_logprobs: nothing was sampled there)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -12,16 +14,24 @@ from ..sampling import BatchSampling
 
 PROMPT_CHUNK = 1024       # prompt positions per log-softmax ([chunk, V] float32 at a time)
 
-
-def emitted_logprobs(logits: torch.Tensor, path: torch.Tensor, tokens: torch.Tensor, sp: BatchSampling,
-                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, N, V] (processed) at every node, the acceptance's path [B, W] (token d was drawn at
-    node path[:, d]) and emitted tokens [B, W] -> ([B, W, 1 + k] the tokens' logprobs then the top
-    k logprobs, [B, W, k] the top ids), from the distribution each token was drawn from."""
+def emitted_logprobs(raw: torch.Tensor, processed: torch.Tensor, path: torch.Tensor, tokens: torch.Tensor,
+                     sp: BatchSampling, k: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The raw and processed logits [B, N, V] at every node, the acceptance's path [B, W] (token d
+    was drawn at node path[:, d]) and emitted tokens [B, W] -> ([B, W, 1 + k] the tokens' values
+    then the top k values, [B, W, k] the top ids), in `mode` (LOGPROBS_MODES; processed greedy
+    rows: no temperature, no filters)."""
+    logits = raw if mode.startswith("raw") else processed
     B, N, V = logits.shape
     W = path.shape[1]
     at = logits.gather(1, path[:, :, None].expand(B, W, V)).float().reshape(B * W, V)
-    lp = sp.repeat_rows(W).target_logprobs(at).view(B, W, V)
+    if mode == "raw_logprobs":
+        lp = at.log_softmax(dim=-1).view(B, W, V)
+    elif mode == "raw_logits":
+        lp = at.view(B, W, V)
+    elif mode == "processed_logprobs":
+        lp = sp.repeat_rows(W).target_logprobs(at).view(B, W, V)
+    else:
+        lp = sp.repeat_rows(W).target_logits(at).view(B, W, V)
     top, ids = lp.topk(k, dim=-1)
     return torch.cat([lp.gather(2, tokens[:, :, None]), top], dim=2), ids
 

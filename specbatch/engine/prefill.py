@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from ..host import to_device
+from ..params import DEFAULT_LOGPROBS_MODE
 from ..models.attention import AttnMetadata, QueryTiles
 from ..processors import Processors, count_tokens, reset_slots
 from ..request import Request, StopChecker
@@ -107,8 +108,10 @@ class Prefiller:
     """Runs the prefill forwards of admitted requests: the target, the first token, the drafter."""
 
     def __init__(self, model, target: Callable, drafter: Drafter, state: SlotState, stops: StopChecker,
-                 page_table: torch.Tensor | None, budget: int, *, max_len: int, graphs: bool):
+                 page_table: torch.Tensor | None, budget: int, *, max_len: int, graphs: bool,
+                 logprobs_mode: str = DEFAULT_LOGPROBS_MODE):
         self.model, self.target, self.drafter, self.state, self.stops = model, target, drafter, state, stops
+        self.logprobs_mode = logprobs_mode
         self.page_table, self.budget, self.max_len = page_table, budget, max_len
         cfg = model.cfg
         self.C = chunk_tokens(cfg.num_heads, cfg.num_kv_heads)
@@ -276,7 +279,7 @@ class Prefiller:
         slots = rows.slots
         params = [p.req.params for p in done]
         sp = BatchSampling.build(params, dev)
-        logits = self.model.logits(hidden.view(-1, hidden.shape[-1])[rows.last])   # [B, V]
+        logits = raw = self.model.logits(hidden.view(-1, hidden.shape[-1])[rows.last])   # [B, V]
         counts = None
         if any(q.uses_processors for q in params):
             # the first token: nothing generated yet (min_tokens), counts zero, the prompt present
@@ -303,5 +306,6 @@ class Prefiller:
         if not asked:
             return first, None
         zero = torch.zeros(B, 1, dtype=torch.int64, device=dev)
-        return first, emitted_logprobs(logits[:, None, :], zero, first[:, None], sp, max(asked))
+        return first, emitted_logprobs(raw[:, None, :], logits[:, None, :], zero, first[:, None], sp, max(asked),
+                                       self.logprobs_mode)
 

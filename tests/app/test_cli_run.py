@@ -4,6 +4,7 @@ stdin and the default output, every row form, a rerun that completes a limited o
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
@@ -234,3 +235,27 @@ def test_messages_and_openai_batch_rows(tiny_model, tmp_path, tokenizer):
     assert got[2]["prompt_tokens"] == len(tokenizer("import os")["input_ids"])
     # same prompt through both forms, greedy: the shorter completion is a prefix of the longer
     assert got[0]["output_token_ids"][:3] == got[1]["output_token_ids"]
+
+
+def test_logprobs_mode_flag(tiny_model, tmp_path):
+    """--logprobs-mode: raw_logprobs by default (vLLM's), processed_logprobs on request; the mode
+    is part of what a rerun must match, and a bad one is a one-line error naming the flag."""
+    from cli_runner import cli
+
+    rows = [{"prompt": p, "temperature": 0.5, "top_k": 3, "logprobs": 3, "max_tokens": 4, "seed": i}
+            for i, p in enumerate(PROMPTS[:3])]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    ok(*run_args(tiny_model, inp, tmp_path / "raw.jsonl"))
+    ok(*run_args(tiny_model, inp, tmp_path / "proc.jsonl", "--logprobs-mode", "processed_logprobs"))
+    raw, proc = read_out(tmp_path / "raw.jsonl"), read_out(tmp_path / "proc.jsonl")
+    assert [r["completion"] for r in raw] == [r["completion"] for r in proc]     # the same draws
+    for r, q in zip(raw, proc):
+        for a, b in zip(r["logprobs"], q["logprobs"]):
+            assert a["token_id"] == b["token_id"]
+            # top_k 3 at temperature 0.5 keeps 3 tokens: processed tops sum to 1, raw ones less
+            assert abs(sum(math.exp(t["logprob"]) for t in b["top_logprobs"]) - 1) < 1e-4
+            assert sum(math.exp(t["logprob"]) for t in a["top_logprobs"]) < 1 - 1e-3
+    r = cli(*run_args(tiny_model, inp, tmp_path / "raw.jsonl", "--logprobs-mode", "processed_logprobs", "--limit", 3))
+    assert r.exit_code != 0 and "logprobs_mode" in r.output
+    r = cli(*run_args(tiny_model, inp, tmp_path / "x.jsonl", "--logprobs-mode", "raw"))
+    assert r.exit_code == 2 and "--logprobs-mode raw: expected one of raw_logprobs" in r.output

@@ -9,7 +9,7 @@ import torch
 
 from oracle import OracleDrafter
 from processors_helpers import VOCAB, all_logits, ids, law, prompts, rows, run
-from specbatch.params import SamplingParams
+from specbatch.params import LOGPROBS_MODES, SamplingParams
 from specbatch.speculative.factory import SpecConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -98,48 +98,62 @@ def _assert_close(a, b):
             assert [i for i, _ in ta][:1] == [i for i, _ in tb][:1] or abs(ta[0][1] - ta[1][1]) < 1e-4
 
 
-def test_logprobs_equal_vanilla_and_the_reference(target_dir, eagle3_dir):
+@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+def test_logprobs_equal_vanilla_and_the_reference(target_dir, eagle3_dir, mode):
     """Greedy rows: the same tokens with and without speculation, so their logprobs compare one
-    to one; each against log of the float64 law at that point (teacher-forced transformers)."""
-    plain = run(target_dir, _rows(LOGPROBS), 3)
+    to one; each against the float64 reference at that point (teacher-forced transformers), in
+    each of vLLM's modes."""
+    plain = run(target_dir, _rows(LOGPROBS), 3, logprobs_mode=mode)
     for r, p in zip(plain, LOGPROBS):
         assert len(r["logprobs"]) == r["completion_tokens"]
         assert all(len(e["top_logprobs"]) == 4 for e in r["logprobs"])
     for kw in (RECIPES["eagle3-chain"](eagle3_dir), RECIPES["eagle3-tree"](eagle3_dir)):
-        _assert_close(_lp(run(target_dir, _rows(LOGPROBS), 3, **kw)), _lp(plain))
+        _assert_close(_lp(run(target_dir, _rows(LOGPROBS), 3, logprobs_mode=mode, **kw)), _lp(plain))
     table = {tuple(p): r["output_token_ids"] for p, r in zip(prompts(), plain)}
-    oracle = run(target_dir, _rows(LOGPROBS), 3, drafter=OracleDrafter(table, 6, VOCAB, decoys=True))
+    oracle = run(target_dir, _rows(LOGPROBS), 3, drafter=OracleDrafter(table, 6, VOCAB, decoys=True),
+                 logprobs_mode=mode)
     assert sum(r["spec"]["accepted_tokens"] for r in oracle) >= 40
     _assert_close(_lp(oracle), _lp(plain))
     for r, prompt, o in zip(plain, prompts(), LOGPROBS):
-        _check_reference(target_dir, r, prompt, SamplingParams(**{**o, "temperature": 0.0}).resolved())
+        _check_reference(target_dir, r, prompt, SamplingParams(**{**o, "temperature": 0.0}).resolved(), mode)
 
 
-def _check_reference(model_dir, rec, prompt, p):
+def _check_reference(model_dir, rec, prompt, p, mode="processed_logprobs"):
+    """Each token's value and top list against the reference: log of the float64 law sampled from
+    (processed) or log_softmax of the model's logits (raw); *_logits modes differ from those by a
+    constant a position, so they are compared relative to the top entry."""
     out = rec["output_token_ids"]
     logits = all_logits(model_dir, prompt + out)
     for i, e in enumerate(rec["logprobs"]):
-        q = law(logits[len(prompt) - 1 + i], p, out[:i], prompt)
-        assert abs(e["logprob"] - float(q[out[i]].log())) < 1e-4, (i, e["logprob"], float(q[out[i]].log()))
-        top = q.log().topk(len(e["top_logprobs"]))
-        assert torch.allclose(torch.tensor([t["logprob"] for t in e["top_logprobs"]], dtype=torch.float64),
-                              top.values.clamp(min=-9999.0), atol=1e-4)
+        at = logits[len(prompt) - 1 + i]
+        ref = law(at, p, out[:i], prompt).log() if mode.startswith("processed") else at.double().log_softmax(-1)
+        top = ref.topk(len(e["top_logprobs"])).values.clamp(min=-9999.0)
+        got = torch.tensor([t["logprob"] for t in e["top_logprobs"]], dtype=torch.float64)
+        mine, want = e["logprob"], float(ref[out[i]])
+        if mode.endswith("_logits"):
+            mine, want, got, top = mine - got[0].item(), want - top[0].item(), got - got[0], top - top[0]
+            if mode.startswith("raw"):
+                assert abs(e["logprob"] - float(at[out[i]])) < 1e-4      # the logit itself
+        assert abs(mine - want) < 1e-4, (i, mine, want)
+        assert torch.allclose(got, top, atol=1e-4)
 
 
-def test_sampled_logprobs_are_the_law_sampled_from(target_dir, eagle3_dir):
+@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+def test_sampled_logprobs_are_the_law_sampled_from(target_dir, eagle3_dir, mode):
     """Sampled rows (drafts accepted and rejected): each token's logprob is log p of the
-    processed, tempered, filtered law at its point, whichever cycle and node produced it."""
+    processed, tempered, filtered law at its point (processed modes; raw: of the model's own
+    distribution), whichever cycle and node produced it."""
     params = [{**PENALTIES, "temperature": 0.8, "top_k": 12, "min_p": 0.02, "logprobs": 3, "seed": i}
               for i in range(6)]
     from processors_helpers import LikelyTree, hf_logits
 
     for kw in ({}, RECIPES["eagle3-tree"](eagle3_dir)):
-        recs = run(target_dir, _rows(params), 3, **kw)
+        recs = run(target_dir, _rows(params), 3, logprobs_mode=mode, **kw)
         for r, prompt, o in zip(recs, prompts(), params):
-            _check_reference(target_dir, r, prompt, SamplingParams(**o).resolved())
+            _check_reference(target_dir, r, prompt, SamplingParams(**o).resolved(), mode)
     # A drafter that proposes likely tokens: the in-tree nodes' logprobs are checked too.
     for r_i, prompt in enumerate(prompts()[:2]):
         drafter = LikelyTree(lambda h, prompt=prompt: hf_logits(target_dir, [prompt + h])[0], width=2)
-        recs = run(target_dir, _rows(params)[r_i: r_i + 1], 1, drafter=drafter)
+        recs = run(target_dir, _rows(params)[r_i: r_i + 1], 1, drafter=drafter, logprobs_mode=mode)
         assert recs[0]["spec"]["accepted_tokens"] > 0
-        _check_reference(target_dir, recs[0], prompt, SamplingParams(**params[r_i]).resolved())
+        _check_reference(target_dir, recs[0], prompt, SamplingParams(**params[r_i]).resolved(), mode)
