@@ -165,7 +165,11 @@ class _Runner:
         if len(devices) > 1 or opts.gpus is not None:
             self.pool = WorkerPool(recipe, devices, eager=opts.eager, bucket=opts.bucket_window,
                                    prefix_caching=opts.prefix_caching, logprobs_mode=opts.logprobs_mode)
-            first = self.pool.wait_ready()
+            try:
+                first = self.pool.wait_ready()
+            except WorkerError as e:         # e.g. every engine refused the settings: one line, exit 2
+                self.pool.close()
+                raise JobError(str(e)) from None
             self.device, self.max_len = ",".join(devices), first["max_model_len"]
             self.capture_s = max(w.get("capture_s", 0.0) for w in self.pool.per_worker())
         else:

@@ -16,9 +16,12 @@ Rows: `messages` (a chat), `prompt` (text) or `tokenized_prompt` (token ids), an
 `sampling_params` dict (specbatch's per-row fields: max_tokens, temperature, top_p, top_k, seed,
 stop, ...). Output: the input columns, then `generated_text`, `generated_tokens`,
 `num_input_tokens`, `num_generated_tokens`, `time_taken_llm`, `finish_reason` and the speculation
-stats (`spec_verify_steps`, `spec_accepted_tokens`, `spec_accept_length`). A row that cannot run
-raises, or with `should_continue_on_error` carries its message in `__inference_error__`. An engine
-that breaks raises `EngineFailure` (Ray restarts the actor and retries the batch).
+stats (`spec_verify_steps`, `spec_accepted_tokens`, `spec_accept_length`), then `logprobs` and
+`prompt_logprobs` (null unless the row's sampling_params asked; specbatch's column layout). A row
+that cannot run raises, or with `should_continue_on_error` carries its message in
+`__inference_error__`. An engine that breaks (CUDA, out of memory) ends its actor's process: Ray
+restarts the actor and retries its batches (at most `max_restarts` times, then the dataset fails;
+an exception raised from a batch would fail the dataset at once).
 
 Each actor runs ONE engine in a background thread, fed by every batch it holds: with K batches in
 flight per actor (`max_concurrent_batches`; `__call__` is async) their rows share the engine's
@@ -32,16 +35,21 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import queue
+import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .records import LOGPROBS_TYPE, PROMPT_LOGPROBS_TYPE
+
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
                   "time_taken_llm", "finish_reason", "spec_verify_steps", "spec_accepted_tokens",
-                  "spec_accept_length")
+                  "spec_accept_length", "logprobs", "prompt_logprobs")
 ERROR_COLUMN = "__inference_error__"
 
 
@@ -108,12 +116,13 @@ class SpecbatchPredictor:
                 with self.lock:
                     loop, fut, _ = self.waiting.pop(rec["row"])
                 loop.call_soon_threadsafe(lambda f=fut, r=rec: f.done() or f.set_result(r))
-        except BaseException as e:  # noqa: BLE001 - every waiting batch fails with it
+        except BaseException as e:  # noqa: BLE001 - the actor is unusable: let Ray restart it
             self.failure = e
-            with self.lock:
-                waiting, self.waiting = self.waiting, {}
-            for loop, fut, _ in waiting.values():
-                loop.call_soon_threadsafe(lambda f=fut, err=str(e): f.done() or f.set_exception(EngineFailure(err)))
+            # An exception raised from __call__ is a user error to Ray Data: it fails the whole
+            # dataset (no retry). An actor that dies is restarted and its batches retried.
+            print(f"specbatch: engine failed ({type(e).__name__}: {' '.join(str(e).split())}); exiting so "
+                  "that Ray restarts this actor and retries its batches", file=sys.stderr, flush=True)
+            os._exit(1)
 
     # ---- a batch ----------------------------------------------------------------------------------
 
@@ -168,13 +177,16 @@ class SpecbatchPredictor:
                 raise RowFailure(rec["error"])
             errors.append(rec["error"])
             spec = rec.get("spec") or {}
+            ids = rec.get("output_token_ids")
             for name, value in zip(OUTPUT_COLUMNS, (
-                    rec.get("completion"), rec.get("output_token_ids"), rec.get("prompt_tokens"),
-                    rec.get("completion_tokens"), took, rec.get("finish_reason"), spec.get("verify_steps"),
-                    spec.get("accepted_tokens"), spec.get("accept_length"))):
+                    rec.get("completion"), ids, rec.get("prompt_tokens"),
+                    None if ids is None else len(ids),     # choice 0's, as generated_tokens (n > 1)
+                    took, rec.get("finish_reason"), spec.get("verify_steps"), spec.get("accepted_tokens"),
+                    spec.get("accept_length"), rec.get("logprobs"), rec.get("prompt_logprobs"))):
                 out[name].append(value)
         table = batch if isinstance(batch, pa.Table) else pa.Table.from_pylist(rows)
-        types = {"generated_tokens": pa.list_(pa.int64()), "generated_text": pa.string(), "finish_reason": pa.string()}
+        types = {"generated_tokens": pa.list_(pa.int64()), "generated_text": pa.string(), "finish_reason": pa.string(),
+                 "logprobs": LOGPROBS_TYPE, "prompt_logprobs": PROMPT_LOGPROBS_TYPE}
         for name, values in out.items():
             table = table.append_column(name, pa.array(values, type=types.get(name)))
         if self.continue_on_error:
@@ -202,6 +214,7 @@ class ProcessorConfig:
     # raises), so that the first actor up does not take every batch of a short dataset; None:
     # Ray's default (batches go to actors as they come up). Set on the dataset's DataContext.
     wait_for_actors_s: float | None = 1800.0
+    max_restarts: int = 3                    # per actor, after its engine broke (then the dataset fails)
 
 
 def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
@@ -215,16 +228,21 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
     if num_gpus is None:
         num_gpus = 0 if (config.engine_kwargs.get("device") or "cuda").startswith("cpu") else 1
     k = config.max_concurrent_batches
-    # Ray Data restarts an actor that died and retries its batches (its defaults).
+    # Ray Data restarts an actor that died and retries its batches (bounded: an engine that breaks
+    # every time would otherwise be restarted forever).
     compute = ray.data.ActorPoolStrategy(size=config.concurrency, max_tasks_in_flight_per_actor=k,
                                          max_concurrent_calls_per_actor=k)
 
     def process(ds: "ray.data.Dataset") -> "ray.data.Dataset":
         if preprocess is not None:
             ds = ds.map(preprocess)
-        ds = ds.map_batches(SpecbatchPredictor, fn_constructor_kwargs=kwargs, batch_size=config.batch_size,
-                            batch_format="pyarrow", compute=compute, num_gpus=num_gpus, num_cpus=config.num_cpus,
-                            accelerator_type=config.accelerator_type, runtime_env=config.runtime_env)
+        with warnings.catch_warnings():
+            # max_restarts has no named parameter yet (Ray 2.60 warns about every other route too)
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.* is deprecated")
+            ds = ds.map_batches(SpecbatchPredictor, fn_constructor_kwargs=kwargs, batch_size=config.batch_size,
+                                batch_format="pyarrow", compute=compute, num_gpus=num_gpus, num_cpus=config.num_cpus,
+                                accelerator_type=config.accelerator_type, runtime_env=config.runtime_env,
+                                max_restarts=config.max_restarts)
         if postprocess is not None:
             ds = ds.map(postprocess)
         if config.wait_for_actors_s is not None:

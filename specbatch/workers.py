@@ -304,9 +304,13 @@ class WorkerPool:
               "go to the other workers", file=sys.stderr)
         redo.extend(w.held.values())
         w.held.clear()
+        # rows still in its inbox's pipe have no reader: the queue's feeder thread would block on
+        # them forever, and this process's exit joins that thread (a finished job that never exits)
+        w.inbox.cancel_join_thread()
 
     def close(self) -> None:
         for w in self.workers:
+            w.inbox.cancel_join_thread()     # nobody reads what is still queued for a stopped worker
             if w.proc.is_alive():
                 w.proc.terminate()
         for w in self.workers:

@@ -19,6 +19,8 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
+from specbatch.ray import SpecbatchPredictor  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 WORDS = "def add(a, b): return a + b for i in range(10): print(i * i) class Point: import os".split()
@@ -155,3 +157,60 @@ def test_batches_wait_for_every_actor_unless_asked_not_to(cluster):
 
     assert build_processor(_config())(ray.data.range(4)).context.wait_for_min_actors_s == 1800
     assert build_processor(_config(wait_for_actors_s=None))(ray.data.range(4)).context.wait_for_min_actors_s == -1
+
+
+class _BreaksOnce(SpecbatchPredictor):
+    """A predictor whose engine breaks once (a CUDA error, say) at its third row: a flag file
+    makes the restarted actor's engine healthy."""
+
+    def __init__(self, flag, **kw):
+        self.flag = flag
+        super().__init__(**kw)
+
+    def _feed(self):
+        n = 0
+        for item in super()._feed():
+            if getattr(item, "row", None) is not None:
+                n += 1
+                if n == 3 and not os.path.exists(self.flag):
+                    open(self.flag, "w").close()
+                    raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+            yield item
+
+
+def test_an_engine_that_breaks_restarts_its_actor_and_loses_no_row(cluster, tmp_path):
+    """An engine failure ends the actor (an exception from a batch would fail the whole dataset):
+    Ray restarts it and retries its batches; every row comes back once."""
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    flag = str(tmp_path / "broke")
+    ds = ray.data.from_items([{"id": i, "prompt": f"def f{i}(x):", "sampling_params": {"max_tokens": 4}}
+                              for i in range(32)])
+    out = ds.map_batches(_BreaksOnce, fn_constructor_kwargs={"flag": flag, "engine_kwargs": {"device": "cpu",
+                                                                                             "batch_size": 8}},
+                         batch_size=8, batch_format="pyarrow", num_cpus=1,
+                         max_restarts=2,
+                         compute=ray.data.ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=2,
+                                                            max_concurrent_calls_per_actor=2))
+    rows = out.take_all()
+    assert os.path.exists(flag)                                   # it did break
+    assert sorted(r["id"] for r in rows) == list(range(32))
+    assert all(r["generated_text"] is not None for r in rows)
+
+
+def test_n_and_logprobs_reach_the_columns():
+    """ray.data.llm's meaning: num_generated_tokens = len(generated_tokens) (choice 0 with n > 1);
+    logprobs and prompt_logprobs a row asked for are returned (null for rows that did not ask)."""
+    import asyncio
+
+    from specbatch.ray import SpecbatchPredictor
+
+    pred = SpecbatchPredictor(engine_kwargs={"device": "cpu", "batch_size": 8})
+    rows = [{"prompt": "def add(a, b):", "sampling_params": {"max_tokens": 6, "n": 2, "temperature": 0.8}},
+            {"prompt": "import os", "sampling_params": {"max_tokens": 4, "logprobs": 2, "prompt_logprobs": 1}}]
+    a, b = asyncio.run(pred(pa.Table.from_pylist(rows))).to_pylist()
+    assert a["num_generated_tokens"] == len(a["generated_tokens"]) > 0
+    assert a["logprobs"] is None and a["prompt_logprobs"] is None
+    assert len(b["logprobs"]) == b["num_generated_tokens"] and all(len(e["top_logprobs"]) == 2 for e in b["logprobs"])
+    assert b["prompt_logprobs"][0] is None and len(b["prompt_logprobs"]) == b["num_input_tokens"]
