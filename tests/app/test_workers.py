@@ -127,3 +127,17 @@ def test_the_parent_killed_takes_its_workers_and_the_rerun_resumes(job):
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     _same(_rows(out), job["ref"])
+
+
+def test_workers_that_cannot_start_are_a_one_line_error(tmp_path):
+    """Every worker refusing the settings is what one process says: one line, exit 2 (it was an
+    uncaught WorkerError, a traceback and exit 1)."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt": "def f():"}) + "\n")
+    p = subprocess.run([sys.executable, "-m", "specbatch", "run", str(inp), "-o", str(tmp_path / "o.jsonl"),
+                        "--device", "cpu", "--max-model-len", "99999", "--workers", "2", "-q"],
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "max_position_embeddings" in last
