@@ -298,6 +298,19 @@ def bench(
                                        ("--slots", slots is not None)) if on]
         if asked:
             _fail(f"{asked[0]} applies to whole jobs only: add --job")
+    else:
+        asked = [flag for flag, on in (("--batch-sizes", batch_sizes is not None), ("--prompt-len", prompt_len != 1024),
+                                       ("--max-tokens", max_tokens != 128), ("--max-model-len", max_model_len is not None),
+                                       ("--separate-graphs", separate_graphs),
+                                       ("--hf-max-batch", hf_max_batch != 64)) if on]   # --no-hf: a job runs no peer
+        if asked:
+            _fail(f"{asked[0]} applies to the batch sweep only, not --job (the mix sets lengths: --output-median ...)")
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _fail(f"--out {out_dir}: {e.strerror or e}")
+    if not os.access(out_dir, os.W_OK):
+        _fail(f"--out {out_dir}: not writable")
     try:
         opts = BenchOptions(
             recipes=tuple(recipe) if recipe else DEFAULT_RECIPES, model=model, draft=draft,

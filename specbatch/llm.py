@@ -117,6 +117,8 @@ class LLM:
             return self.recipe.sampling
         if isinstance(params, SamplingParams):
             params = params.to_dict()
+            if params["seed"] is None:              # no seed of its own: the run seed stays
+                del params["seed"]
         return self.recipe.with_overrides(sampling=dict(params)).sampling
 
     def stream(self, rows: Iterable[RowRequest | RowError],

@@ -65,7 +65,7 @@ class ProgressView:
             self.errors = info.get("errors", self.errors)
             self.tokens = info["tokens"]
             if rec.get("spec"):
-                self.completion_tokens += rec["completion_tokens"]
+                self.completion_tokens += round(rec["spec"]["accept_length"] * rec["spec"]["verify_steps"])
                 self.verify_steps += rec["spec"]["verify_steps"]
             now = time.perf_counter()
             rate = self.tokens / max(now - self.started, 1e-9)

@@ -39,7 +39,7 @@ def resolve_draft(recipe: Recipe) -> str | None:
     (nextn_mtp); None for a recipe whose drafter reads no directory (vanilla)."""
     kind = _drafter(recipe)
     if kind is None or kind.directory is None:
-        if recipe.draft is not None:
+        if recipe.draft not in (None, "default"):
             raise JobError(f"--draft {recipe.draft}: recipe {recipe.name!r} ({recipe.algorithm}) uses no draft model")
         return None
     if recipe.draft not in (None, "default"):

@@ -44,6 +44,7 @@ class RunStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     verify_steps: int = 0
+    generated_tokens: int = 0         # tokens the requests emitted (a greedy row's n choices run once)
     draft_tokens: int = 0
     accepted_tokens: int = 0
     histogram: list[int] = field(default_factory=list)
@@ -64,6 +65,7 @@ class RunStats:
         self.completion_tokens += rec["completion_tokens"]
         spec = rec["spec"]
         self.verify_steps += spec["verify_steps"]
+        self.generated_tokens += round(spec["accept_length"] * spec["verify_steps"])
         self.draft_tokens += spec["draft_tokens"]
         self.accepted_tokens += spec["accepted_tokens"]
         hist = spec["accept_histogram"]
@@ -78,7 +80,7 @@ class RunStats:
 
     @property
     def accept_length(self) -> float:
-        return self.completion_tokens / self.verify_steps if self.verify_steps else 0.0
+        return self.generated_tokens / self.verify_steps if self.verify_steps else 0.0
 
     def acceptance_per_position(self) -> list[float]:
         """Share of decode cycles whose i-th draft was accepted (so the first i+1 were)."""

@@ -29,8 +29,8 @@ from ..engine import Engine, EngineOptions, resolve_device
 from ..recipe import SamplingDefaults, load_recipe
 from ..prompts import PromptError, encode_row
 from .floor import copy_bandwidth, kv_bytes, weight_bytes
-from .sources import (BenchError, BenchOptions, Source, acceptance_label, build_engine, failure_message,
-                      free_memory, load_source, recipe_spec)
+from .sources import (BenchError, BenchOptions, Source, acceptance_label, build_engine, check_options,
+                      failure_message, free_memory, load_source, recipe_spec)
 
 Log = Callable[[str], None]
 
@@ -141,13 +141,13 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
     w_bytes, params = _weights(model)
     prompt = sum(len(r.prompt_token_ids) for r in rows)
     distinct = distinct_prompt_tokens([r.prompt_token_ids for r in rows])
-    outputs = [r.overrides["max_tokens"] for r in rows]
+    seqs = [(r, r.overrides["max_tokens"]) for r in rows for _ in range(r.overrides.get("n", 1))]
+    outputs = [o for _, o in seqs]
     out_tokens = sum(outputs)
     spread = math.ceil(out_tokens / slots)
     steps = max(spread, max(outputs, default=0))
     # each output token reads its whole context once: sum over t < o of (p + t)
-    ctx_bytes = kv_bytes(model.cfg, dtype, sum(o * len(r.prompt_token_ids) + o * (o - 1) / 2
-                                               for r, o in zip(rows, outputs)))
+    ctx_bytes = kv_bytes(model.cfg, dtype, sum(o * len(r.prompt_token_ids) + o * (o - 1) / 2 for r, o in seqs))
     flops_s = 2 * params * out_tokens / rate
 
     def decode(n_steps: int) -> float:                 # the weights once a step, every context once
@@ -164,8 +164,10 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
     device = resolve_device(opts.device)
     if opts.every_size_too and not (opts.graphs and device.type == "cuda"):
         raise BenchError("--every-size-too compares CUDA graph sizes: it needs a CUDA device and no --eager")
+    check_options(opts)
     recipes = [load_recipe(r) for r in opts.recipes]
     src = load_source(opts, device)
+    specs = [recipe_spec(r, opts, src, device) for r in recipes]     # a missing --draft fails before any run
     rows = job_rows(mix, opts, src)
     longest = max(len(r.prompt_token_ids) + r.overrides["max_tokens"] for r in rows)
     if longest > src.model.cfg.max_position_embeddings:
@@ -183,8 +185,7 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
             "simulated_acceptance": list(opts.simulate_acceptance) if opts.simulate_acceptance else None,
             "graphs": opts.graphs and device.type == "cuda"}
     points = []
-    for recipe in recipes:
-        spec, head = recipe_spec(recipe, opts, src, device)
+    for recipe, (spec, head) in zip(recipes, specs):
         sim = opts.simulate_acceptance if recipe.drafter is not None else None
         eopts = EngineOptions(batch_size=mix.slots or recipe.batch_size, max_model_len=longest, device=str(device),
                               spec=spec, graphs=opts.graphs, profile=True, simulate_acceptance=sim,
@@ -311,6 +312,10 @@ def cycle_split(engine: Engine, src: Source, bandwidth: float, rate: float) -> d
             "drain_floor_s": sum(floors[i] for i in drain)}
 
 
+def _speedup(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
 def job_markdown(result: dict[str, Any]) -> str:
     meta, mix = result["meta"], result["meta"]["mix"]
     shared = f"every prompt begins with the same {mix['shared_prefix']} tokens · " if mix.get("shared_prefix") else ""
@@ -330,7 +335,7 @@ def job_markdown(result: dict[str, Any]) -> str:
             continue
         mem = f"{p['peak_memory_bytes'] / 2**30:.1f}" if p.get("peak_memory_bytes") else "-"
         widths = " ".join(f"{w}: {n}" for w, n in p.get("verify_widths", {}).items()) or "-"
-        lines.append(f"| {p['recipe']} | {p['job_tokens_per_s']:,.0f} | {p.get('speedup_vs_vanilla', 0):.2f}x | "
+        lines.append(f"| {p['recipe']} | {p['job_tokens_per_s']:,.0f} | {_speedup(p.get('speedup_vs_vanilla'))} | "
                      f"{p['wall_s']:.1f} | {p['prefill_s']:.1f} ({p['prefill_forwards']}) | {p['decode_s']:.1f} ({p['cycles']}) | "
                      f"{p['floor_s']:.1f} | {100 * p['floor_fraction']:.0f}% | {100 * p['floor_spread_fraction']:.0f}% | "
                      f"{p['mean_occupancy']:.0f}/{p['slots']} | {p['accept_length']:.2f} | {widths} | {mem} |")

@@ -232,7 +232,7 @@ def _steady(cycles: list[CycleTime], bs: int, prompt_len: float) -> tuple[list[C
     """
     steady, lens, length = [], [], prompt_len
     for c in cycles:
-        if c.batch == bs:
+        if c.batch == bs and c.tokens >= bs:        # every row active emits at least one token
             steady.append(c)
             lens.append(length)
         length += c.tokens / c.batch
