@@ -10,6 +10,7 @@ import torch
 import specbatch.kernels as kernels
 from processors_helpers import prompts, rows
 from specbatch.engine import Engine, EngineOptions
+from specbatch.params import LOGPROBS_MODES
 from specbatch.recipe import SamplingDefaults
 from specbatch.speculative.factory import SpecConfig
 
@@ -25,8 +26,9 @@ GREEDY = [{"frequency_penalty": 1.2, "repetition_penalty": 1.3}, {"logit_bias": 
           {"min_tokens": 6, "logit_bias": {0: 8.0}, "logprobs": 2}]
 
 
-def _run(model, spec, graphs, per_row, bs=4):
-    eng = Engine(model, EngineOptions(batch_size=bs, device="cuda", dtype="float32", spec=spec, graphs=graphs))
+def _run(model, spec, graphs, per_row, bs=4, logprobs_mode="raw_logprobs"):
+    eng = Engine(model, EngineOptions(batch_size=bs, device="cuda", dtype="float32", spec=spec, graphs=graphs,
+                                      logprobs_mode=logprobs_mode))
     recs = sorted(eng.generate(rows(prompts(len(per_row)), per_row), SamplingDefaults(max_tokens=16)),
                   key=lambda r: r["row"])
     assert all(r["error"] is None for r in recs)
@@ -53,6 +55,20 @@ def test_processor_graphs_equal_eager(name, per_row, target_dir, eagle3_dir):
                                   torch.tensor([e["logprob"] for e in b["logprobs"]]), atol=1e-4)
     variants = {v for _, (v, _width) in eng.graphs._graphs}
     assert any(v[3] is not None for v in variants)
+
+
+@pytest.mark.parametrize("name", ["eagle3_topk1", "naive_2token"])
+@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+def test_logprobs_modes_in_graphs_equal_eager(name, mode, target_dir, eagle3_dir):
+    spec = _specs(eagle3_dir)[name]
+    with kernels.torch_only():
+        ref, _ = _run(target_dir, spec, False, MIXED, logprobs_mode=mode)
+    got, _ = _run(target_dir, spec, True, MIXED, logprobs_mode=mode)
+    assert [r["output_token_ids"] for r in got] == [r["output_token_ids"] for r in ref]
+    for a, b in zip(got, ref):
+        if b["logprobs"] is not None:
+            flat = lambda r: [v for e in r["logprobs"] for v in [e["logprob"]] + [t["logprob"] for t in e["top_logprobs"]]]  # noqa: E731
+            assert torch.allclose(torch.tensor(flat(a)), torch.tensor(flat(b)), atol=1e-4)
 
 
 def test_plain_batches_keep_the_plain_variants(target_dir, eagle3_dir):
