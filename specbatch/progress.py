@@ -113,7 +113,7 @@ def print_summary(err: Console, s: dict[str, Any]) -> None:
     ]
     if s.get("waited_for_pages"):                     # admission control, never out of memory
         pool = f" (KV pool: {s['kv_rows']:,} rows)" if s.get("kv_rows") else ""
-        rows.append(("waited for KV pages", f"{s['waited_for_pages']} admissions left rows queued until pages freed{pool}"))
+        rows.append(("waited for KV pages", f"{s['waited_for_pages']} requests waited in the queue until pages freed{pool}"))
     if s.get("prompt_tokens_cached"):                 # prefix caching: prefill skipped these
         cached, admitted = s["prompt_tokens_cached"], s["prompt_tokens_admitted"]
         rows.append(("prefix cache", f"{cached:,} of {admitted:,} prompt tokens admitted found in the KV pool "

@@ -35,6 +35,7 @@ class Request:
     draft_tokens: int = 0               # draft tokens proposed
     accepted_tokens: int = 0            # draft tokens accepted
     histogram: list[int] = field(default_factory=list)   # histogram[i]: steps that accepted i drafts
+    waited_for_pages: bool = False      # admission found its pages short at least once
     cached_rows: int = 0                # leading prompt positions found in the KV pool (prefill skips them)
 
     def __len__(self) -> int:

@@ -155,7 +155,7 @@ class Engine:
         self._prefill_clock: list = []       # (start, end) per prefill call when profiling: CUDA events / host clock
         self.prefill_calls = 0
         self.occupancy: list[int] = []       # active slots per cycle when profiling
-        self.waited = 0                      # admissions a request waited for pages
+        self.waited = 0                      # requests that waited for pages (at the head of the queue)
         # prefix caching: requests start from the pages of earlier prompts that began alike, when
         # the drafter's prompt state lives in those pages too; a continued prompt starts on a page
         self.prefix_caching = opts.prefix_caching and self.drafter.shares_prompt_pages
@@ -292,6 +292,9 @@ class Engine:
             reuse = req.params.prompt_logprobs is None or req.choice > 0
             g = self.pages.grant(self._rows_needed(req), prompt, reuse=reuse)
             if g is None:
+                if not req.waited_for_pages:     # count rows, not the admission attempts they sat through
+                    req.waited_for_pages = True
+                    self.waited += 1
                 return False
             if g.copy is not None:          # now, in grant order: a later grant may take its source
                 self.cache.copy_page(*g.copy)
@@ -300,8 +303,6 @@ class Engine:
             return True
 
         admitted = sched.admit(fits=fits)
-        if sched.queued() and len(admitted) < len(sched.free_slots()) + len(admitted):
-            self.waited += 1
         self.pages.assign([(slot, grants[id(req)]) for slot, req in admitted])
         for _, req in admitted:
             req.cached_rows = grants[id(req)].cached_rows

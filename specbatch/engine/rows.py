@@ -48,7 +48,8 @@ class RowConverter:
             return error_record(item.row, item.id, f"{where}: cannot tokenize the prompt ({exception_line(e)})",
                                 item.keep)
         if len(ids) >= self.max_len:
-            return error_record(item.row, item.id, str(too_long(where, self.max_len, f"{len(ids)} tokens")),
+            what = f"{len(ids)} tokens" if len(ids) > self.max_len else f"{len(ids)} tokens, no room for a completion,"
+            return error_record(item.row, item.id, str(too_long(where, self.max_len, what)),
                                 item.keep, prompt_tokens=len(ids))
         try:
             params = defaults.for_row(item.overrides, item.row, self.model_defaults)

@@ -149,3 +149,23 @@ def test_the_summary_says_how_many_admissions_waited_for_pages(tiny_model, tmp_p
     buf = io.StringIO()
     print_summary(Console(file=buf, width=200), s)
     assert "waited for KV pages" in buf.getvalue() and f"KV pool: {s['kv_rows']:,} rows" in buf.getvalue()
+
+
+def test_waited_for_pages_counts_requests_not_cycles(tiny_model):
+    """A pool that holds one request at a time, two slots, two rows: one request waited for
+    pages (the count said 40: one per cycle it sat out)."""
+    eng = Engine(tiny_model, EngineOptions(device="cpu", dtype="float32", batch_size=2, max_model_len=64,
+                                           kv_rows=72, page_size=8))
+    rows = [RowRequest(row=i, id=i, prompt_token_ids=[5, 6, 7, 8], overrides={"max_tokens": 40}) for i in range(2)]
+    recs = list(eng.generate(rows, SamplingDefaults(ignore_eos=True)))
+    assert len(recs) == 2 and all(r["error"] is None for r in recs)
+    assert eng.waited == 1
+
+
+def test_a_prompt_that_fills_the_context_says_so(tiny_model):
+    eng = Engine(tiny_model, EngineOptions(device="cpu", dtype="float32", batch_size=2, max_model_len=32))
+    full, over = eng.generate([RowRequest(row=0, id=0, prompt_token_ids=list(range(1, 33))),
+                               RowRequest(row=1, id=1, prompt_token_ids=list(range(1, 34)))],
+                              SamplingDefaults(max_tokens=4))
+    assert "prompt has 32 tokens, no room for a completion, but the context is 32 tokens" in full["error"]
+    assert "prompt has 33 tokens but the context is 32 tokens" in over["error"]
