@@ -101,6 +101,21 @@ def _spool_stdin(output: str) -> str:
 Progress = Callable[[str, dict[str, Any]], None]
 
 
+def _check_run_logit_bias(recipe: Recipe, model_dir: Any) -> None:
+    """A run-wide logit_bias naming a token the model does not have fails the job at once (each
+    row would be an error row)."""
+    bias = recipe.sampling.logit_bias or ()
+    if not bias:
+        return
+    from .models.config import load_config
+
+    vocab = load_config(model_dir)[0].vocab_size
+    outside = [t for t, _ in bias if t >= vocab]
+    if outside:
+        raise JobError(f"--logit-bias (or the recipe's sampling.logit_bias): token id {outside[0]} is outside the "
+                       f"model's vocabulary (size {vocab})")
+
+
 def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
             progress: Progress | None = None) -> dict[str, Any]:
     """Run `recipe` over every row of `input_path`; returns the run summary.
@@ -114,6 +129,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     stats = RunStats()
     spec = spec_config(recipe)
     model_dir = resolve_model(recipe.model)
+    _check_run_logit_bias(recipe, model_dir)
     output = opts.output or default_output(input_path)
     _check_paths(input_path, output)
     source = open_rows(input_path, prompt_column=opts.prompt_column, id_column=opts.id_column,

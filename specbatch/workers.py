@@ -53,6 +53,9 @@ def devices_for(gpus: str | None, workers: int | None, device: str | None) -> li
     if gpus is not None:
         import torch
 
+        if workers is not None or device is not None:      # --gpus picks both: one engine per listed GPU
+            raise ValueError(f"--gpus with {'--workers' if workers is not None else '--device'}: --gpus runs one "
+                             "engine on each GPU it names; give either --gpus or --workers/--device")
         count = torch.cuda.device_count()
         if count == 0:
             raise ValueError("--gpus: no CUDA device is available (use --workers N on the CPU)")

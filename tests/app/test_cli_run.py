@@ -259,3 +259,33 @@ def test_logprobs_mode_flag(tiny_model, tmp_path):
     assert r.exit_code != 0 and "logprobs_mode" in r.output
     r = cli(*run_args(tiny_model, inp, tmp_path / "x.jsonl", "--logprobs-mode", "raw"))
     assert r.exit_code == 2 and "--logprobs-mode raw: expected one of raw_logprobs" in r.output
+
+
+def test_no_flags_turn_off_a_recipes_true(tiny_model, tmp_path):
+    """--no-ignore-eos and --no-include-stop-str-in-output override a recipe that sets them true."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: mine\nalgorithm: vanilla\nmodel: {tiny_model}\n"
+                      "sampling:\n  ignore_eos: true\n  include_stop_str_in_output: true\n  max_tokens: 3\n")
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "def f():"}])
+    for flags, want in (((), True), (("--no-ignore-eos", "--no-include-stop-str-in-output"), False)):
+        out = tmp_path / f"o{want}.jsonl"
+        ok("run", inp, "-r", recipe, "-o", out, "--device", "cpu", "-q", *flags)
+        sampling = json.loads((tmp_path / f"o{want}.jsonl.manifest.json").read_text())["fingerprint"]["sampling"]
+        assert sampling["ignore_eos"] is want and sampling["include_stop_str_in_output"] is want
+
+
+def test_gpus_with_workers_or_device_is_refused():
+    from specbatch.workers import devices_for
+
+    for kw in ({"workers": 2, "device": None}, {"workers": None, "device": "cpu"}):
+        with pytest.raises(ValueError, match="give either --gpus or --workers/--device"):
+            devices_for("all", **kw)
+
+
+def test_run_logit_bias_outside_the_vocabulary_fails_at_once(tiny_model, tmp_path):
+    from cli_runner import cli
+
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "def f():"}] * 3)
+    r = cli(*run_args(tiny_model, inp, tmp_path / "o.jsonl", "--logit-bias", "99999=1"))
+    assert r.exit_code == 2 and "--logit-bias" in r.output and "token id 99999 is outside" in r.output
+    assert not (tmp_path / "o.jsonl").exists()
