@@ -135,7 +135,11 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
     Plain decoding emits one token per sequence a step and reads every weight each step, so it
     takes at least max(output tokens / slots, the longest output) steps: a long output is a
     chain of steps that no number of slots shortens (`decode_steps_spread` is the first term
-    alone, the floor before the chain was counted)."""
+    alone, the floor before the chain was counted).
+
+    Prefill FLOPs are 2 x the non-embedding parameters, lm_head included, per distinct prompt
+    token (issue 13's definition); the prefill runs lm_head at each prompt's last position only,
+    so that term is above the FLOPs actually needed by lm_head's share (~7% at Llama-3.1-8B shapes)."""
     model = src.model
     dtype = model.lm_head.weight.dtype
     w_bytes, params = _weights(model)
