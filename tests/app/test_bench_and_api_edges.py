@@ -12,22 +12,11 @@ from typer.testing import CliRunner
 from specbatch.bench.sweep import BenchOptions, run_bench
 from specbatch.cli import app
 
-from bench_helpers import TINY
+from bench_helpers import tiny_config, tiny_opts  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tiny_config(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench") / "config.json"
-    path.write_text(json.dumps(TINY))
-    return path
-
-
-def _opts(cfg, **kw) -> BenchOptions:
-    base = dict(random_weights=str(cfg), batch_sizes=(1, 2), prompt_len=16, max_tokens=8, device="cpu",
-                graphs=False, hf=False)
-    return BenchOptions(**{**base, **kw})
 
 
 # 1. a greedy n>1 row: vanilla's mean accept length must be exactly 1.0 (README), not n
@@ -120,7 +109,7 @@ def test_bench_unwritable_out_is_a_one_line_error(tiny_config):
 
 # 8. sweep: the ride-along cycle after every row finished is not "a cycle with every row active"
 def test_sweep_steady_cycles_all_emit(tiny_config):
-    p = run_bench(_opts(tiny_config, recipes=("vanilla",), batch_sizes=(2,), max_tokens=12),
+    p = run_bench(tiny_opts(tiny_config, recipes=("vanilla",), batch_sizes=(2,), max_tokens=12),
                   log=lambda m: None)["points"][0]
     assert p["steady_tokens"] == 2 * p["steady_cycles"], (p["steady_tokens"], p["steady_cycles"])
 

@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from specbatch.bench import configs
 from specbatch.bench.hf_peer import PEER_NAME
-from specbatch.bench.sweep import BenchOptions, run_bench
+from specbatch.bench.sweep import run_bench
 from specbatch.cli import EXIT_USAGE, app
 from specbatch.models.config import ModelError
 
-from bench_helpers import TINY
+from bench_helpers import TINY, tiny_config, tiny_opts  # noqa: F401 (fixture)
 
 POINT_FIELDS = ("recipe", "batch_size", "tokens_per_s", "speedup_vs_vanilla", "accept_length", "draft_ms",
                 "verify_ms", "extend_ms", "host_ms", "step_ms", "floor_ms", "floor_fraction",
@@ -28,17 +28,6 @@ META_FIELDS = ("device", "date", "versions", "command", "copy_bandwidth_bytes_pe
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tiny_config(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench") / "config.json"
-    path.write_text(json.dumps(TINY))
-    return path
-
-
-def _tiny_opts(cfg, **kw) -> BenchOptions:
-    base = dict(random_weights=str(cfg), batch_sizes=(1, 2), prompt_len=16, max_tokens=8, device="cpu",
-                graphs=False, hf=False)
-    return BenchOptions(**{**base, **kw})
 
 
 def test_bench_cli_writes_labelled_reports(tiny_config, tmp_path):
@@ -76,7 +65,7 @@ def test_bench_cli_writes_labelled_reports(tiny_config, tmp_path):
 
 
 def test_zero_simulated_acceptance_accepts_nothing(tiny_config):
-    res = run_bench(_tiny_opts(tiny_config, recipes=("eagle3_topk1",), batch_sizes=(2,),
+    res = run_bench(tiny_opts(tiny_config, recipes=("eagle3_topk1",), batch_sizes=(2,),
                                simulate_acceptance=(0.0,)), log=lambda m: None)
     (p,) = res["points"]
     assert p["accept_length"] == 1.0 and p["acceptance_per_position"] == [0.0, 0.0, 0.0]
@@ -85,7 +74,7 @@ def test_zero_simulated_acceptance_accepts_nothing(tiny_config):
 
 def test_random_drafts_without_simulation_warn(tiny_config):
     logs: list[str] = []
-    res = run_bench(_tiny_opts(tiny_config, recipes=("eagle3_topk1",), batch_sizes=(1,), max_tokens=4),
+    res = run_bench(tiny_opts(tiny_config, recipes=("eagle3_topk1",), batch_sizes=(1,), max_tokens=4),
                     log=logs.append)
     assert any("warning" in m and "~1" in m for m in logs)
     assert not res["meta"]["simulated"] and res["meta"]["acceptance"] == "measured acceptance"
@@ -121,7 +110,7 @@ def test_bench_runs_a_two_layer_random_config(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({**TINY, "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
                                "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 128}))
-    res = run_bench(_tiny_opts(cfg, recipes=("eagle3_topk1", "eagle3_tree"), batch_sizes=(2,),
+    res = run_bench(tiny_opts(cfg, recipes=("eagle3_topk1", "eagle3_tree"), batch_sizes=(2,),
                                simulate_acceptance=(1.0, 1.0, 1.0)), log=lambda m: None)
     assert [p["recipe"] for p in res["points"]] == ["eagle3_topk1", "eagle3_tree"]
     assert all(not p.get("failed") and p["tokens_per_s"] > 0 for p in res["points"]), res["points"]
@@ -189,7 +178,7 @@ def test_an_engine_that_cannot_be_built_fails_its_recipe_only(tiny_config, monke
         return real(eopts, src, head)
 
     monkeypatch.setattr(sweep, "build_engine", no_tree)
-    res = run_bench(_tiny_opts(tiny_config, recipes=("eagle3_tree", "vanilla"), batch_sizes=(1, 2)),
+    res = run_bench(tiny_opts(tiny_config, recipes=("eagle3_tree", "vanilla"), batch_sizes=(1, 2)),
                     log=lambda m: None)
     got = [(p["recipe"], p["batch_size"], p.get("error")) for p in res["points"]]
     assert got == [("eagle3_tree", 1, "engine: ValueError: no tree today"),
@@ -198,7 +187,7 @@ def test_an_engine_that_cannot_be_built_fails_its_recipe_only(tiny_config, monke
 
 
 def test_simulated_points_are_reproducible_and_carry_the_chain_formula(tiny_config):
-    opts = _tiny_opts(tiny_config, recipes=("eagle3_tree",), batch_sizes=(2,), max_tokens=24,
+    opts = tiny_opts(tiny_config, recipes=("eagle3_tree",), batch_sizes=(2,), max_tokens=24,
                       simulate_acceptance=(0.8, 0.6, 0.45))
     a, b = (run_bench(opts, log=lambda m: None)["points"][0] for _ in range(2))
     assert a["accept_length"] == b["accept_length"]
