@@ -61,7 +61,12 @@ class DecoderConfig:
         head_dim = (d.get("head_dim") if fam.head_dim else None) or hidden // heads
         rope_theta, scaling = _rope(d, where, fam.rope_types)
         attention_bias = bool(d.get("attention_bias", False))
-        window = d.get("sliding_window") if fam.sliding_window == "window" else None
+        quant = d.get("quantization_config") or d.get("compression_config")
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else None
+            raise ModelError(f"{where}: quantization_config (quant_method {method!r}) is not supported "
+                             "(expected unquantized float32 / bfloat16 / float16 weights)")
+        window = d.get("sliding_window", fam.default_window) if fam.sliding_window == "window" else None
         if fam.sliding_window == "unsupported" and d.get("use_sliding_window", False):
             raise ModelError(f"{where}: use_sliding_window is not supported for {arch}")
         return cls(
@@ -177,6 +182,11 @@ def _req(d: dict, key: str, where: str) -> Any:
     return d[key]
 
 
+# what llama.rope_inv_freq reads for each scaling kind (transformers requires the same keys)
+_ROPE_KEYS = {"linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
 def _rope(d: dict, where: str, accepted: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> tuple[float, dict | None]:
     # transformers < 5 writes rope_theta + rope_scaling; >= 5 writes rope_parameters (theta inside).
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
@@ -189,6 +199,10 @@ def _rope(d: dict, where: str, accepted: tuple[str, ...] = SUPPORTED_ROPE_TYPES)
         )
     if rope_type == "default":
         return theta, None
+    for key in _ROPE_KEYS.get(rope_type, ()):
+        if not isinstance(params.get(key), (int, float)) or isinstance(params.get(key), bool):
+            raise ModelError(f"{where}: rope type {rope_type!r} needs a number for {key!r} "
+                             f"(got {params.get(key)!r})")
     scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
     scaling["rope_type"] = rope_type
     return theta, scaling

@@ -60,6 +60,16 @@ def iter_tensors(files: list[Path], device: torch.device,
             raise ModelError(f"{path}: cannot read safetensors ({e})") from None
 
 
+def check_tensor(where: str, name: str, p: torch.Tensor, t: torch.Tensor, expected: str = "") -> None:
+    """A checkpoint tensor fits the parameter it fills: its shape, and real weights for a float
+    parameter (fp8 / int8 codes would copy in as numbers, their scales dropped)."""
+    if tuple(p.shape) != tuple(t.shape):
+        raise ModelError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(p.shape)}{expected}")
+    if p.is_floating_point() and (not t.is_floating_point() or t.element_size() < 2):
+        raise ModelError(f"{where}: tensor {name} is {str(t.dtype).removeprefix('torch.')} (a quantized "
+                         "checkpoint?); expected float32, bfloat16 or float16 weights")
+
+
 def load_weights(module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], where: str,
                  optional: tuple[str, ...] = ()) -> list[str]:
     """Copy tensors into `module` by name. Returns names the module has no parameter for.
@@ -73,8 +83,7 @@ def load_weights(module: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
         if p is None:
             extra.append(name)
             continue
-        if tuple(p.shape) != tuple(t.shape):
-            raise ModelError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+        check_tensor(where, name, p, t)
         with torch.no_grad():
             p.copy_(t)
         filled.add(name)
@@ -100,6 +109,9 @@ def load_target(model_dir: str | Path, dtype: str = "auto",
     model = model.to(torch_dtype).to_empty(device=device)
     model.inv_freq = rope_inv_freq(cfg).to(device)       # float32 even when weights are not
     tie = "lm_head.weight" not in tensor_names(files)
+    if tie and raw.get("tie_word_embeddings") is False:
+        raise ModelError(f"{model_dir}: no lm_head.weight, and config.json says tie_word_embeddings: false "
+                         "(a checkpoint missing its output layer)")
     if tie:
         model.lm_head.weight = model.model.embed_tokens.weight
     # Only the decoder's own tensors: an MTP layer stored alongside (model.layers.{L}.*,

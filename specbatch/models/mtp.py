@@ -26,7 +26,7 @@ from torch import nn
 from .attention import AttnMetadata
 from .config import DecoderConfig, ModelError, load_config_dict
 from .llama import MLP, Attention, CausalLM, RMSNorm, Rope, linear, rope_inv_freq
-from .loader import iter_tensors, safetensors_files, tensor_names
+from .loader import check_tensor, iter_tensors, safetensors_files, tensor_names
 
 LAYOUTS = ("deepseek", "mimo", "qwen")
 
@@ -187,9 +187,7 @@ def load_mtp(target: CausalLM, target_dir: str | Path | None, draft_dir: str | P
         if src.layout == "qwen" else set()
     for full, t in iter_tensors(src.files, device, keep=wanted.__contains__):
         p = params[by_full[full]]
-        if tuple(p.shape) != tuple(t.shape):
-            raise ModelError(f"{src.where}: tensor {full} has shape {tuple(t.shape)}, expected "
-                             f"{tuple(p.shape)} for this target")
+        check_tensor(src.where, full, p, t, " for this target")
         with torch.no_grad():
             p.copy_(t.float() + 1.0 if by_full[full] in gemma else t)
     return layer.attach(target).eval().requires_grad_(False)

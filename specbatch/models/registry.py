@@ -27,6 +27,8 @@ class Family:
     sliding_window: str = "ignored"    # ignored | window: `sliding_window` is the window (Mistral)
                                        # | unsupported: `use_sliding_window: true` is an error (Qwen)
     rope_types: tuple[str, ...] = ROPE_TYPES    # rope scaling kinds accepted
+    default_window: int | None = None  # `sliding_window` when config.json lacks the key
+                                       # (transformers' config default; an explicit null is off)
 
     def __post_init__(self):
         if self.sliding_window not in _WINDOWS:
@@ -35,7 +37,7 @@ class Family:
 
 ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": Family(".llama", "CausalLM"),
-    "MistralForCausalLM": Family(".llama", "CausalLM", sliding_window="window"),
+    "MistralForCausalLM": Family(".llama", "CausalLM", sliding_window="window", default_window=4096),
     "Qwen2ForCausalLM": Family(".llama", "CausalLM", qkv_bias=True, o_bias=False, sliding_window="unsupported"),
     "Qwen3ForCausalLM": Family(".llama", "CausalLM", qk_norm=True, sliding_window="unsupported"),
 }
