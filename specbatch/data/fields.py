@@ -214,6 +214,25 @@ def check_prompt(value: object, name: str) -> str:
 MESSAGES_EXPECTED = "a non-empty list of {role, content} objects"
 
 
+def _content_text(content: object, name: str) -> str:
+    """A message's content: a string, or OpenAI's list of content parts, text parts only (their
+    texts joined with newlines, as vLLM gives a text-only chat template)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise bad(name, "a string or a non-empty list of text parts", content)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise bad(f"{name}[{j}]", "a content part {type, text}", part)
+        if part.get("type") != "text":
+            raise bad(f"{name}[{j}].type", "'text' (specbatch runs text-only models)", part.get("type"))
+        if not isinstance(part.get("text"), str):
+            raise bad(f"{name}[{j}].text", "a string", part.get("text"))
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def check_messages(value: object, name: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise bad(name, MESSAGES_EXPECTED, value)
@@ -224,8 +243,7 @@ def check_messages(value: object, name: str) -> list[dict]:
         role, content = msg.get("role"), msg.get("content")
         if not isinstance(role, str) or not role:
             raise bad(f"{name}[{i}].role", "a non-empty string", role)
-        if not isinstance(content, str):
-            raise bad(f"{name}[{i}].content", "a string", content)
+        content = _content_text(content, f"{name}[{i}].content")
         check_unicode(role, f"{name}[{i}].role")
         check_unicode(content, f"{name}[{i}].content")
         out.append({"role": role, "content": content})

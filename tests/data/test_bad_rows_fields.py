@@ -150,3 +150,25 @@ def test_ids_keep_their_type(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"prompt": "a", "uid": 5}, {"prompt": "b", "uid": None}]), ppath)
     out = list(open_rows(str(ppath), id_column="uid"))
     assert out[0].id == 5 and isinstance(out[0].id, int) and out[1].id == 1 and isinstance(out[1], RowError)
+
+
+# ---- OpenAI content parts ---------------------------------------------------------------------
+
+
+def test_text_content_parts_are_joined_and_other_parts_named():
+    """OpenAI's content may be a list of parts: text parts join with newlines (vLLM's text-only
+    chat), any other part (an image) is a row error naming its type."""
+    parts = [{"type": "text", "text": "def add(a, b):"}, {"type": "text", "text": "    return"}]
+    row = parse({"messages": [{"role": "user", "content": parts}]})
+    assert isinstance(row, RowRequest)
+    assert row.messages == [{"role": "user", "content": "def add(a, b):\n    return"}]
+    batch = parse({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
+                   "body": {"messages": [{"role": "user", "content": parts[:1]}]}})
+    assert batch.messages == [{"role": "user", "content": "def add(a, b):"}]
+    image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
+    assert "field 'messages[0].content[0].type': expected 'text' (specbatch runs text-only models), got " \
+           "\"image_url\"" in err({"messages": [{"role": "user", "content": image}]}).error
+    assert "field 'messages[0].content[0].text': expected a string" in \
+        err({"messages": [{"role": "user", "content": [{"type": "text"}]}]}).error
+    assert "field 'messages[0].content': expected a string or a non-empty list of text parts" in \
+        err({"messages": [{"role": "user", "content": []}]}).error

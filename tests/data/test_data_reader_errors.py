@@ -26,7 +26,7 @@ from reader_helpers import MESSAGES, err, write_parquet
         ({"messages": [{"role": "user"}]}, ["field 'messages[0].content'", "a string"]),
         ({"messages": [{"content": "x"}]}, ["field 'messages[0].role'"]),
         ({"messages": [{"role": "user", "content": "a"}, {"role": 1, "content": "b"}]}, ["field 'messages[1].role'"]),
-        ({"messages": [{"role": "user", "content": ["a"]}]}, ["field 'messages[0].content'"]),
+        ({"messages": [{"role": "user", "content": ["a"]}]}, ["field 'messages[0].content[0]'", "a content part"]),
         ({"prompt_token_ids": []}, ["field 'prompt_token_ids'", "non-empty list"]),
         ({"prompt_token_ids": [1, -2]}, ["field 'prompt_token_ids[1]'"]),
         ({"prompt_token_ids": [1, 2.5]}, ["field 'prompt_token_ids[1]'"]),
