@@ -106,11 +106,11 @@ def encode_row(tokenizer: Any, row: Any, vocab_size: int, max_tokens_allowed: in
         return ids
     limit = max_tokens_allowed
     if limit is not None:
-        texts = [m["content"] for m in row.messages] if row.messages is not None else [row.prompt]
+        texts = [m["content"] or "" for m in row.messages] if row.messages is not None else [row.prompt]
         nbytes = sum(_utf8_len(t) for t in texts)
         if nbytes > limit * max_bytes_per_token(tokenizer):
-            raise PromptError(f"{where}: prompt has {nbytes} bytes, more than the context of {limit} "
-                              "tokens per slot can hold (set --max-model-len or lower --batch-size)")
+            raise PromptError(f"{where}: prompt has {nbytes} bytes, more than a context of {limit} tokens can "
+                              "hold (the model's limit, --max-model-len, or what the KV pool holds)")
     try:
         if row.messages is not None:
             if not getattr(tokenizer, "chat_template", None):

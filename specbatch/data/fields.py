@@ -243,10 +243,24 @@ def check_messages(value: object, name: str) -> list[dict]:
         role, content = msg.get("role"), msg.get("content")
         if not isinstance(role, str) or not role:
             raise bad(f"{name}[{i}].role", "a non-empty string", role)
-        content = _content_text(content, f"{name}[{i}].content")
         check_unicode(role, f"{name}[{i}].role")
-        check_unicode(content, f"{name}[{i}].content")
-        out.append({"role": role, "content": content})
+        m: dict = {"role": role}
+        # What vLLM hands the chat template besides role and content (tool turns, named speakers);
+        # an assistant turn that only calls tools has no content: "", as vLLM's text-only parsing gives.
+        for key in ("name", "tool_call_id"):
+            if msg.get(key) is not None:
+                if not isinstance(msg[key], str):
+                    raise bad(f"{name}[{i}].{key}", "a string", msg[key])
+                m[key] = check_unicode(msg[key], f"{name}[{i}].{key}")
+        if msg.get("tool_calls") is not None:
+            if not isinstance(msg["tool_calls"], list) or not all(isinstance(c, dict) for c in msg["tool_calls"]):
+                raise bad(f"{name}[{i}].tool_calls", "a list of objects", msg["tool_calls"])
+            m["tool_calls"] = msg["tool_calls"]
+        if content is None and "tool_calls" in m:
+            m["content"] = ""
+        else:
+            m["content"] = check_unicode(_content_text(content, f"{name}[{i}].content"), f"{name}[{i}].content")
+        out.append(m)
     return out
 
 

@@ -88,7 +88,7 @@ def test_huge_prompt_is_rejected_without_tokenizing(engine):
     t0 = time.perf_counter()
     rec = engine.rows.request(RowRequest(row=0, id=0, prompt=text, where="in.jsonl:1"), SamplingDefaults())
     took = time.perf_counter() - t0
-    assert rec["error"].startswith(f"in.jsonl:1: prompt has {len(text)} bytes, more than the context of "
+    assert rec["error"].startswith(f"in.jsonl:1: prompt has {len(text)} bytes, more than a context of "
                                    f"{engine.max_len} tokens")
     assert took < 0.3, took
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]

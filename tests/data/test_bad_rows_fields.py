@@ -172,3 +172,20 @@ def test_text_content_parts_are_joined_and_other_parts_named():
         err({"messages": [{"role": "user", "content": [{"type": "text"}]}]}).error
     assert "field 'messages[0].content': expected a string or a non-empty list of text parts" in \
         err({"messages": [{"role": "user", "content": []}]}).error
+
+
+def test_tool_turns_and_names_reach_the_template():
+    """name, tool_calls and tool_call_id go to the chat template as vLLM hands them; an assistant
+    turn that only calls tools may have no content."""
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 1}"}}
+    row = parse({"messages": [{"role": "user", "content": "hi", "name": "ann"},
+                              {"role": "assistant", "content": None, "tool_calls": [call]},
+                              {"role": "tool", "content": "2", "tool_call_id": "c1"}]})
+    assert row.messages == [{"role": "user", "name": "ann", "content": "hi"},
+                            {"role": "assistant", "tool_calls": [call], "content": ""},
+                            {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    assert "field 'messages[0].content': expected a string" in err({"messages": [{"role": "user"}]}).error
+    assert "field 'messages[0].name': expected a string" in \
+        err({"messages": [{"role": "user", "content": "x", "name": 3}]}).error
+    assert "field 'messages[0].tool_calls': expected a list of objects" in \
+        err({"messages": [{"role": "assistant", "content": None, "tool_calls": "add"}]}).error
