@@ -10,20 +10,23 @@ The body is a `chat.completion` (choices[].message) for chat requests and a `tex
 (each top_logprobs dict also holds the sampled token, as OpenAI's legacy API does). A row that
 asked for prompt_logprobs gets vLLM's extension: `[null, {"<token id>": {"logprob", "rank",
 "decoded_token"}, ...}, ...]` per prompt token, the prompt's own token first, then the top ones
-(on the chat body, on each completions choice). A row that could not run is a line with
-`response` null and `error` {"code", "message"}. Speculation stats and the input row number ride
+(on the chat body, on each completions choice). A row that could not run is a line with a
+400 `response` (body {"error": {...}}, as vLLM's run-batch and OpenAI write a rejected request) and
+`error` {"code", "message"}. Speculation stats and the input row number ride
 along in the extra top-level field `specbatch` (ignored by OpenAI clients; a resume reads the row
 back from it). Ids are derived from the row and custom_id, so a rerun writes the same ids.
 """
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 from .. import records
 
 ERROR_CODE = "invalid_request"
 OUTPUT_FORMATS = ("native", "openai", "auto")
+LINE_KEYS = ("id", "custom_id", "response", "error", "specbatch")     # what a kept column must not replace
 
 
 def check_output_format(name: str) -> str:
@@ -31,6 +34,19 @@ def check_output_format(name: str) -> str:
     if name not in OUTPUT_FORMATS:
         raise ValueError(f"--output-format {name}: expected {', '.join(OUTPUT_FORMATS[:-1])} or {OUTPUT_FORMATS[-1]}")
     return name
+
+
+def check_keep_columns(keep_columns: Sequence[str], output_format: str, reserved: Sequence[str] = ()) -> None:
+    """A ValueError for a kept column that would replace an output column (or one of `reserved`),
+    or a key of the OpenAI line it rides beside (the line's own "response" or "custom_id"
+    overwritten: unreadable by clients and by a resume). "auto" may write OpenAI lines, so it is
+    checked as "openai"."""
+    for c in keep_columns:
+        if c in records.NAMES or c in reserved:
+            raise ValueError(f"keep column '{c}' clashes with the output column of the same name")
+        if output_format != "native" and c in LINE_KEYS:
+            raise ValueError(f"keep column '{c}' clashes with the OpenAI batch output key of the same name "
+                             "(--output-format native keeps it)")
 
 
 def _hex(*parts: object, n: int = 24) -> str:
@@ -41,8 +57,11 @@ def to_openai_line(rec: dict[str, Any], model: str) -> dict[str, Any]:
     """A merged output row (native columns plus endpoint / request_model / created) as one line."""
     row, custom_id = rec["row"], (None if rec.get("id") is None else str(rec["id"]))   # a string, as OpenAI's
     line: dict[str, Any] = {"id": f"batch_req_{_hex('batch', row, custom_id)}", "custom_id": custom_id}
-    if rec.get("error"):
-        line.update(response=None, error={"code": ERROR_CODE, "message": rec["error"]})
+    if rec.get("error"):        # a 400 in `response` as vLLM's run-batch and OpenAI write it, and the message in `error`
+        line.update(response={"status_code": 400, "request_id": f"req-{_hex('req', row, custom_id)}",
+                              "body": {"error": {"message": rec["error"], "type": "invalid_request_error",
+                                                 "param": None, "code": None}}},
+                    error={"code": ERROR_CODE, "message": rec["error"]})
     else:
         chat = rec.get("endpoint") == "chat"
         native = rec.get("choices") or [{"index": 0, "completion": rec.get("completion"),

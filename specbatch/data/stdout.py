@@ -12,7 +12,7 @@ import pyarrow as pa
 from .. import records
 from .digests import Expected, RowSet
 from .merge import _struct_value
-from .openai_out import check_output_format, to_openai_line
+from .openai_out import check_keep_columns, check_output_format, to_openai_line
 
 
 class StdoutWriter:
@@ -27,6 +27,7 @@ class StdoutWriter:
         self.output_format, self.model_name = check_output_format(output_format), model_name
         self.standard = records.columns({"save_token_ids": save_token_ids})
         self.keep_columns = list(dict.fromkeys(keep_columns))
+        check_keep_columns(self.keep_columns, self.output_format)
         self.stream = stream or sys.stdout.buffer
         self.done_rows = RowSet()
         self._pending: dict[int, dict] = {}

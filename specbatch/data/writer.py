@@ -36,7 +36,7 @@ from .digests import Expected, RowSet, block_digests, block_size
 from .files import file_hash, fs_error, fsync_dir, write_atomic
 from ..records import ON_REQUEST
 from .lock import OutputLock
-from .openai_out import check_output_format, from_openai_line
+from .openai_out import check_keep_columns, check_output_format, from_openai_line
 from .merge import (
     DIGEST_COLUMN,
     STANDARD_COLUMNS,
@@ -92,9 +92,7 @@ class OutputWriter:
         self.output_format = output_format if self.format == "jsonl" else "native"
         self.model_name = model_name
         keep_columns = tuple(dict.fromkeys(keep_columns))         # --keep-columns t,t: once
-        for c in keep_columns:
-            if c in STANDARD_COLUMNS or c == DIGEST_COLUMN:
-                raise ValueError(f"keep column '{c}' clashes with the output column of the same name")
+        check_keep_columns(keep_columns, self.output_format, reserved=(DIGEST_COLUMN,))
         self.path = path
         self.parts_dir = path + ".parts"
         self.sidecar = path + ".manifest.json"          # JSONL outputs only

@@ -129,7 +129,8 @@ def test_openai_batch_input_writes_openai_batch_output(tiny_model, batch_file, t
     want = [json.loads(x) for x in native.read_text().splitlines()]
     for ln, raw, w in zip(lines, rows, want):
         if raw["custom_id"] == "req-4":
-            assert ln.response is None and "use_beam_search" in ln.error.message
+            assert ln.response.status_code == 400 and "use_beam_search" in ln.error.message
+            assert ln.response.body["error"]["message"] == ln.error.message
             continue
         assert ln.error is None and ln.response.status_code == 200 and ln.response.request_id
         b = body(ln)
