@@ -145,7 +145,9 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
     w_bytes, params = _weights(model)
     prompt = sum(len(r.prompt_token_ids) for r in rows)
     distinct = distinct_prompt_tokens([r.prompt_token_ids for r in rows])
-    seqs = [(r, r.overrides["max_tokens"]) for r in rows for _ in range(r.overrides.get("n", 1))]
+    # a sampled row's n choices each decode; a greedy row's (the bench's default) decode once
+    seqs = [(r, r.overrides["max_tokens"]) for r in rows
+            for _ in range(r.overrides.get("n", 1) if (r.overrides.get("temperature") or 0) > 0 else 1)]
     outputs = [o for _, o in seqs]
     out_tokens = sum(outputs)
     spread = math.ceil(out_tokens / slots)
@@ -264,6 +266,7 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
     out = sum(r["completion_tokens"] for r in recs)
     floor = job_floor(src, rows, engine.num_slots, bandwidth, rate)
     steps = sum(r["spec"]["verify_steps"] - 1 for r in recs)
+    emitted = sum(round(r["spec"]["accept_length"] * r["spec"]["verify_steps"]) for r in recs)   # greedy n: once
     return {
         "recipe": name, "slots": engine.num_slots, "pages": engine.num_pages, "page_size": engine.page_size,
         "wall_s": wall, "job_tokens_per_s": out / wall, "output_tokens": out,
@@ -272,7 +275,7 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
         "decode_s": wall - engine.prefill_s, "cycles": len(engine.cycle_times),
         "mean_occupancy": statistics.fmean(engine.occupancy) if engine.occupancy else 0.0,
         "admissions_waiting_for_pages": engine.waited, "prompt_tokens_cached": engine.cached_tokens,
-        "accept_length": out / max(steps + len(recs), 1) if steps else 1.0,
+        "accept_length": emitted / max(steps + len(recs), 1) if steps else 1.0,
         "floor_s": floor["total_s"], "floor_prefill_s": floor["prefill_s"], "floor_decode_s": floor["decode_s"],
         "floor_decode_steps": floor["decode_steps"], "floor_spread_s": floor["total_spread_s"],
         "floor_spread_fraction": floor["total_spread_s"] / wall,

@@ -233,6 +233,27 @@ def _content_text(content: object, name: str) -> str:
     return "\n".join(texts)
 
 
+def _tool_call(call: dict, name: str) -> dict:
+    """A tool call as vLLM hands it to chat templates: its function's JSON `arguments` string
+    parsed into an object ({} when empty), as transformers' tool-use templates expect."""
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        return dict(call)
+    args = fn.get("arguments")
+    if isinstance(args, (dict, list)):
+        return dict(call)
+    if args:
+        if not isinstance(args, str):
+            raise bad(f"{name}.function.arguments", "a JSON string", args)
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise bad(f"{name}.function.arguments", "a JSON string", args) from None
+    else:
+        args = {}
+    return {**call, "function": {**fn, "arguments": args}}
+
+
 def check_messages(value: object, name: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise bad(name, MESSAGES_EXPECTED, value)
@@ -255,7 +276,9 @@ def check_messages(value: object, name: str) -> list[dict]:
         if msg.get("tool_calls") is not None:
             if not isinstance(msg["tool_calls"], list) or not all(isinstance(c, dict) for c in msg["tool_calls"]):
                 raise bad(f"{name}[{i}].tool_calls", "a list of objects", msg["tool_calls"])
-            m["tool_calls"] = msg["tool_calls"]
+            if msg["tool_calls"]:              # vLLM: an empty list is dropped (the normal assistant path)
+                m["tool_calls"] = [_tool_call(c, f"{name}[{i}].tool_calls[{j}]")
+                                   for j, c in enumerate(msg["tool_calls"])]
         if content is None and "tool_calls" in m:
             m["content"] = ""
         else:

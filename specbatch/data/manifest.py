@@ -10,6 +10,9 @@ MANIFEST = "manifest.json"               # inside the parts directory
 MANIFEST_KEY = b"specbatch.manifest"     # inside a finished Parquet output's footer
 MANIFEST_VERSION = 2
 _UNSET = object()
+# Settings added to the fingerprint later: what a manifest written before them meant (logprobs
+# were the processed ones before --logprobs-mode), so `--logprobs-mode processed_logprobs` resumes it.
+_LEGACY = {"settings.logprobs_mode": "processed_logprobs"}
 
 
 def jsonable(value: object) -> object:
@@ -35,6 +38,10 @@ def mismatch(stored: dict, mine: dict) -> str | None:
                  "keep_columns": stored.get("keep_columns", _UNSET)})
     new = _flat({"settings": mine["fingerprint"], "save_token_ids": mine["save_token_ids"],
                  "keep_columns": mine["keep_columns"]})
+    if "fingerprint" in stored:
+        for key, value in _LEGACY.items():
+            if key in new:
+                old.setdefault(key, value)
     diffs = []
     for key in [*new, *(k for k in old if k not in new)]:
         a, b = old.get(key, _UNSET), new.get(key, _UNSET)

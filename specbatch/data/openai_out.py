@@ -39,12 +39,12 @@ def check_output_format(name: str) -> str:
 def check_keep_columns(keep_columns: Sequence[str], output_format: str, reserved: Sequence[str] = ()) -> None:
     """A ValueError for a kept column that would replace an output column (or one of `reserved`),
     or a key of the OpenAI line it rides beside (the line's own "response" or "custom_id"
-    overwritten: unreadable by clients and by a resume). "auto" may write OpenAI lines, so it is
-    checked as "openai"."""
+    overwritten: unreadable by clients and by a resume). "auto" is checked as "openai" once a row
+    shows the output will be OpenAI lines (native rows keep such a column, as before)."""
     for c in keep_columns:
         if c in records.NAMES or c in reserved:
             raise ValueError(f"keep column '{c}' clashes with the output column of the same name")
-        if output_format != "native" and c in LINE_KEYS:
+        if output_format == "openai" and c in LINE_KEYS:
             raise ValueError(f"keep column '{c}' clashes with the OpenAI batch output key of the same name "
                              "(--output-format native keeps it)")
 
@@ -57,7 +57,7 @@ def to_openai_line(rec: dict[str, Any], model: str) -> dict[str, Any]:
     """A merged output row (native columns plus endpoint / request_model / created) as one line."""
     row, custom_id = rec["row"], (None if rec.get("id") is None else str(rec["id"]))   # a string, as OpenAI's
     line: dict[str, Any] = {"id": f"batch_req_{_hex('batch', row, custom_id)}", "custom_id": custom_id}
-    if rec.get("error"):        # a 400 in `response` as vLLM's run-batch and OpenAI write it, and the message in `error`
+    if rec.get("error"):        # a 400 response as vLLM's run-batch and OpenAI write it; the message in `error`
         line.update(response={"status_code": 400, "request_id": f"req-{_hex('req', row, custom_id)}",
                               "body": {"error": {"message": rec["error"], "type": "invalid_request_error",
                                                  "param": None, "code": None}}},
@@ -71,7 +71,10 @@ def to_openai_line(rec: dict[str, Any], model: str) -> dict[str, Any]:
         choices = []
         for c in native:
             choice: dict[str, Any] = {"index": c["index"], "finish_reason": c.get("finish_reason"),
-                                      "stop_reason": records.choice_stop_reason(c),    # vLLM's extension
+                                      # vLLM's extension; choice 0's is the row's (parts written before
+                                      # the choices struct held it have it there alone)
+                                      "stop_reason": (records.choice_stop_reason(c) if c["index"]
+                                                      else rec.get("stop_reason")),
                                       "logprobs": _openai_logprobs(c.get("logprobs"), chat)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": c.get("completion")}

@@ -46,6 +46,7 @@ class StdoutWriter:
             if row not in self._pending:
                 return                                # the first row of known form is not here yet
             self.output_format = "openai" if self._pending[row]["batch_line"] else "native"
+            check_keep_columns(self.keep_columns, self.output_format)
         while self._next in self._pending:
             self._emit(self._pending.pop(self._next))
             self._next += 1

@@ -336,6 +336,8 @@ class OutputWriter:
         row = record.get("row")
         if isinstance(row, bool) or not isinstance(row, int):
             raise ValueError(f"record 'row' must be an int, got {row!r}")
+        if self.output_format == "auto" and record.get("batch_line"):
+            check_keep_columns(self.keep_columns, "openai")     # the final file will be OpenAI lines
         self._buffer.append((record, digest))
         if len(self._buffer) >= self.commit_rows or time.monotonic() - self._last_commit >= self.commit_seconds:
             self.commit()

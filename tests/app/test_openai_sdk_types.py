@@ -121,3 +121,15 @@ def test_a_kept_column_never_replaces_a_key_of_the_line(tiny_model, tmp_path, de
     assert "keep column 'response'" in line and "--output-format native" in line
     r = ok("run", inp, "-o", "-", *args, "--output-format", "native")        # native rows keep it
     assert json.loads(r.stdout)["response"] == "my note"
+
+
+@pytest.mark.parametrize("dest", ["-", "file"])
+def test_auto_native_rows_keep_a_column_named_like_a_line_key(tiny_model, tmp_path, dest):
+    """Review repro: a prompt/response dataset written to .jsonl (auto -> native rows) kept its
+    `response` column before 7f4735; auto must refuse it only when the lines are OpenAI lines."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt": "def f(x):", "response": "my note", "max_tokens": 2}) + "\n")
+    out = "-" if dest == "-" else tmp_path / "o.jsonl"
+    r = ok("run", inp, "-o", out, "--model", tiny_model, "--device", "cpu", "-q", "--keep-columns", "response")
+    text = r.stdout if dest == "-" else (tmp_path / "o.jsonl").read_text()
+    assert json.loads(text)["response"] == "my note"
