@@ -130,6 +130,9 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     spec = spec_config(recipe)
     model_dir = resolve_model(recipe.model)
     _check_run_logit_bias(recipe, model_dir)
+    from .workers import devices_for
+
+    devices_for(opts.gpus, opts.workers, opts.device)      # a bad --gpus / --workers fails before any output
     output = opts.output or default_output(input_path)
     _check_paths(input_path, output)
     source = open_rows(input_path, prompt_column=opts.prompt_column, id_column=opts.id_column,

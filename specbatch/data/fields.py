@@ -267,7 +267,7 @@ def check_messages(value: object, name: str) -> list[dict]:
         check_unicode(role, f"{name}[{i}].role")
         m: dict = {"role": role}
         # What vLLM hands the chat template besides role and content (tool turns, named speakers);
-        # an assistant turn that only calls tools has no content: "", as vLLM's text-only parsing gives.
+        # an assistant turn may have no content (one that only calls tools): "", as vLLM's text parsing gives.
         for key in ("name", "tool_call_id"):
             if msg.get(key) is not None:
                 if not isinstance(msg[key], str):
@@ -279,8 +279,8 @@ def check_messages(value: object, name: str) -> list[dict]:
             if msg["tool_calls"]:              # vLLM: an empty list is dropped (the normal assistant path)
                 m["tool_calls"] = [_tool_call(c, f"{name}[{i}].tool_calls[{j}]")
                                    for j, c in enumerate(msg["tool_calls"])]
-        if content is None and "tool_calls" in m:
-            m["content"] = ""
+        if content is None and (role == "assistant" or "tool_calls" in m):
+            m["content"] = ""                  # vLLM reads an assistant turn's null content as empty
         else:
             m["content"] = check_unicode(_content_text(content, f"{name}[{i}].content"), f"{name}[{i}].content")
         out.append(m)

@@ -289,3 +289,12 @@ def test_run_logit_bias_outside_the_vocabulary_fails_at_once(tiny_model, tmp_pat
     r = cli(*run_args(tiny_model, inp, tmp_path / "o.jsonl", "--logit-bias", "99999=1"))
     assert r.exit_code == 2 and "--logit-bias" in r.output and "token id 99999 is outside" in r.output
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_bad_gpus_flags_fail_before_any_output(tiny_model, tmp_path):
+    from cli_runner import cli
+
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "def f():"}])
+    r = cli(*run_args(tiny_model, inp, tmp_path / "o.jsonl", "--gpus", "all", "--workers", "2"))
+    assert r.exit_code == 2 and "give either --gpus or --workers/--device" in r.output
+    assert not list(tmp_path.glob("o.jsonl*"))

@@ -190,3 +190,10 @@ def test_tool_turns_and_names_reach_the_template():
         err({"messages": [{"role": "user", "content": "x", "name": 3}]}).error
     assert "field 'messages[0].tool_calls': expected a list of objects" in \
         err({"messages": [{"role": "assistant", "content": None, "tool_calls": "add"}]}).error
+
+
+def test_an_assistant_turn_may_have_null_content():
+    row = parse({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                              {"role": "user", "content": "again"}]})
+    assert row.messages[1] == {"role": "assistant", "content": ""}
+    assert "field 'messages[0].content'" in err({"messages": [{"role": "user", "content": None}]}).error
