@@ -187,10 +187,12 @@ class SpecbatchPredictor:
         table = batch if isinstance(batch, pa.Table) else pa.Table.from_pylist(rows)
         types = {"generated_tokens": pa.list_(pa.int64()), "generated_text": pa.string(), "finish_reason": pa.string(),
                  "logprobs": LOGPROBS_TYPE, "prompt_logprobs": PROMPT_LOGPROBS_TYPE}
-        for name, values in out.items():
-            table = table.append_column(name, pa.array(values, type=types.get(name)))
-        if self.continue_on_error:
-            table = table.append_column(ERROR_COLUMN, pa.array(errors, pa.string()))
+        columns = {**{name: pa.array(values, type=types.get(name)) for name, values in out.items()},
+                   **({ERROR_COLUMN: pa.array(errors, pa.string())} if self.continue_on_error else {})}
+        for name, column in columns.items():
+            # an input column of the same name (a re-run dataset's output, say) is replaced, never doubled
+            at = table.schema.get_field_index(name)
+            table = table.set_column(at, name, column) if at >= 0 else table.append_column(name, column)
         return table
 
 

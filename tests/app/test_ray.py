@@ -214,3 +214,8 @@ def test_n_and_logprobs_reach_the_columns():
     assert a["logprobs"] is None and a["prompt_logprobs"] is None
     assert len(b["logprobs"]) == b["num_generated_tokens"] and all(len(e["top_logprobs"]) == 2 for e in b["logprobs"])
     assert b["prompt_logprobs"][0] is None and len(b["prompt_logprobs"]) == b["num_input_tokens"]
+    # a dataset that already holds output columns (a re-run over earlier output): replaced, not doubled
+    again = pa.Table.from_pylist([{**rows[1], "generated_text": "old", "logprobs": None}])
+    out = asyncio.run(pred(again))
+    assert out.column_names.count("generated_text") == 1 and out.column_names.count("logprobs") == 1
+    assert out.column("generated_text").to_pylist() == [b["generated_text"]]
