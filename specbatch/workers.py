@@ -166,6 +166,7 @@ class _Worker:
     ended: bool = False              # told that no more rows come
     stats: dict[str, Any] = field(default_factory=dict)
     records: int = 0
+    error: str = ""                  # what it reported before dying, if anything
 
 
 class WorkerPool:
@@ -288,7 +289,7 @@ class WorkerPool:
                     w.done = True
                     w.stats.update(payload)
                 elif kind == "error":
-                    self.last_error = payload
+                    self.last_error = w.error = payload
                     self.errors.append(payload)
         for w in self.workers:
             if not w.dead and not w.done and not w.proc.is_alive() and not w.reader.poll():
@@ -297,14 +298,17 @@ class WorkerPool:
 
     def _bury(self, w: _Worker, redo: list) -> None:
         w.dead = True
-        if not self.last_error:
+        if not w.error:                      # its own report, else how it ended
             w.proc.join(timeout=1)           # its pipe closed first: reap it for the exit code
             code = w.proc.exitcode
             how = (f"killed by signal {-code}" if code is not None and code < 0 else
                    f"exited with code {code}" if code is not None else "stopped answering")
-            self.last_error = f"{w.device}: worker {how}"
-        print(f"warning: worker on {w.device} died ({self.last_error}); its {len(w.held)} unfinished rows "
-              "go to the other workers", file=sys.stderr)
+            w.error = f"{w.device}: worker {how}"
+        self.last_error = w.error
+        rest = ("go to the other workers" if any(not o.dead for o in self.workers)
+                else "stay unfinished: rerun to resume")
+        print(f"warning: worker on {w.device} died ({w.error}); its {len(w.held)} unfinished rows {rest}",
+              file=sys.stderr)
         redo.extend(w.held.values())
         w.held.clear()
         # rows still in its inbox's pipe have no reader: the queue's feeder thread would block on

@@ -141,3 +141,32 @@ def test_workers_that_cannot_start_are_a_one_line_error(tmp_path):
     assert "Traceback" not in p.stderr
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "max_position_embeddings" in last
+
+
+def test_each_dead_worker_is_named_by_its_own_end(capsys):
+    """Two workers killed: each warning says how that one ended (the second repeated the first's),
+    and the last one's rows wait for a rerun (there are no other workers to take them)."""
+    from specbatch.workers import WorkerPool, _Worker
+
+    class Proc:
+        def __init__(self, code):
+            self.exitcode = code
+
+        def join(self, timeout=None):
+            pass
+
+    class Inbox:
+        def cancel_join_thread(self):
+            pass
+
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.last_error = ""
+    pool.workers = [_Worker(proc=Proc(-9), inbox=Inbox(), reader=None, device="cuda:0", held={1: "r"}),
+                    _Worker(proc=Proc(3), inbox=Inbox(), reader=None, device="cuda:1", held={2: "r"})]
+    redo: list = []
+    pool._bury(pool.workers[0], redo)
+    pool._bury(pool.workers[1], redo)
+    err = capsys.readouterr().err.splitlines()
+    assert "cuda:0: worker killed by signal 9" in err[0] and "go to the other workers" in err[0]
+    assert "cuda:1: worker exited with code 3" in err[1] and "rerun to resume" in err[1]
+    assert redo == ["r", "r"] and pool.last_error == "cuda:1: worker exited with code 3"
