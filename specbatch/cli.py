@@ -127,7 +127,7 @@ def run(
     from .data import InputError, OutputError
     from .job import JobError, JobOptions, run_job
     from .models.config import ModelError
-    from .params import LOGPROBS_MODES
+    from .params import check_logprobs_mode
     from .recipe import RecipeError, load_recipe
 
     overrides = dict(model=model, draft=draft, batch_size=batch_size, max_tokens=max_tokens,
@@ -150,8 +150,10 @@ def run(
         _fail(f"{_FLAGS[key]}: {e.detail}" if overrides.get(key) is not None else str(e))
     if stats_json:
         _check_stats_path(stats_json)
-    if logprobs_mode not in LOGPROBS_MODES:
-        _fail(f"--logprobs-mode {logprobs_mode}: expected one of {', '.join(LOGPROBS_MODES)}")
+    try:
+        check_logprobs_mode(logprobs_mode)
+    except ValueError as e:
+        _fail(str(e))
     opts = JobOptions(
         output=output, limit=limit, prompt_column=prompt_column, id_column=id_column,
         keep_columns=[c.strip() for c in keep_columns.split(",") if c.strip()] if keep_columns else (),

@@ -132,7 +132,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     _check_run_logit_bias(recipe, model_dir)
     from .workers import devices_for
 
-    devices_for(opts.gpus, opts.workers, opts.device)      # a bad --gpus / --workers fails before any output
+    devices = devices_for(opts.gpus, opts.workers, opts.device)   # a bad --gpus / --workers fails before any output
     output = opts.output or default_output(input_path)
     _check_paths(input_path, output)
     source = open_rows(input_path, prompt_column=opts.prompt_column, id_column=opts.id_column,
@@ -163,7 +163,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
                 if not pending:
                     return stats.summary(output=output, complete_before=True, resumed=len(writer.done_rows))
                 writer.reopen(digests)       # finished before with a smaller --limit, or new rows: add them
-        return _generate(source, writer, recipe, opts, output, stats, notify)
+        return _generate(source, writer, recipe, opts, devices, output, stats, notify)
     finally:
         writer.close()
         if spooled:
@@ -174,10 +174,10 @@ class _Runner:
     """What generates the records: one engine in this process, or a pool of worker processes
     (workers.py); the job reads both the same way."""
 
-    def __init__(self, recipe: Recipe, opts: JobOptions):
-        from .workers import WorkerPool, devices_for
+    def __init__(self, recipe: Recipe, opts: JobOptions, devices: list[str]):
+        """`devices`: workers.devices_for's answer for the job's flags."""
+        from .workers import WorkerPool
 
-        devices = devices_for(opts.gpus, opts.workers, opts.device)
         self.pool = self.llm = None
         # --gpus always means one engine process per GPU (a 1-GPU box runs the machinery an 8-GPU box
         # runs); --workers 1 (the default) runs the engine in this process.
@@ -234,10 +234,10 @@ class _Runner:
                     verify_widths={w: n for w, n in sorted(eng.cycle.policy.used.items())})
 
 
-def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, opts: JobOptions,
+def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, opts: JobOptions, devices: list[str],
               output: str, stats: RunStats, notify: Progress) -> dict[str, Any]:
     t0 = time.perf_counter()
-    runner = _Runner(recipe, opts)
+    runner = _Runner(recipe, opts, devices)
     stats.start_generation(time.perf_counter() - t0)
     done = writer.done_rows
     limit = opts.limit

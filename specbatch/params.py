@@ -31,7 +31,7 @@ DEFAULT_LOGPROBS_MODE = "raw_logprobs"     # vLLM's default
 
 def check_logprobs_mode(mode: str) -> str:
     if mode not in LOGPROBS_MODES:
-        raise ValueError(f"--logprobs-mode {mode!r}: expected one of {', '.join(LOGPROBS_MODES)}")
+        raise ValueError(f"--logprobs-mode {mode}: expected one of {', '.join(LOGPROBS_MODES)}")
     return mode
 
 LOGIT_BIAS_MAX = 1024     # entries of one logit_bias at most

@@ -10,6 +10,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from .records import emitted_tokens
+
 
 class ProgressView:
     """Progress on stderr: a rich bar on a terminal; plain lines every `every` seconds otherwise
@@ -65,7 +67,7 @@ class ProgressView:
             self.errors = info.get("errors", self.errors)
             self.tokens = info["tokens"]
             if rec.get("spec"):
-                self.completion_tokens += round(rec["spec"]["accept_length"] * rec["spec"]["verify_steps"])
+                self.completion_tokens += emitted_tokens(rec["spec"])
                 self.verify_steps += rec["spec"]["verify_steps"]
             now = time.perf_counter()
             rate = self.tokens / max(now - self.started, 1e-9)

@@ -37,6 +37,12 @@ CHOICES_TYPE = pa.list_(pa.struct([("index", pa.int64()), ("completion", pa.stri
 LOGPROB_FLOOR = -9999.0      # what a -inf logprob (a token the filters removed) is written as, as vLLM does
 
 
+def emitted_tokens(spec: Mapping[str, Any]) -> int:
+    """Tokens a row's requests emitted, from its spec column: accept_length x verify_steps (a
+    greedy row's n choices ran once, so its completion_tokens counts n copies)."""
+    return round(spec["accept_length"] * spec["verify_steps"])
+
+
 def stop_fields(stop_reason: int | str | None) -> dict[str, Any]:
     """A choice's stop_reason as the choices struct holds it (one Arrow type a field): the stop
     string, or the stop token id."""

@@ -90,9 +90,6 @@ class StopChecker:
                 return True
         return False
 
-    def completion_text(self, req: Request) -> str:
-        return self.completion(req)[0]
-
     def completion(self, req: Request) -> tuple[str, int | str | None]:
         """(The generated text, the stop reason). The text: special tokens skipped unless
         skip_special_tokens is false, cut before a matched stop string and without the stop

@@ -142,10 +142,7 @@ class BatchSampling:
         from: sampled rows the one they draw from (after temperature and the filters), greedy rows
         log_softmax of the logits (vLLM's processed logprobs; temperature 0 has no distribution).
         Filtered-out tokens are -inf."""
-        plain = logits.log_softmax(dim=-1)
-        if self.all_greedy:
-            return plain
-        return torch.where((self.temperature > 0)[:, None], self._filtered(logits).log_softmax(dim=-1), plain)
+        return self.target_logits(logits).log_softmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> torch.Tensor:

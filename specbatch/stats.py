@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .records import emitted_tokens
 from .request import Request
 
 
@@ -65,7 +66,7 @@ class RunStats:
         self.completion_tokens += rec["completion_tokens"]
         spec = rec["spec"]
         self.verify_steps += spec["verify_steps"]
-        self.generated_tokens += round(spec["accept_length"] * spec["verify_steps"])
+        self.generated_tokens += emitted_tokens(spec)
         self.draft_tokens += spec["draft_tokens"]
         self.accepted_tokens += spec["accepted_tokens"]
         hist = spec["accept_histogram"]

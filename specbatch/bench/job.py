@@ -27,6 +27,7 @@ import torch
 from ..data import RowError, RowRequest, open_rows
 from ..engine import Engine, EngineOptions, resolve_device
 from ..recipe import SamplingDefaults, load_recipe
+from ..records import emitted_tokens
 from ..prompts import PromptError, encode_row
 from .floor import copy_bandwidth, kv_bytes, weight_bytes
 from .sources import (BenchError, BenchOptions, Source, acceptance_label, build_engine, check_options,
@@ -266,7 +267,7 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
     out = sum(r["completion_tokens"] for r in recs)
     floor = job_floor(src, rows, engine.num_slots, bandwidth, rate)
     steps = sum(r["spec"]["verify_steps"] - 1 for r in recs)
-    emitted = sum(round(r["spec"]["accept_length"] * r["spec"]["verify_steps"]) for r in recs)   # greedy n: once
+    emitted = sum(emitted_tokens(r["spec"]) for r in recs)
     return {
         "recipe": name, "slots": engine.num_slots, "pages": engine.num_pages, "page_size": engine.page_size,
         "wall_s": wall, "job_tokens_per_s": out / wall, "output_tokens": out,

@@ -22,7 +22,7 @@ def _run(text: str, **kw):
     chk = StopChecker(_CharTokenizer(), eos_ids={0})
     req = _req(**kw)
     kept = chk.append(req, [0 if c == "#" else ord(c) for c in text])
-    return req, kept, chk.completion_text(req)
+    return req, kept, chk.completion(req)[0]
 
 
 def test_stop_string_in_or_out_of_the_text():

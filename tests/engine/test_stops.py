@@ -104,7 +104,7 @@ def test_stop_string_spanning_tokens_and_multi_token_append():
     assert kept == 5 and not req.finished
     kept = chk.append(req, [ord(c) for c in "Dxyz"])          # several tokens at once (speculation)
     assert kept == 1 and req.finish_reason == "stop"
-    assert chk.completion_text(req) == "abc"
+    assert chk.completion(req)[0] == "abc"
 
 
 def test_eos_ignore_eos_and_length_in_order():
@@ -113,6 +113,6 @@ def test_eos_ignore_eos_and_length_in_order():
     assert chk.append(req, [ord("a"), 0, ord("b")]) == 2 and req.finish_reason == "stop"
     req = _req(ignore_eos=True, max_tokens=3)
     assert chk.append(req, [ord("a"), 0, ord("b"), ord("c")]) == 3 and req.finish_reason == "length"
-    assert chk.completion_text(req) == "ab"
+    assert chk.completion(req)[0] == "ab"
     req = _req(ignore_eos=True, stop_token_ids=(0,))
     assert chk.append(req, [ord("a"), 0]) == 2 and req.finish_reason == "stop"
