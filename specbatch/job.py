@@ -210,6 +210,8 @@ class _Runner:
         return self.llm.engine.tokens_emitted
 
     def facts(self) -> dict[str, Any]:
+        from .engine.failures import FailureCounts
+
         if self.pool:
             per = self.pool.per_worker()
             forwards = sum(w.get("target_forwards", 0) for w in per)
@@ -222,6 +224,7 @@ class _Runner:
                         not self.pool.eager, capture_s=self.capture_s, workers=per,
                         tokens_per_target_forward=tokens / max(forwards, 1),
                         waited_for_pages=sum(w.get("waited_for_pages", 0) for w in per),
+                        **{k: sum(w.get(k, 0) for w in per) for k in FailureCounts().facts()},
                         prompt_tokens_admitted=sum(w.get("prompt_tokens_admitted", 0) for w in per),
                         prompt_tokens_cached=sum(w.get("prompt_tokens_cached", 0) for w in per),
                         kv_rows=min((w.get("kv_rows", 0) for w in per), default=0),
@@ -230,7 +233,7 @@ class _Runner:
         eng = self.llm.engine
         return dict(target_forwards=eng.target_forwards, graphs=eng.graphs is not None, capture_s=eng.capture_seconds,
                     tokens_per_target_forward=eng.tokens_emitted / max(eng.target_forwards, 1),
-                    waited_for_pages=eng.waited, **eng.pool_facts(),
+                    waited_for_pages=eng.waited, **eng.pool_facts(), **eng.failure_counts.facts(),
                     verify_widths={w: n for w, n in sorted(eng.cycle.policy.used.items())})
 
 
@@ -280,7 +283,9 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
             print(f"warning: could not commit the finished rows: {failed}", file=sys.stderr)
         if runner.pool:
             runner.pool.close()
-        if isinstance(e, WorkerError):
+        from .engine.failures import EngineFailed
+
+        if isinstance(e, (WorkerError, EngineFailed)):
             raise JobError(f"{e}; finished rows are committed, rerun the same command to resume") from None
         raise
     rows_written = writer.finalize()

@@ -116,6 +116,9 @@ def print_summary(err: Console, s: dict[str, Any]) -> None:
     if s.get("waited_for_pages"):                     # admission control, never out of memory
         pool = f" (KV pool: {s['kv_rows']:,} rows)" if s.get("kv_rows") else ""
         rows.append(("waited for KV pages", f"{s['waited_for_pages']} requests waited in the queue until pages freed{pool}"))
+    if s.get("engine_failures"):                      # failed steps survived (engine/failures.py)
+        rows.append(("engine failures", f"{s['engine_failures']} survived: {s['rows_rerun']} rows in flight rerun "
+                                        f"apart, {s['rows_failed_alone']} failed alone (error rows)"))
     if s.get("prompt_tokens_cached"):                 # prefix caching: prefill skipped these
         cached, admitted = s["prompt_tokens_cached"], s["prompt_tokens_admitted"]
         rows.append(("prefix cache", f"{cached:,} of {admitted:,} prompt tokens admitted found in the KV pool "

@@ -98,6 +98,21 @@ class SlotScheduler(Generic[R]):
             raise SlotError(f"slot {slot} is not active (active slots: {busy}, num_slots={self.num_slots})")
         return self._active.pop(slot)
 
+    def clear_active(self) -> list[tuple[int, R]]:
+        """Free every slot; returns what they held."""
+        held = self.active()
+        self._active.clear()
+        return held
+
+    def queued_requests(self) -> list[R]:
+        return [e.req for e in self._queue]
+
+    def drop(self, pred: Callable[[R], bool]) -> list[R]:
+        """Remove the queued requests for which `pred` holds; returns them."""
+        gone = [e.req for e in self._queue if pred(e.req)]
+        self._queue = deque(e for e in self._queue if not pred(e.req))
+        return gone
+
     def _take_fifo(self, n: int) -> list[_Entry[R]]:
         return [self._queue.popleft() for _ in range(n)]
 

@@ -142,7 +142,7 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
                                   "peak_memory_bytes": peak_memory(eng.device),
                                   "tokens_emitted": eng.tokens_emitted, "capture_s": eng.capture_seconds,
                                   "waited_for_pages": eng.waited, "verify_widths": dict(eng.cycle.policy.used),
-                                  **eng.pool_facts()}))
+                                  **eng.pool_facts(), **eng.failure_counts.facts()}))
     except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
         text = " ".join(str(e).split()) or type(e).__name__
         try:

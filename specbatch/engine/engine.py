@@ -13,7 +13,9 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .cycle import SlotState, Slotted, SpecCycle, exact_acceptance
+from .cycle import Launched, SlotState, Slotted, SpecCycle, exact_acceptance
+from .failures import (STRIKES, FailedAlone, FailureCounts, engine_failed, failed_alone, survivable,
+                       warn_failure)
 from .rows import RowConverter
 from .pool import plan_pool
 from .prefill import Prefiller
@@ -25,7 +27,8 @@ from ..models.eagle3 import Eagle3Head
 from ..models.llama import CausalLM, fuse_projections
 from ..models.loader import load_target
 from ..models.mtp import MTPLayer
-from ..prompts import load_tokenizer
+from ..prompts import exception_line, load_tokenizer
+from ..records import error_record
 from ..request import Request, StopChecker
 from ..runtime.kv_cache import PagedKVCache
 from ..runtime.pages import Grant, PageAllocator
@@ -37,6 +40,7 @@ from ..speculative.factory import SpecConfig, make_drafter
 # A source may yield WAIT: "no row ready now, more may come" (a worker fed over a queue); the
 # engine decodes what it has and asks again. None still means the input ended.
 WAIT = object()
+Inputs = dict[int, tuple[RowRequest, list[Request]]]     # row -> its input and its requests, while they run
 
 
 @dataclass
@@ -163,6 +167,7 @@ class Engine:
         self.pages.copies = self.drafter.copies_prompt_pages
         self.prompt_tokens = 0               # prompt tokens admitted
         self.cached_tokens = 0               # ... of them found in the pool (prefill skipped them)
+        self.failure_counts = FailureCounts()  # failed steps survived (failures.py)
 
     @property
     def capture_seconds(self) -> float:
@@ -218,25 +223,45 @@ class Engine:
 
         Admission comes in waves: once a share of the slots is free (or nothing runs, or the
         queue is that short), every queued request whose pages fit is admitted and prefilled in
-        a few large forwards, rather than a forward for each slot that frees up. A caller that
-        stops reading early leaves the engine as it found it, ready for the next call."""
+        a few large forwards, rather than a forward for each slot that frees up. A failure in a
+        prefill or a cycle costs only the row that causes it (failures.py). A caller that stops
+        reading early leaves the engine as it found it, ready for the next call."""
+        held: list[dict[str, Any]] = []          # rows that failed alone, until a row finishes after them
+        strikes = 0
+        for rec in self._run(items, defaults):
+            if isinstance(rec, FailedAlone):
+                strikes += 1
+                if strikes >= STRIKES:
+                    raise engine_failed(rec.error) from rec.error
+                held.append(rec.record)
+                continue
+            if rec["error"] is None:
+                strikes = 0
+                yield from held
+                held.clear()
+            yield rec
+        yield from held
+
+    def _run(self, items: Iterable[RowRequest | RowError], defaults: SamplingParams,
+             recover: bool = True) -> Iterator[dict[str, Any] | FailedAlone]:
         sched: SlotScheduler[Request] = SlotScheduler(
             self.num_slots, bucket_window=self.opts.bucket_window,
             priority=(lambda r: r.max_new) if self.opts.longest_first else None)
         try:
-            yield from self._job(sched, items, defaults)
+            yield from self._job(sched, items, defaults, recover)
         finally:
             if sched.active():                   # stopped midway: its requests' pages, some never written
                 self.pages.reset()
 
-    def _job(self, sched: SlotScheduler, items: Iterable[RowRequest | RowError],
-             defaults: SamplingParams) -> Iterator[dict[str, Any]]:
-        """The job loop of `generate`."""
+    def _job(self, sched: SlotScheduler, items: Iterable[RowRequest | RowError], defaults: SamplingParams,
+             recover: bool) -> Iterator[dict[str, Any] | FailedAlone]:
+        """The job loop of `generate`: read rows, then a step of the engine, then the records of
+        what finished. `recover`: a failed step puts its rows aside and reruns them (_isolate)."""
         source = iter(items)
         lookahead = max(2 * self.num_slots, self.opts.bucket_window)
-        wave = max(1, math.ceil(self.opts.wave * self.num_slots))
         exhausted = False
         pending = None                           # the cycle in flight (launched, not finished)
+        inputs: Inputs = {}
         while True:
             self._on_device()
             while not exhausted and sched.queued() < lookahead:
@@ -252,32 +277,88 @@ class Engine:
                 if isinstance(req, dict):
                     yield req
                 else:
-                    for r in self.rows.choices(req):
+                    reqs = self.rows.choices(req)
+                    inputs[item.row] = (item, reqs)
+                    for r in reqs:
                         sched.add(r)
-            active = sched.active()
-            free = self.num_slots - len(active)
-            if sched.queued() and (not active or free >= min(wave, sched.queued())):
-                admitted = self._admit(sched)
-                if admitted:
-                    yield from self._release(sched, self._prefill(admitted))
-                active = sched.active()
-            if not active:
-                if pending is not None:          # only rows that had finished rode in it
-                    yield from self._release(sched, self.cycle.finish(pending))
-                    pending = None
-                if exhausted and sched.queued() == 0:
-                    return
-                continue
-            if self.opts.profile:
-                self.occupancy.append(len(active))
-            # cycle k + 1 goes to the GPU before the host commits cycle k (cycle.launch)
-            launched = self.cycle.launch(active)
-            if pending is not None:
-                yield from self._release(sched, self.cycle.finish(pending))
-            pending = launched
-            if not self.opts.overlap:
-                yield from self._release(sched, self.cycle.finish(pending))
+            done: list[Request] = []             # finished requests, their slots and pages freed
+            try:
+                pending = self._step(sched, pending, done)
+            except Exception as e:
+                if not recover or not survivable(e, self.device):
+                    raise
                 pending = None
+                yield from self._records(done, inputs)      # what finished before the failure stands
+                yield from self._isolate(self._put_aside(sched, inputs, e), defaults)
+                continue
+            yield from self._records(done, inputs)
+            if pending is None and not sched.active() and exhausted and not sched.queued():
+                return
+
+    def _step(self, sched: SlotScheduler, pending: Launched | None, done: list[Request]) -> Launched | None:
+        """Admit and prefill a wave when one is due, launch a cycle over the active slots and
+        finish the one launched before (cycle k + 1 goes to the GPU before the host commits
+        cycle k); adds the requests that finished to `done` (their slots and pages freed) and
+        returns the cycle now in flight."""
+        active = sched.active()
+        wave = max(1, math.ceil(self.opts.wave * self.num_slots))
+        if sched.queued() and (not active or self.num_slots - len(active) >= min(wave, sched.queued())):
+            admitted = self._admit(sched)
+            if admitted:
+                done += self._free(sched, self._prefill(admitted))
+            active = sched.active()
+        if not active:
+            if pending is not None:              # only rows that had finished rode in it
+                done += self._free(sched, self.cycle.finish(pending))
+            return None
+        if self.opts.profile:
+            self.occupancy.append(len(active))
+        launched = self.cycle.launch(active)
+        if pending is not None:
+            done += self._free(sched, self.cycle.finish(pending))
+        if not self.opts.overlap:
+            done += self._free(sched, self.cycle.finish(launched))
+            launched = None
+        return launched
+
+    def _put_aside(self, sched: SlotScheduler, inputs: Inputs, e: Exception) -> list[RowRequest]:
+        """After a failed step: the inputs of the rows it touched (in flight, or taken from the
+        queue when it failed), every slot and page freed; a row's choices still queued leave the
+        queue with it, rows wholly queued stay."""
+        active = {id(req) for _, req in sched.clear_active()}
+        queued = {id(req) for req in sched.queued_requests()}
+        rows = [row for row, (_, reqs) in inputs.items()
+                if any(id(r) in active or (not r.finished and id(r) not in queued) for r in reqs)]
+        gone = set(rows)
+        sched.drop(lambda r: r.row in gone)
+        self.pages.reset()
+        if not self._isolating:                  # once per failure, not once per half rerun
+            warn_failure(e, len(rows))
+        self.failure_counts.failures += 1
+        self.failure_counts.rows_rerun += len(rows)
+        return [inputs.pop(row)[0] for row in rows]
+
+    def _isolate(self, items: list[RowRequest], defaults: SamplingParams) -> Iterator[dict[str, Any] | FailedAlone]:
+        """Rows that were in flight when a step failed, rerun: a group in halves, each half a job
+        of its own (which puts aside and halves again when it fails), a row alone for good."""
+        self._isolating += 1
+        try:
+            if len(items) > 1:
+                half = (len(items) + 1) // 2
+                for part in (items[:half], items[half:]):
+                    yield from self._run(part, defaults)
+                return
+            try:
+                yield from self._run(items, defaults, recover=False)
+            except Exception as e:
+                if not survivable(e, self.device):
+                    raise
+                self.failure_counts.failed_alone += 1
+                yield failed_alone(items[0], e)
+        finally:
+            self._isolating -= 1
+
+    _isolating = 0                               # _isolate calls under way
 
     def _admit(self, sched: SlotScheduler) -> Slotted:
         """Queued requests into free slots, in order, while their pages fit (granted here, in
@@ -310,17 +391,31 @@ class Engine:
             self.cached_tokens += req.cached_rows
         return admitted
 
-    def _release(self, sched: SlotScheduler, finished: Slotted) -> Iterator[dict[str, Any]]:
-        for slot, req in finished:
+    def _free(self, sched: SlotScheduler, finished: Slotted) -> list[Request]:
+        for slot, _ in finished:
             sched.release(slot)
             self.pages.release(slot)
+        return [req for _, req in finished]
+
+    def _records(self, done: list[Request], inputs: Inputs) -> Iterator[dict[str, Any]]:
+        """A record per finished row (a row of n choices when its last one finishes); a row put
+        aside after a failure reruns whole, its finished choices dropped."""
+        for req in done:
+            if req.row not in inputs:
+                continue
             group = req.group
-            if group is None:
-                yield self.rows.record(req)
-            else:
+            if group is not None:
                 group.done += 1
-                if group.done == len(group.reqs):
-                    yield self.rows.group_record(group)
+                if group.done < len(group.reqs):
+                    continue
+            item = inputs.pop(req.row)[0]
+            try:
+                rec = self.rows.record(req) if group is None else self.rows.group_record(group)
+            except Exception as e:  # noqa: BLE001 - building one row's output fails that row alone
+                rec = error_record(item.row, item.id, f"{item.where or f'row {item.row}'}: its completion could "
+                                   f"not be turned into output ({exception_line(e)})", item.keep,
+                                   prompt_tokens=len(req.prompt_ids))
+            yield rec
 
     # ---- prefill ------------------------------------------------------------------------------
 

@@ -132,11 +132,19 @@ class PageAllocator:
         self.assign(grants)
 
     def reset(self) -> None:
-        """Every request's pages back and the index emptied (a job stopped midway: pages it was
-        granted may never have been written)."""
+        """Every request's pages back and the index emptied (a job stopped midway, or a step that
+        failed: pages it was granted may never have been written, or granted and never assigned)."""
         for slot in [s for s in self._owned if s != self.dummy_slot]:
             self.release(slot)
         self.drop_idle()
+        kept = set(self._owned.get(self.dummy_slot, [])) | set(self._free)
+        for page in range(1, len(self._refs)):
+            if page not in kept:                 # granted, never assigned to a slot
+                self._refs[page] = 0
+                if self.index.holds(page):
+                    self.index.forget(page)
+                self._free.append(page)
+        self._wave.clear()
 
     def drop_idle(self) -> None:
         """Idle indexed pages back to the free list, their entries forgotten."""

@@ -1,0 +1,82 @@
+"""The engine failing mid-job: which failures a job survives, and what a row that fails alone becomes.
+
+A Python exception in a prefill or a cycle (a bug that some row's length or parameters reach, a
+CUDA out-of-memory) leaves the process usable: the engine puts the rows that were in flight
+aside, reruns them in halves (each half a job of its own, which recovers the same way) until a
+row fails alone, and that row becomes its error record; every other row runs to its end as it
+would have. A CUDA error (an illegal address, a device-side assert) leaves the device unusable
+for this process: it ends the job, finished rows committed, as before.
+
+When rows keep failing alone with no row finishing between them, the fault is the engine's, not
+the rows': the job stops (EngineFailed) and those rows are not written, so a rerun retries them.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..data import RowRequest
+from ..prompts import exception_line
+from ..records import error_record
+
+STRIKES = 3     # rows failing alone one after another, none finishing between them: the engine's fault
+
+
+class EngineFailed(RuntimeError):
+    """The engine failed on several rows in a row, each run alone: not a row's fault."""
+
+
+@dataclass
+class FailedAlone:
+    """A row that failed when it ran alone: its error record, held until a later row finishes."""
+    record: dict[str, Any]
+    error: BaseException
+
+
+@dataclass
+class FailureCounts:
+    failures: int = 0       # failures survived (each put its in-flight rows aside)
+    rows_rerun: int = 0     # rows put aside and rerun
+    failed_alone: int = 0   # rows that failed alone (error records)
+
+    def facts(self) -> dict[str, int]:
+        return {"engine_failures": self.failures, "rows_rerun": self.rows_rerun, "rows_failed_alone": self.failed_alone}
+
+
+def survivable(e: BaseException, device: torch.device) -> bool:
+    """Whether the engine can go on after `e`: a Python exception, the device still answering."""
+    if not isinstance(e, Exception) or isinstance(e, EngineFailed):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)      # torch >= 2.8: CUDA errors
+    if accelerator_error is not None and isinstance(e, accelerator_error):
+        return False
+    text = str(e)
+    if "CUDA error" in text or "CUBLAS_STATUS" in text or "CUDNN_STATUS" in text:
+        return False
+    if device.type == "cuda":
+        try:
+            torch.cuda.synchronize(device)        # work still queued may fail too: the device decides
+            torch.cuda.empty_cache()              # an out-of-memory: what the failed step held goes back
+        except Exception:  # noqa: BLE001 - a device that cannot synchronise cannot go on
+            return False
+    return True
+
+
+def warn_failure(e: BaseException, rows: int) -> None:
+    print(f"warning: the engine failed with {rows} row{'s' if rows != 1 else ''} in flight ({exception_line(e)}); "
+          "rerunning them apart to find the row that fails", file=sys.stderr, flush=True)
+
+
+def failed_alone(item: RowRequest, e: BaseException) -> FailedAlone:
+    where = item.where or f"row {item.row}"
+    return FailedAlone(error_record(item.row, item.id, f"{where}: the engine failed while generating this row, and "
+                                    f"again when it ran alone ({exception_line(e)}); the other rows ran without it",
+                                    item.keep), e)
+
+
+def engine_failed(e: BaseException) -> EngineFailed:
+    return EngineFailed(f"the engine failed on {STRIKES} rows one after another, each run alone, with no row "
+                        f"finishing between them ({exception_line(e)}): the fault is not the rows'")

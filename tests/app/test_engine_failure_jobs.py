@@ -1,0 +1,68 @@
+"""A job whose engine fails on one row: that row is written as its error, every other row as
+usual, and the summary counts the failure; an engine that fails on every row stops the job
+with one line, finished rows committed, and the rerun completes it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specbatch.cli import EXIT_USAGE
+from specbatch.engine import Engine
+
+from cli_runner import cli, ok
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROWS = [{"id": f"r{i}", "prompt": f"row {i}: " + "abc " * (i % 5)} for i in range(10)]
+
+
+def _input(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return path
+
+
+def _base(tiny_model):
+    return ["--model", tiny_model, "--max-tokens", 5, "--batch-size", 4, "--device", "cpu", "--ignore-eos"]
+
+
+def _plant(monkeypatch, fails):
+    """Engine._prefill raises for admitted rows that `fails(row)` names."""
+    prefill = Engine._prefill
+
+    def failing(self, admitted):
+        if any(fails(req.row) for _, req in admitted):
+            raise RuntimeError("planted")
+        return prefill(self, admitted)
+    monkeypatch.setattr(Engine, "_prefill", failing)
+
+
+def test_one_failing_row_is_its_error_and_the_summary_counts_it(tmp_path, tiny_model, monkeypatch):
+    inp, out = _input(tmp_path), tmp_path / "o.jsonl"
+    ok("run", inp, "-o", out, *_base(tiny_model), "-q", "--overwrite")
+    want = {r["row"]: r["completion"] for r in map(json.loads, open(out))}
+    _plant(monkeypatch, lambda row: row == 6)
+    stats = tmp_path / "stats.json"
+    r = ok("run", inp, "-o", out, *_base(tiny_model), "--overwrite", "--stats-json", stats)
+    got = {r["row"]: r for r in map(json.loads, open(out))}
+    assert sorted(got) == list(range(10))
+    assert "in.jsonl:7: the engine failed while generating this row" in got[6]["error"]
+    assert all(got[i]["completion"] == want[i] and got[i]["error"] is None for i in got if i != 6)
+    summary = json.loads(stats.read_text())
+    assert summary["errors"] == 1 and summary["engine_failures"] >= 1 and summary["rows_failed_alone"] == 1
+    assert "engine failures" in r.output and "failed alone" in r.output
+
+
+def test_an_engine_failing_on_every_row_stops_and_the_rerun_completes(tmp_path, tiny_model, monkeypatch):
+    inp, out = _input(tmp_path), tmp_path / "o.jsonl"
+    _plant(monkeypatch, lambda row: row >= 4)
+    r = cli("run", inp, "-o", out, *_base(tiny_model), "-q")
+    assert r.exit_code == EXIT_USAGE
+    warning, line = r.stderr.strip().splitlines()       # one warning for the first failure, one error
+    assert warning.startswith("warning: the engine failed with 4 rows in flight (RuntimeError: planted)")
+    assert line.startswith("error: ") and "failed on 3 rows one after another" in line and "rerun the same command to resume" in line
+    monkeypatch.undo()
+    ok("run", inp, "-o", out, *_base(tiny_model), "-q")
+    got = [json.loads(x) for x in open(out)]
+    assert sorted(r["row"] for r in got) == list(range(10)) and all(r["error"] is None for r in got)
