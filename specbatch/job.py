@@ -257,12 +257,29 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
                 digests[r.row] = getattr(r, "digest", b"")
                 yield r
 
+    # rows in flight when the device failed in an earlier run: one at a time, before the rest
+    suspects = writer.suspects() if runner.llm else {}
+
+    def generated() -> Iterator[dict[str, Any]]:
+        rows = todo()
+        if suspects:
+            ahead, alone = [], []
+            last = max(suspects)
+            for r in rows:
+                (alone if r.row in suspects else ahead).append(r)
+                if r.row >= last:
+                    break
+            for r in alone:
+                yield from runner.stream(iter([r]))
+            rows = itertools.chain(ahead, rows)
+        yield from runner.stream(rows)
+
     notify("start", {"total": None if total is None else total - resumed, "resumed": resumed,
                      "device": runner.device, "max_model_len": runner.max_len,
                      "model": str(resolve_model(recipe.model)), "capture_s": runner.capture_s,
                      "load_s": stats.load_s})
     try:
-        for rec in runner.stream(todo()):
+        for rec in generated():
             if opts.fail_fast and rec["error"]:
                 digests.pop(rec["row"], None)
                 raise JobError(rec["error"])
@@ -275,7 +292,12 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
     except BaseException as e:
         if isinstance(e, OutputError):
             raise                # the output itself failed (disk full...): committed parts stay as they are
+        from .engine.failures import DeviceFailed, EngineFailed
+
+        failure = None
         try:
+            if isinstance(e, DeviceFailed):
+                failure = _device_failed(e, writer, digests, suspects)
             writer.commit()      # what finished is kept; a rerun resumes after it
             if opts.fail_fast and isinstance(e, JobError):
                 writer.finalize()        # --fail-fast: what finished is assembled into the output
@@ -283,8 +305,8 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
             print(f"warning: could not commit the finished rows: {failed}", file=sys.stderr)
         if runner.pool:
             runner.pool.close()
-        from .engine.failures import EngineFailed
-
+        if failure is not None:
+            raise failure from None
         if isinstance(e, (WorkerError, EngineFailed)):
             raise JobError(f"{e}; finished rows are committed, rerun the same command to resume") from None
         raise
@@ -295,3 +317,25 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
                          resumed=resumed, device=runner.device, max_model_len=runner.max_len,
                          recipe=recipe.name, model=str(resolve_model(recipe.model)),
                          draft=describe_draft(recipe, spec_config(recipe).draft), **runner.facts())
+
+
+def _device_failed(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[int, bytes],
+                   suspects: dict[int, str]) -> JobError:
+    """The device failed (engine.failures.DeviceFailed) and the process cannot go on: a row that
+    was alone in flight is written as its error; several are remembered beside the parts, for the
+    rerun to run one at a time. -> the job's one line."""
+    from .records import error_record
+
+    if len(e.items) == 1:
+        item = e.items[0]
+        where = item.where or f"row {item.row}"
+        writer.add(error_record(item.row, item.id, f"{where}: the device failed while this row ran alone "
+                                f"({e.cause}); it was left out", item.keep), digests.pop(item.row, b""))
+        writer.set_suspects({r: m for r, m in suspects.items() if r != item.row})
+        return JobError(f"the device failed while {where} ran alone ({e.cause}), and this process cannot go on; "
+                        "that row is written as its error, finished rows are committed: rerun the same command "
+                        "to resume")
+    writer.set_suspects({**suspects, **{i.row: e.cause for i in e.items}})
+    return JobError(f"the device failed with {len(e.items)} rows in flight ({e.cause}); finished rows are committed: "
+                    "rerun the same command to resume, and those rows run one at a time first, so a row that "
+                    "brings the device down is written as its error")

@@ -37,6 +37,12 @@ class StdoutWriter:
     def expected(self) -> Expected:
         return Expected(done=self.done_rows)
 
+    def suspects(self) -> dict[int, str]:
+        return {}                                     # no parts to resume: nothing to remember
+
+    def set_suspects(self, rows: dict[int, str]) -> None:
+        pass
+
     def add(self, record: dict, digest: bytes = b"") -> None:
         self._pending[record["row"]] = record
         if self.output_format == "auto":

@@ -53,7 +53,8 @@ from .rows import OutputError
 __all__ = ["OutputWriter", "output_schema", "STANDARD_COLUMNS"]
 
 _PART_RE = re.compile(r"^part-(?:[0-9a-f]{8}-)?(\d{6,})\.parquet$")
-_OUR_NAMES = re.compile(r"^(part-.*\.parquet(\.tmp)?|manifest\.json(\.tmp)?)$")
+_OUR_NAMES = re.compile(r"^(part-.*\.parquet(\.tmp)?|manifest\.json(\.tmp)?|suspects\.json(\.tmp)?)$")
+SUSPECTS = "suspects.json"               # inside the parts directory: rows in flight when the device failed
 
 
 def output_file_format(path: str) -> str:
@@ -379,6 +380,24 @@ class OutputWriter:
                 self._buffer = items + self._buffer         # not committed: kept for the next try
             raise
         self.done_rows.update([r["row"] for r, _ in items])
+
+    def suspects(self) -> dict[int, str]:
+        """Rows that were in flight when the device failed in an earlier run (row -> the failure),
+        not yet finished: the job runs them one at a time before the rest."""
+        stored = manifest.read_json(os.path.join(self.parts_dir, SUSPECTS))
+        rows = stored.get("rows", {}) if isinstance(stored, dict) else {}
+        return {int(r): str(e) for r, e in rows.items() if str(r).isdigit() and int(r) not in self.done_rows}
+
+    def set_suspects(self, rows: dict[int, str]) -> None:
+        path = os.path.join(self.parts_dir, SUSPECTS)
+        try:
+            if rows:
+                body = json.dumps({"rows": {str(r): e for r, e in sorted(rows.items())}}, indent=1).encode()
+                write_atomic(path, lambda f: f.write(body))
+            elif os.path.lexists(path):
+                os.remove(path)
+        except OSError as e:
+            raise fs_error(path, e) from None
 
     @property
     def buffered(self) -> int:

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from .cycle import Launched, SlotState, Slotted, SpecCycle, exact_acceptance
-from .failures import (STRIKES, FailedAlone, FailureCounts, engine_failed, failed_alone, survivable,
+from .failures import (STRIKES, DeviceFailed, FailedAlone, FailureCounts, engine_failed, failed_alone, survivable,
                        warn_failure)
 from .rows import RowConverter
 from .pool import plan_pool
@@ -285,7 +285,11 @@ class Engine:
             try:
                 pending = self._step(sched, pending, done)
             except Exception as e:
-                if not recover or not survivable(e, self.device):
+                if not survivable(e, self.device):
+                    if isinstance(e, DeviceFailed):
+                        raise
+                    raise DeviceFailed([inputs[row][0] for row in self._touched(sched, inputs)], e) from e
+                if not recover:
                     raise
                 pending = None
                 yield from self._records(done, inputs)      # what finished before the failure stands
@@ -325,10 +329,8 @@ class Engine:
         """After a failed step: the inputs of the rows it touched (in flight, or taken from the
         queue when it failed), every slot and page freed; a row's choices still queued leave the
         queue with it, rows wholly queued stay."""
-        active = {id(req) for _, req in sched.clear_active()}
-        queued = {id(req) for req in sched.queued_requests()}
-        rows = [row for row, (_, reqs) in inputs.items()
-                if any(id(r) in active or (not r.finished and id(r) not in queued) for r in reqs)]
+        rows = self._touched(sched, inputs)
+        sched.clear_active()
         gone = set(rows)
         sched.drop(lambda r: r.row in gone)
         self.pages.reset()
@@ -337,6 +339,14 @@ class Engine:
         self.failure_counts.failures += 1
         self.failure_counts.rows_rerun += len(rows)
         return [inputs.pop(row)[0] for row in rows]
+
+    @staticmethod
+    def _touched(sched: SlotScheduler, inputs: Inputs) -> list[int]:
+        """Rows with a request in a slot, or taken from the queue by a step that failed."""
+        active = {id(req) for _, req in sched.active()}
+        queued = {id(req) for req in sched.queued_requests()}
+        return [row for row, (_, reqs) in inputs.items()
+                if any(id(r) in active or (not r.finished and id(r) not in queued) for r in reqs)]
 
     def _isolate(self, items: list[RowRequest], defaults: SamplingParams) -> Iterator[dict[str, Any] | FailedAlone]:
         """Rows that were in flight when a step failed, rerun: a group in halves, each half a job

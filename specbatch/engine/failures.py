@@ -5,7 +5,9 @@ CUDA out-of-memory) leaves the process usable: the engine puts the rows that wer
 aside, reruns them in halves (each half a job of its own, which recovers the same way) until a
 row fails alone, and that row becomes its error record; every other row runs to its end as it
 would have. A CUDA error (an illegal address, a device-side assert) leaves the device unusable
-for this process: it ends the job, finished rows committed, as before.
+for this process: it ends the job (DeviceFailed, naming the rows in flight), finished rows
+committed; the rerun runs those rows one at a time before the rest, so a row that brings the
+device down alone is written as its error and the job goes past it.
 
 When rows keep failing alone with no row finishing between them, the fault is the engine's, not
 the rows': the job stops (EngineFailed) and those rows are not written, so a rerun retries them.
@@ -29,6 +31,15 @@ class EngineFailed(RuntimeError):
     """The engine failed on several rows in a row, each run alone: not a row's fault."""
 
 
+class DeviceFailed(RuntimeError):
+    """A failure the process cannot go on after (a CUDA error), with the rows it had in flight:
+    one of them may be its cause (the job runs them one at a time on the rerun, job.py)."""
+
+    def __init__(self, items: list[RowRequest], cause: BaseException):
+        self.items, self.cause = items, exception_line(cause)
+        super().__init__(f"{self.cause} (with {len(items)} row{'s' if len(items) != 1 else ''} in flight)")
+
+
 @dataclass
 class FailedAlone:
     """A row that failed when it ran alone: its error record, held until a later row finishes."""
@@ -48,7 +59,7 @@ class FailureCounts:
 
 def survivable(e: BaseException, device: torch.device) -> bool:
     """Whether the engine can go on after `e`: a Python exception, the device still answering."""
-    if not isinstance(e, Exception) or isinstance(e, EngineFailed):
+    if not isinstance(e, Exception) or isinstance(e, (EngineFailed, DeviceFailed)):
         return False
     accelerator_error = getattr(torch, "AcceleratorError", None)      # torch >= 2.8: CUDA errors
     if accelerator_error is not None and isinstance(e, accelerator_error):

@@ -27,13 +27,13 @@ def _base(tiny_model):
     return ["--model", tiny_model, "--max-tokens", 5, "--batch-size", 4, "--device", "cpu", "--ignore-eos"]
 
 
-def _plant(monkeypatch, fails):
+def _plant(monkeypatch, fails, error="planted"):
     """Engine._prefill raises for admitted rows that `fails(row)` names."""
     prefill = Engine._prefill
 
     def failing(self, admitted):
         if any(fails(req.row) for _, req in admitted):
-            raise RuntimeError("planted")
+            raise RuntimeError(error)
         return prefill(self, admitted)
     monkeypatch.setattr(Engine, "_prefill", failing)
 
@@ -66,3 +66,27 @@ def test_an_engine_failing_on_every_row_stops_and_the_rerun_completes(tmp_path, 
     ok("run", inp, "-o", out, *_base(tiny_model), "-q")
     got = [json.loads(x) for x in open(out)]
     assert sorted(r["row"] for r in got) == list(range(10)) and all(r["error"] is None for r in got)
+
+
+def test_a_row_that_brings_the_device_down_costs_reruns_not_the_job(tmp_path, tiny_model, monkeypatch):
+    """A CUDA error ends the process: the rows in flight are remembered beside the parts; the
+    rerun runs them one at a time first, so the row that fails alone is written as its error
+    and the next rerun goes past it. Every other row is as a clean run writes it."""
+    inp, out = _input(tmp_path), tmp_path / "o.jsonl"
+    ok("run", inp, "-o", out, *_base(tiny_model), "-q")
+    want = {r["row"]: r["completion"] for r in map(json.loads, open(out))}
+    _plant(monkeypatch, lambda row: row == 6, "CUDA error: an illegal memory access was encountered")
+    run = ["run", inp, "-o", out, *_base(tiny_model), "-q", "--overwrite"]
+    r = cli(*run)
+    assert r.exit_code == EXIT_USAGE and "rows in flight (RuntimeError: CUDA error: an illegal memory" in r.stderr
+    assert "run one at a time first" in r.stderr
+    suspects = json.loads((tmp_path / "o.jsonl.parts" / "suspects.json").read_text())["rows"]
+    assert "6" in suspects and len(suspects) > 1
+    r = cli(*run[:-1])                                   # the rerun: row 6 alone brings it down
+    assert r.exit_code == EXIT_USAGE and "in.jsonl:7 ran alone (RuntimeError: CUDA error" in r.stderr
+    r = cli(*run[:-1])                                   # and the next goes past it
+    assert r.exit_code == 0, r.output
+    got = {r["row"]: r for r in map(json.loads, open(out))}
+    assert sorted(got) == list(range(10)) and "ran alone" in got[6]["error"]
+    assert all(got[i]["completion"] == want[i] and got[i]["error"] is None for i in got if i != 6)
+    assert not (tmp_path / "o.jsonl.parts").exists()

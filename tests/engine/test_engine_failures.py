@@ -9,7 +9,7 @@ import torch
 
 from specbatch.data import RowRequest
 from specbatch.engine import Engine, EngineOptions
-from specbatch.engine.failures import EngineFailed, survivable
+from specbatch.engine.failures import DeviceFailed, EngineFailed, survivable
 from specbatch.recipe import SamplingDefaults
 from specbatch.speculative.factory import SpecConfig
 
@@ -161,6 +161,7 @@ def test_device_errors_are_not_survived():
     assert survivable(RuntimeError("shape mismatch"), cpu) and survivable(torch.OutOfMemoryError("oom"), cpu)
     assert not survivable(RuntimeError("CUDA error: an illegal memory access was encountered"), cpu)
     assert not survivable(KeyboardInterrupt(), cpu) and not survivable(EngineFailed("x"), cpu)
+    assert not survivable(DeviceFailed([], RuntimeError("x")), cpu)
     accel = getattr(torch, "AcceleratorError", None)
     if accel is not None:
         assert not survivable(accel.__new__(accel), cpu)
@@ -177,6 +178,28 @@ def test_a_device_error_ends_the_job(tiny_model):
         except RuntimeError:
             raise RuntimeError("CUDA error: device-side assert triggered") from None
     eng._prefill = cuda_failure
-    with pytest.raises(RuntimeError, match="device-side assert"):
+    with pytest.raises(DeviceFailed, match="device-side assert triggered.*with 8 rows in flight") as failed:
         list(eng.generate(_rows(10), SamplingDefaults(ignore_eos=True)))
     assert eng.failure_counts.failures == 0
+    rows = [item.row for item in failed.value.items]                # the first wave, row 3 among them
+    assert len(rows) == 8 and 3 in rows and failed.value.items[0].id == f"r{rows[0]}"
+
+
+def test_a_device_error_during_a_rerun_apart_names_the_rows_then_in_flight(tiny_model):
+    """A survivable failure first, then a device error while its rows rerun in halves: the rows
+    named are those of the half in flight."""
+    eng = _engine(tiny_model)
+    prefill = eng._prefill
+    calls = {"n": 0}
+
+    def failing(admitted):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("survivable")
+        if any(req.row == 2 for _, req in admitted):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return prefill(admitted)
+    eng._prefill = failing
+    with pytest.raises(DeviceFailed) as failed:
+        list(eng.generate(_rows(8), SamplingDefaults(ignore_eos=True)))
+    assert sorted(item.row for item in failed.value.items) == [0, 1, 2, 3]
