@@ -258,11 +258,13 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
                 yield r
 
     # rows in flight when the device failed in an earlier run: one at a time, before the rest
-    suspects = writer.suspects() if runner.llm else {}
+    suspects = writer.suspects()
+    if runner.pool:
+        runner.pool.suspects.update(suspects)     # the pool runs each alone on one worker
 
     def generated() -> Iterator[dict[str, Any]]:
         rows = todo()
-        if suspects:
+        if suspects and runner.llm:
             ahead, alone = [], []
             last = max(suspects)
             for r in rows:
@@ -298,6 +300,9 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
         try:
             if isinstance(e, DeviceFailed):
                 failure = _device_failed(e, writer, digests, suspects)
+            elif runner.pool and runner.pool.suspects:
+                writer.set_suspects({**suspects, **{r: "a worker's device failed with it in flight"
+                                                    for r in runner.pool.suspects}})
             writer.commit()      # what finished is kept; a rerun resumes after it
             if opts.fail_fast and isinstance(e, JobError):
                 writer.finalize()        # --fail-fast: what finished is assembled into the output

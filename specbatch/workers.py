@@ -9,7 +9,9 @@ single-process writer's, unchanged: a record counts once it is committed. Dispat
 queue, not a static split: each worker holds at most about its engine's lookahead, so a slow
 worker never holds rows another could run. A worker that dies (killed, out of memory) loses
 nothing committed; the rows it held are handed to the others (a job fails only when no worker
-is left, after committing what finished). Workers die with the parent (PR_SET_PDEATHSIG, and a
+is left, after committing what finished). A worker whose device failed (engine.failures.DeviceFailed)
+names the rows it had in flight: each then runs alone on one worker, and one that brings a device
+down alone is written as its error. Workers die with the parent (PR_SET_PDEATHSIG, and a
 watch on the parent's pid), so a killed parent leaves no orphan engines; the rerun resumes.
 """
 from __future__ import annotations
@@ -146,6 +148,8 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
     except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
         text = " ".join(str(e).split()) or type(e).__name__
         try:
+            if hasattr(e, "items") and hasattr(e, "cause"):     # engine.failures.DeviceFailed
+                outbox.send(("in_flight", wid, [item.row for item in e.items]))
             outbox.send(("error", wid, f"{spec.device}: {type(e).__name__}: {text}"))
         except OSError:
             pass
@@ -167,6 +171,9 @@ class _Worker:
     stats: dict[str, Any] = field(default_factory=dict)
     records: int = 0
     error: str = ""                  # what it reported before dying, if anything
+    in_flight: list[int] | None = None   # the rows its engine had in flight when its device failed
+    alone: int | None = None         # the one row it was given to run alone (a suspect)
+    draining: bool = False           # takes no rows but suspects, one at a time, once empty
 
 
 class WorkerPool:
@@ -190,6 +197,9 @@ class WorkerPool:
             writer.close()                   # the child's copy is the only one: its death reads as EOF
             self.workers.append(_Worker(proc=proc, inbox=inbox, reader=reader, device=dev))
         self.delivered: set[int] = set()
+        # rows in flight when a worker's device failed (and those an earlier run noted): each runs
+        # alone on one worker, so a row that brings a device down alone is written as its error
+        self.suspects: set[int] = set()
         self.eager = eager
         self.last_error = ""
         self.errors: list[str] = []
@@ -214,17 +224,20 @@ class WorkerPool:
         source = iter(rows)
         exhausted = False
         redo: list[Any] = []               # rows a dead worker held
+        alone: list[Any] = []              # suspects, to run one at a time
         out: list[dict[str, Any]] = []
         try:
             while True:
                 live = [w for w in self.workers if w.ready and not w.dead and not w.ended]
                 if not any(not w.dead for w in self.workers):
                     raise WorkerError(f"every worker died; the last said: {self.last_error or 'nothing'}")
+                self._run_alone(live, alone)
                 # hand rows out in small turns, fewest in hand first, while anyone has room: the
                 # rows spread over the workers even when the job is short
                 batches: dict[int, list] = {}
-                while live:
-                    w = min(live, key=lambda w: len(w.held))
+                takers = [w for w in live if not w.draining]
+                while takers:
+                    w = min(takers, key=lambda w: len(w.held))
                     if len(w.held) >= w.cap:
                         break
                     turn = []
@@ -238,6 +251,9 @@ class WorkerPool:
                                 break
                         else:
                             break
+                        if item.row in self.suspects:
+                            alone.append(item)
+                            continue
                         turn.append(item)
                         w.held[item.row] = item
                     if not turn:
@@ -247,7 +263,7 @@ class WorkerPool:
                     if id(w) in batches:
                         w.inbox.put(batches[id(w)])
                 # the end: only once no row is in anyone's hands (a dying worker's rows need a taker)
-                if exhausted and not redo and not any(w.held for w in self.workers):
+                if exhausted and not redo and not alone and not any(w.held for w in self.workers):
                     for w in live:
                         w.inbox.put(None)
                         w.ended = True
@@ -258,6 +274,23 @@ class WorkerPool:
                 yield from out
         finally:
             self.close()
+
+    def _run_alone(self, live: list[_Worker], alone: list[Any]) -> None:
+        """Suspects go to one worker (the one holding fewest rows), which takes nothing else from
+        then on: once it holds nothing it runs them one at a time."""
+        if not alone and not any(w.alone is not None for w in live):
+            for w in live:
+                w.draining = False
+            return
+        drainer = next((w for w in live if w.draining), None)
+        if drainer is None and live:
+            drainer = min(live, key=lambda w: len(w.held))
+            drainer.draining = True
+        if drainer is not None and alone and not drainer.held:
+            item = alone.pop(0)
+            drainer.alone = item.row
+            drainer.held[item.row] = item
+            drainer.inbox.put([item])
 
     def _drain(self, out: list) -> list[Any]:
         """Read what the workers said (waiting up to POLL_S); notice the dead. -> the rows dead
@@ -274,13 +307,15 @@ class WorkerPool:
                         break
                     kind, _, payload = reader.recv()
                 except (EOFError, OSError):
-                    self._bury(w, redo)
+                    self._bury(w, redo, out)
                     break
                 if kind == "ready":
                     w.ready, w.stats = True, dict(payload)
                     w.cap = max(8, 2 * int(payload.get("slots", 32)) + 8)
                 elif kind == "rec":
                     w.held.pop(payload["row"], None)
+                    if w.alone == payload["row"]:
+                        w.alone = None
                     if payload["row"] not in self.delivered:
                         self.delivered.add(payload["row"])
                         w.records += 1
@@ -288,15 +323,17 @@ class WorkerPool:
                 elif kind == "done":
                     w.done = True
                     w.stats.update(payload)
+                elif kind == "in_flight":
+                    w.in_flight = list(payload)
                 elif kind == "error":
                     self.last_error = w.error = payload
                     self.errors.append(payload)
         for w in self.workers:
             if not w.dead and not w.done and not w.proc.is_alive() and not w.reader.poll():
-                self._bury(w, redo)
+                self._bury(w, redo, out)
         return redo
 
-    def _bury(self, w: _Worker, redo: list) -> None:
+    def _bury(self, w: _Worker, redo: list, out: list) -> None:
         w.dead = True
         if not w.error:                      # its own report, else how it ended
             w.proc.join(timeout=1)           # its pipe closed first: reap it for the exit code
@@ -305,15 +342,32 @@ class WorkerPool:
                    f"exited with code {code}" if code is not None else "stopped answering")
             w.error = f"{w.device}: worker {how}"
         self.last_error = w.error
+        culprit = ""
+        if w.in_flight is not None:
+            if w.alone is not None and w.in_flight == [w.alone]:      # it brought the device down alone
+                rec = self._failed_alone(w.held.pop(w.alone), w.error)
+                out.append(rec)
+                culprit = f"; it ran row {rec['row']} alone, which is written as its error"
+            else:
+                self.suspects.update(r for r in w.in_flight if r in w.held)
         rest = ("go to the other workers" if any(not o.dead for o in self.workers)
                 else "stay unfinished: rerun to resume")
-        print(f"warning: worker on {w.device} died ({w.error}); its {len(w.held)} unfinished rows {rest}",
+        print(f"warning: worker on {w.device} died ({w.error}){culprit}; its {len(w.held)} unfinished rows {rest}",
               file=sys.stderr)
         redo.extend(w.held.values())
         w.held.clear()
         # rows still in its inbox's pipe have no reader: the queue's feeder thread would block on
         # them forever, and this process's exit joins that thread (a finished job that never exits)
         w.inbox.cancel_join_thread()
+
+    def _failed_alone(self, item: Any, error: str) -> dict[str, Any]:
+        from .records import error_record
+
+        self.delivered.add(item.row)
+        self.suspects.discard(item.row)
+        where = item.where or f"row {item.row}"
+        return error_record(item.row, item.id, f"{where}: the device failed while this row ran alone ({error}); "
+                            "it was left out", item.keep)
 
     def close(self) -> None:
         for w in self.workers:

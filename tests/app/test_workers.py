@@ -164,9 +164,43 @@ def test_each_dead_worker_is_named_by_its_own_end(capsys):
     pool.workers = [_Worker(proc=Proc(-9), inbox=Inbox(), reader=None, device="cuda:0", held={1: "r"}),
                     _Worker(proc=Proc(3), inbox=Inbox(), reader=None, device="cuda:1", held={2: "r"})]
     redo: list = []
-    pool._bury(pool.workers[0], redo)
-    pool._bury(pool.workers[1], redo)
+    pool._bury(pool.workers[0], redo, [])
+    pool._bury(pool.workers[1], redo, [])
     err = capsys.readouterr().err.splitlines()
     assert "cuda:0: worker killed by signal 9" in err[0] and "go to the other workers" in err[0]
     assert "cuda:1: worker exited with code 3" in err[1] and "rerun to resume" in err[1]
     assert redo == ["r", "r"] and pool.last_error == "cuda:1: worker exited with code 3"
+
+
+def test_a_device_failure_makes_suspects_and_one_alone_is_the_error(capsys):
+    """A worker whose device failed with rows in flight makes them suspects (each to run alone);
+    one that failed running a suspect alone writes that row as its error, not redone."""
+    from specbatch.data import RowRequest
+    from specbatch.workers import WorkerPool, _Worker
+
+    class Proc:
+        exitcode = 1
+
+        def join(self, timeout=None):
+            pass
+
+    class Inbox:
+        def cancel_join_thread(self):
+            pass
+
+    rows = {i: RowRequest(row=i, id=f"q{i}", prompt="x", where=f"in.jsonl:{i + 1}") for i in range(6)}
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.last_error, pool.suspects, pool.delivered = "", set(), set()
+    many = _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:0", held={i: rows[i] for i in (0, 1, 2)},
+                   error="cuda:0: DeviceFailed: boom", in_flight=[1, 2])
+    alone = _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:1", held={4: rows[4]},
+                    error="cuda:1: DeviceFailed: boom", in_flight=[4], alone=4)
+    pool.workers = [many, alone, _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:2")]
+    redo, out = [], []
+    pool._bury(many, redo, out)
+    assert pool.suspects == {1, 2} and [r.row for r in redo] == [0, 1, 2] and out == []
+    redo.clear()
+    pool._bury(alone, redo, out)
+    assert redo == [] and [r["row"] for r in out] == [4] and 4 in pool.delivered
+    assert out[0]["error"].startswith("in.jsonl:5: the device failed while this row ran alone (cuda:1: DeviceFailed")
+    assert "it ran row 4 alone, which is written as its error" in capsys.readouterr().err
