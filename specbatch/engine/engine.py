@@ -40,6 +40,7 @@ from ..speculative.factory import SpecConfig, make_drafter
 # A source may yield WAIT: "no row ready now, more may come" (a worker fed over a queue); the
 # engine decodes what it has and asks again. None still means the input ended.
 WAIT = object()
+_IDLE = object()         # _job to generate: the live feed has nothing ready and nothing runs
 Inputs = dict[int, tuple[RowRequest, list[Request]]]     # row -> its input and its requests, while they run
 
 
@@ -229,6 +230,12 @@ class Engine:
         held: list[dict[str, Any]] = []          # rows that failed alone, until a row finishes after them
         strikes = 0
         for rec in self._run(items, defaults):
+            if rec is _IDLE:
+                # a live feed waits with nothing in flight: no row may finish to vouch for the held
+                # ones, and the feed may wait for them before it ends (workers.py), so they go now
+                yield from held
+                held.clear()
+                continue
             if isinstance(rec, FailedAlone):
                 strikes += 1
                 if strikes >= STRIKES:
@@ -247,10 +254,14 @@ class Engine:
         sched: SlotScheduler[Request] = SlotScheduler(
             self.num_slots, bucket_window=self.opts.bucket_window,
             priority=(lambda r: r.max_new) if self.opts.longest_first else None)
+        failed = False
         try:
             yield from self._job(sched, items, defaults, recover)
+        except Exception:
+            failed = True                        # a failed admission's grants: never assigned, indexed unwritten
+            raise
         finally:
-            if sched.active():                   # stopped midway: its requests' pages, some never written
+            if failed or sched.active():         # stopped midway: its requests' pages, some never written
                 self.pages.reset()
 
     def _job(self, sched: SlotScheduler, items: Iterable[RowRequest | RowError], defaults: SamplingParams,
@@ -271,6 +282,8 @@ class Engine:
                     break
                 if item is WAIT:                 # a live feed with nothing ready yet (workers.py)
                     if not sched.active() and not sched.queued():
+                        if pending is None:
+                            yield _IDLE          # generate writes the rows it holds
                         time.sleep(0.002)        # idle: nothing to decode until rows arrive
                     break
                 req = self.rows.request(item, defaults)
@@ -336,8 +349,8 @@ class Engine:
         self.pages.reset()
         if not self._isolating:                  # once per failure, not once per half rerun
             warn_failure(e, len(rows))
-        self.failure_counts.failures += 1
-        self.failure_counts.rows_rerun += len(rows)
+            self.failure_counts.failures += 1
+            self.failure_counts.rows_rerun += len(rows)
         return [inputs.pop(row)[0] for row in rows]
 
     @staticmethod

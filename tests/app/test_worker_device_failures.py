@@ -58,7 +58,7 @@ def test_a_worker_device_failure_isolates_the_row(tmp_path, tiny_model):
         if runs[-1].returncode == 0:
             break
     assert runs[-1].returncode == 0, [r.stderr for r in runs]
-    assert any("with 4 rows in flight" in r.stderr or "rows in flight" in r.stderr for r in runs), runs[0].stderr
+    assert "rows in flight" in runs[0].stderr and len(runs) > 1, runs[0].stderr
     got = {r["row"]: r for r in map(json.loads, open(out))}
     assert sorted(got) == list(range(16))
     assert "the device failed while this row ran alone" in got[9]["error"] and "planted" in got[9]["error"]
