@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -166,6 +167,11 @@ def run(
         with view:
             summary = run_job(input, rec, opts, progress=view.update)
     except JobError as e:
+        if getattr(e, "hard_exit", False):      # the CUDA context failed: its teardown may abort the exit
+            err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_USAGE)
         _fail(str(e), EXIT_FAILED if fail_fast else EXIT_USAGE)
     except (InputError, OutputError, ModelError, RecipeError, ValueError) as e:
         _fail(str(e))

@@ -329,6 +329,13 @@ def _device_failed(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[in
     """The device failed (engine.failures.DeviceFailed) and the process cannot go on: a row that
     was alone in flight is written as its error; several are remembered beside the parts, for the
     rerun to run one at a time. -> the job's one line."""
+    failure = _device_failed_line(e, writer, digests, suspects)
+    failure.hard_exit = e.hard_exit          # type: ignore[attr-defined]
+    return failure
+
+
+def _device_failed_line(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[int, bytes],
+                        suspects: dict[int, str]) -> JobError:
     from .records import error_record
 
     if len(e.items) == 1:

@@ -301,7 +301,8 @@ class Engine:
                 if not survivable(e, self.device):
                     if isinstance(e, DeviceFailed):
                         raise
-                    raise DeviceFailed([inputs[row][0] for row in self._touched(sched, inputs)], e) from e
+                    raise DeviceFailed([inputs[row][0] for row in self._touched(sched, inputs)], e,
+                                       self.device) from e
                 if not recover:
                     raise
                 pending = None

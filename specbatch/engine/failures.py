@@ -35,8 +35,11 @@ class DeviceFailed(RuntimeError):
     """A failure the process cannot go on after (a CUDA error), with the rows it had in flight:
     one of them may be its cause (the job runs them one at a time on the rerun, job.py)."""
 
-    def __init__(self, items: list[RowRequest], cause: BaseException):
+    def __init__(self, items: list[RowRequest], cause: BaseException, device: torch.device):
         self.items, self.cause = items, exception_line(cause)
+        # a CUDA context in error state can abort the interpreter's exit (destructors that call
+        # into it): the CLI leaves with os._exit once the output is committed
+        self.hard_exit = device.type == "cuda"
         super().__init__(f"{self.cause} (with {len(items)} row{'s' if len(items) != 1 else ''} in flight)")
 
 

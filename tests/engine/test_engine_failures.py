@@ -161,7 +161,7 @@ def test_device_errors_are_not_survived():
     assert survivable(RuntimeError("shape mismatch"), cpu) and survivable(torch.OutOfMemoryError("oom"), cpu)
     assert not survivable(RuntimeError("CUDA error: an illegal memory access was encountered"), cpu)
     assert not survivable(KeyboardInterrupt(), cpu) and not survivable(EngineFailed("x"), cpu)
-    assert not survivable(DeviceFailed([], RuntimeError("x")), cpu)
+    assert not survivable(DeviceFailed([], RuntimeError("x"), cpu), cpu)
     accel = getattr(torch, "AcceleratorError", None)
     if accel is not None:
         assert not survivable(accel.__new__(accel), cpu)
