@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from .cycle import Launched, SlotState, Slotted, SpecCycle, exact_acceptance
-from .failures import (STRIKES, DeviceFailed, FailedAlone, FailureCounts, engine_failed, failed_alone, survivable,
+from .failures import (IDLE, DeviceFailed, FailedAlone, FailureCounts, failed_alone, survivable, touched, vouched,
                        warn_failure)
 from .rows import RowConverter
 from .pool import plan_pool
@@ -40,7 +40,6 @@ from ..speculative.factory import SpecConfig, make_drafter
 # A source may yield WAIT: "no row ready now, more may come" (a worker fed over a queue); the
 # engine decodes what it has and asks again. None still means the input ended.
 WAIT = object()
-_IDLE = object()         # _job to generate: the live feed has nothing ready and nothing runs
 Inputs = dict[int, tuple[RowRequest, list[Request]]]     # row -> its input and its requests, while they run
 
 
@@ -227,27 +226,7 @@ class Engine:
         a few large forwards, rather than a forward for each slot that frees up. A failure in a
         prefill or a cycle costs only the row that causes it (failures.py). A caller that stops
         reading early leaves the engine as it found it, ready for the next call."""
-        held: list[dict[str, Any]] = []          # rows that failed alone, until a row finishes after them
-        strikes = 0
-        for rec in self._run(items, defaults):
-            if rec is _IDLE:
-                # a live feed waits with nothing in flight: no row may finish to vouch for the held
-                # ones, and the feed may wait for them before it ends (workers.py), so they go now
-                yield from held
-                held.clear()
-                continue
-            if isinstance(rec, FailedAlone):
-                strikes += 1
-                if strikes >= STRIKES:
-                    raise engine_failed(rec.error) from rec.error
-                held.append(rec.record)
-                continue
-            if rec["error"] is None:
-                strikes = 0
-                yield from held
-                held.clear()
-            yield rec
-        yield from held
+        yield from vouched(self._run(items, defaults))
 
     def _run(self, items: Iterable[RowRequest | RowError], defaults: SamplingParams,
              recover: bool = True) -> Iterator[dict[str, Any] | FailedAlone]:
@@ -283,7 +262,7 @@ class Engine:
                 if item is WAIT:                 # a live feed with nothing ready yet (workers.py)
                     if not sched.active() and not sched.queued():
                         if pending is None:
-                            yield _IDLE          # generate writes the rows it holds
+                            yield IDLE           # generate writes the rows it holds
                         time.sleep(0.002)        # idle: nothing to decode until rows arrive
                     break
                 req = self.rows.request(item, defaults)
@@ -301,7 +280,7 @@ class Engine:
                 if not survivable(e, self.device):
                     if isinstance(e, DeviceFailed):
                         raise
-                    raise DeviceFailed([inputs[row][0] for row in self._touched(sched, inputs)], e,
+                    raise DeviceFailed([inputs[row][0] for row in touched(sched, inputs)], e,
                                        self.device) from e
                 if not recover:
                     raise
@@ -343,7 +322,7 @@ class Engine:
         """After a failed step: the inputs of the rows it touched (in flight, or taken from the
         queue when it failed), every slot and page freed; a row's choices still queued leave the
         queue with it, rows wholly queued stay."""
-        rows = self._touched(sched, inputs)
+        rows = touched(sched, inputs)
         sched.clear_active()
         gone = set(rows)
         sched.drop(lambda r: r.row in gone)
@@ -353,14 +332,6 @@ class Engine:
             self.failure_counts.failures += 1
             self.failure_counts.rows_rerun += len(rows)
         return [inputs.pop(row)[0] for row in rows]
-
-    @staticmethod
-    def _touched(sched: SlotScheduler, inputs: Inputs) -> list[int]:
-        """Rows with a request in a slot, or taken from the queue by a step that failed."""
-        active = {id(req) for _, req in sched.active()}
-        queued = {id(req) for req in sched.queued_requests()}
-        return [row for row, (_, reqs) in inputs.items()
-                if any(id(r) in active or (not r.finished and id(r) not in queued) for r in reqs)]
 
     def _isolate(self, items: list[RowRequest], defaults: SamplingParams) -> Iterator[dict[str, Any] | FailedAlone]:
         """Rows that were in flight when a step failed, rerun: a group in halves, each half a job

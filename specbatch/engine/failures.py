@@ -15,6 +15,7 @@ the rows': the job stops (EngineFailed) and those rows are not written, so a rer
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from ..prompts import exception_line
 from ..records import error_record
 
 STRIKES = 3     # rows failing alone one after another, none finishing between them: the engine's fault
+IDLE = object()  # the job loop to `vouched`: a live feed has nothing ready and nothing runs
 
 
 class EngineFailed(RuntimeError):
@@ -94,3 +96,36 @@ def failed_alone(item: RowRequest, e: BaseException) -> FailedAlone:
 def engine_failed(e: BaseException) -> EngineFailed:
     return EngineFailed(f"the engine failed on {STRIKES} rows one after another, each run alone, with no row "
                         f"finishing between them ({exception_line(e)}): the fault is not the rows'")
+
+
+def vouched(records: Iterator[Any]) -> Iterator[dict[str, Any]]:
+    """The job loop's records, a row that failed alone held until a row finishes after it (the
+    engine works: the row is at fault), or until the input ends or a live feed idles (IDLE: it
+    may wait for that row before it ends); STRIKES of them in a row raise EngineFailed."""
+    held: list[dict[str, Any]] = []
+    strikes = 0
+    for rec in records:
+        if rec is IDLE or (isinstance(rec, dict) and rec["error"] is None):
+            if rec is not IDLE:
+                strikes = 0
+            yield from held
+            held.clear()
+            if rec is IDLE:
+                continue
+        elif isinstance(rec, FailedAlone):
+            strikes += 1
+            if strikes >= STRIKES:
+                raise engine_failed(rec.error) from rec.error
+            held.append(rec.record)
+            continue
+        yield rec
+    yield from held
+
+
+def touched(sched: Any, inputs: dict[int, tuple[RowRequest, list]]) -> list[int]:
+    """Rows (of `inputs`: row -> its input and requests) with a request in one of `sched`'s slots,
+    or taken from its queue by a step that failed before it took a slot."""
+    active = {id(req) for _, req in sched.active()}
+    queued = {id(req) for req in sched.queued_requests()}
+    return [row for row, (_, reqs) in inputs.items()
+            if any(id(r) in active or (not r.finished and id(r) not in queued) for r in reqs)]
