@@ -7,23 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbatch.data import RowRequest
 from specbatch.engine import Engine, EngineOptions
 from specbatch.engine.failures import DeviceFailed, EngineFailed, survivable
 from specbatch.recipe import SamplingDefaults
 from specbatch.speculative.factory import SpecConfig
 
+from failure_helpers import failure_rows as _rows
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 POISON = 7
-
-
-def _rows(count: int, draw: int = 0, **overrides) -> list[RowRequest]:
-    g = torch.Generator().manual_seed(draw)
-    lens = torch.randint(3, 30, (count,), generator=g).tolist()
-    return [RowRequest(row=i, id=f"r{i}", prompt_token_ids=torch.randint(1, 200, (L,), generator=g).tolist(),
-                       overrides={"max_tokens": 3 + i % 7, **overrides}, where=f"in.jsonl:{i + 1}")
-            for i, L in enumerate(lens)]
 
 
 def _engine(model, **opts) -> Engine:

@@ -6,22 +6,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from specbatch.engine import WAIT, Engine, EngineOptions
 from specbatch.recipe import SamplingDefaults
 
+from failure_helpers import failure_rows as _rows
+
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _rows(count: int, draw: int = 0, **overrides):
-    from specbatch.data import RowRequest
-
-    g = torch.Generator().manual_seed(draw)
-    lens = torch.randint(3, 30, (count,), generator=g).tolist()
-    return [RowRequest(row=i, id=f"r{i}", prompt_token_ids=torch.randint(1, 200, (L,), generator=g).tolist(),
-                       overrides={"max_tokens": 3 + i % 7, **overrides}, where=f"in.jsonl:{i + 1}")
-            for i, L in enumerate(lens)]
 
 
 def _engine(model, **opts) -> Engine:

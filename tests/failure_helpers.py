@@ -1,0 +1,72 @@
+"""Shared by the engine-failure tests: rows with a `where`, and a `specbatch run` subprocess whose
+every Python process (workers included) loads a sitecustomize that makes one row's prefill fail."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from specbatch.data import RowRequest
+
+POISON_ROW = 9
+
+# sitecustomize: Engine._prefill runs `{action}` when the poison row is admitted
+PLANT = '''
+import os
+import torch
+from specbatch.engine import engine as _engine
+
+_prefill = _engine.Engine._prefill
+_poison = int(os.environ["SPECBATCH_TEST_POISON_ROW"])
+
+
+def _failing(self, admitted):
+    if any(req.row == _poison for _, req in admitted):
+        {action}
+    return _prefill(self, admitted)
+
+
+_engine.Engine._prefill = _failing
+'''
+
+
+def failure_rows(count: int, draw: int = 0, **overrides) -> list[RowRequest]:
+    g = torch.Generator().manual_seed(draw)
+    lens = torch.randint(3, 30, (count,), generator=g).tolist()
+    return [RowRequest(row=i, id=f"r{i}", prompt_token_ids=torch.randint(1, 200, (L,), generator=g).tolist(),
+                       overrides={"max_tokens": 3 + i % 7, **overrides}, where=f"in.jsonl:{i + 1}")
+            for i, L in enumerate(lens)]
+
+
+def write_input(tmp_path: Path, count: int = 16) -> Path:
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"row {i} " + "ab " * (i % 4)}) + "\n"
+                           for i in range(count)))
+    return inp
+
+
+def plant(tmp_path: Path, action: str) -> Path:
+    """A directory holding the sitecustomize, for run_cli's `plant`."""
+    d = tmp_path / "plant"
+    d.mkdir()
+    (d / "sitecustomize.py").write_text(PLANT.replace("{action}", action))
+    return d
+
+
+def run_cli(inp: Path, out: Path, model: Path, device: str, *extra: str,
+            planted: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    if planted is not None:
+        env.update(PYTHONPATH=os.pathsep.join([str(planted), env.get("PYTHONPATH", "")]),
+                   SPECBATCH_TEST_POISON_ROW=str(POISON_ROW))
+    cmd = [sys.executable, "-m", "specbatch", "run", str(inp), "-o", str(out), "--model", str(model),
+           "--device", device, "--max-tokens", "6", "--batch-size", "4", "--ignore-eos", "-q", *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def completions(path: Path) -> dict[int, dict]:
+    return {r["row"]: r for r in map(json.loads, open(path))}
