@@ -8,8 +8,9 @@ The parent keeps the output (its lock, its parts, the input check), so exactly-o
 single-process writer's, unchanged: a record counts once it is committed. Dispatch is a work
 queue, not a static split: each worker holds at most about its engine's lookahead, so a slow
 worker never holds rows another could run. A worker that dies (killed, out of memory) loses
-nothing committed; the rows it held are handed to the others (a job fails only when no worker
-is left, after committing what finished). A worker whose device failed (engine.failures.DeviceFailed)
+nothing committed; the rows it held are handed to the others, and a new worker starts on its
+device (MAX_RESTARTS a device; a job fails only when no worker is left, after committing what
+finished). A worker whose device failed (engine.failures.DeviceFailed)
 names the rows it had in flight: each then runs alone on one worker, and one that brings a device
 down alone is written as its error. Workers die with the parent (PR_SET_PDEATHSIG, and a
 watch on the parent's pid), so a killed parent leaves no orphan engines; the rerun resumes.
@@ -32,6 +33,7 @@ from .recipe import Recipe
 
 POLL_S = 0.005
 CHUNK = 8              # rows per turn of the dispatch
+MAX_RESTARTS = 3       # new workers started on a device whose worker died mid-job (as Ray's max_restarts)
 
 
 class WorkerError(RuntimeError):
@@ -162,6 +164,8 @@ class _Worker:
     inbox: Any
     reader: Any                      # the parent's end of the worker's result pipe
     device: str
+    wid: int = 0
+    restarts: int = 0                # workers that died on this device before this one
     held: dict[int, Any] = field(default_factory=dict)   # row -> the row it was given, not yet returned
     cap: int = 64
     ready: bool = False
@@ -186,16 +190,9 @@ class WorkerPool:
         threads = None
         if all(d == "cpu" for d in devices):
             threads = max(1, (os.cpu_count() or 1) // len(devices))
-        self.workers: list[_Worker] = []
-        for wid, dev in enumerate(devices):
-            inbox = self.ctx.Queue()
-            reader, writer = self.ctx.Pipe(duplex=False)
-            spec = WorkerSpec(recipe=recipe, device=dev, eager=eager, bucket=bucket, threads=threads,
-                              prefix_caching=prefix_caching, logprobs_mode=logprobs_mode)
-            proc = self.ctx.Process(target=_worker, args=(wid, spec, os.getpid(), inbox, writer), daemon=True)
-            proc.start()
-            writer.close()                   # the child's copy is the only one: its death reads as EOF
-            self.workers.append(_Worker(proc=proc, inbox=inbox, reader=reader, device=dev))
+        self.specs = [WorkerSpec(recipe=recipe, device=dev, eager=eager, bucket=bucket, threads=threads,
+                                 prefix_caching=prefix_caching, logprobs_mode=logprobs_mode) for dev in devices]
+        self.workers: list[_Worker] = [self._spawn(wid) for wid in range(len(devices))]
         self.delivered: set[int] = set()
         # rows in flight when a worker's device failed (and those an earlier run noted): each runs
         # alone on one worker, so a row that brings a device down alone is written as its error
@@ -203,6 +200,15 @@ class WorkerPool:
         self.eager = eager
         self.last_error = ""
         self.errors: list[str] = []
+
+    def _spawn(self, wid: int, restarts: int = 0) -> _Worker:
+        spec = self.specs[wid]
+        inbox = self.ctx.Queue()
+        reader, writer = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(target=_worker, args=(wid, spec, os.getpid(), inbox, writer), daemon=True)
+        proc.start()
+        writer.close()                       # the child's copy is the only one: its death reads as EOF
+        return _Worker(proc=proc, inbox=inbox, reader=reader, device=spec.device, wid=wid, restarts=restarts)
 
     # ---- the facts a summary wants ---------------------------------------------------------------
 
@@ -267,8 +273,8 @@ class WorkerPool:
                     for w in live:
                         w.inbox.put(None)
                         w.ended = True
-                    if all(w.done or w.dead for w in self.workers):
-                        return
+                    if all(w.done or w.dead or not w.ready for w in self.workers):
+                        return               # (a new worker still loading is not waited for: close() stops it)
                 out.clear()
                 redo.extend(self._drain(out))
                 yield from out
@@ -328,7 +334,7 @@ class WorkerPool:
                 elif kind == "error":
                     self.last_error = w.error = payload
                     self.errors.append(payload)
-        for w in self.workers:
+        for w in list(self.workers):          # (a burial may add a worker)
             if not w.dead and not w.done and not w.proc.is_alive() and not w.reader.poll():
                 self._bury(w, redo, out)
         return redo
@@ -350,7 +356,11 @@ class WorkerPool:
                 culprit = f"; it ran row {rec['row']} alone, which is written as its error"
             else:
                 self.suspects.update(r for r in w.in_flight if r in w.held)
-        rest = ("go to the other workers" if any(not o.dead for o in self.workers)
+        restart = ""
+        if w.ready and w.restarts < MAX_RESTARTS:      # died mid-job (not at start-up): a new one takes its place
+            self.workers.append(self._spawn(w.wid, w.restarts + 1))
+            restart = f" (a new worker starts on {w.device}: restart {w.restarts + 1} of {MAX_RESTARTS})"
+        rest = ("go to the other workers" + restart if any(not o.dead for o in self.workers)
                 else "stay unfinished: rerun to resume")
         print(f"warning: worker on {w.device} died ({w.error}){culprit}; its {len(w.held)} unfinished rows {rest}",
               file=sys.stderr)

@@ -103,8 +103,44 @@ def test_a_worker_killed_mid_job_loses_nothing(job):
     os.kill(kids[0], signal.SIGKILL)
     _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
-    assert "died" in err and "go to the other workers" in err
+    assert "died" in err and "go to the other workers (a new worker starts on cpu: restart 1 of 3)" in err
     _same(_rows(out), job["ref"])
+
+
+def test_a_replaced_worker_takes_rows_and_restarts_are_bounded(capsys):
+    """A worker that dies mid-job is replaced on its device (its replacement counted), up to
+    MAX_RESTARTS; one that dies before it was ready is not."""
+    from specbatch.workers import MAX_RESTARTS, WorkerPool, _Worker
+
+    class Proc:
+        exitcode = -9
+
+        def join(self, timeout=None):
+            pass
+
+    class Inbox:
+        def cancel_join_thread(self):
+            pass
+
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.last_error, pool.suspects, pool.delivered = "", set(), set()
+    spawned = []
+
+    def spawn(wid, restarts=0):
+        spawned.append((wid, restarts))
+        return _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:1", wid=wid, restarts=restarts,
+                       ready=True)
+    pool._spawn = spawn
+    pool.workers = [_Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:1", wid=1, ready=True)]
+    for _ in range(MAX_RESTARTS + 1):
+        pool._bury(pool.workers[-1], [], [])
+    assert spawned == [(1, n) for n in range(1, MAX_RESTARTS + 1)] and all(w.dead for w in pool.workers)
+    err = capsys.readouterr().err.splitlines()
+    assert "restart 1 of 3" in err[0] and "restart 3 of 3" in err[2] and "rerun to resume" in err[3]
+    starting = _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:0", wid=0)      # never ready
+    pool.workers.append(starting)
+    pool._bury(starting, [], [])
+    assert len(spawned) == MAX_RESTARTS
 
 
 def test_the_parent_killed_takes_its_workers_and_the_rerun_resumes(job):
