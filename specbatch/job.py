@@ -271,9 +271,9 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
                 (alone if r.row in suspects else ahead).append(r)
                 if r.row >= last:
                     break
-            for r in alone:
-                yield from runner.stream(iter([r]))
-            rows = itertools.chain(ahead, rows)
+            # one stream: the engine's record filter (STRIKES) sees the suspects and the rest in a row
+            yield from runner.llm.stream(itertools.chain(ahead, rows), alone=alone)
+            return
         yield from runner.stream(rows)
 
     notify("start", {"total": None if total is None else total - resumed, "resumed": resumed,
@@ -299,7 +299,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
         failure = None
         try:
             if isinstance(e, DeviceFailed):
-                failure = _device_failed(e, writer, digests, suspects)
+                failure = _device_failed(e, writer, digests, suspects, opts.fail_fast)
             elif runner.pool and runner.pool.suspects:
                 writer.set_suspects({**suspects, **{r: "a worker's device failed with it in flight"
                                                     for r in runner.pool.suspects}})
@@ -325,19 +325,28 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
 
 
 def _device_failed(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[int, bytes],
-                   suspects: dict[int, str]) -> JobError:
+                   suspects: dict[int, str], fail_fast: bool = False) -> JobError:
     """The device failed (engine.failures.DeviceFailed) and the process cannot go on: a row that
     was alone in flight is written as its error; several are remembered beside the parts, for the
     rerun to run one at a time. -> the job's one line."""
-    failure = _device_failed_line(e, writer, digests, suspects)
+    failure = _device_failed_line(e, writer, digests, suspects, fail_fast)
     failure.hard_exit = e.hard_exit          # type: ignore[attr-defined]
     return failure
 
 
 def _device_failed_line(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[int, bytes],
-                        suspects: dict[int, str]) -> JobError:
+                        suspects: dict[int, str], fail_fast: bool = False) -> JobError:
     from .records import error_record
 
+    if not e.items:                          # an asynchronous error surfacing once every row had finished
+        return JobError(f"the device failed ({e.cause}) with no row in flight; finished rows are committed: "
+                        "rerun the same command to resume")
+    if len(e.items) == 1 and fail_fast:      # a failing row stops --fail-fast, never an error row
+        item = e.items[0]
+        where = item.where or f"row {item.row}"
+        writer.set_suspects({**suspects, item.row: e.cause})
+        return JobError(f"the device failed while {where} ran alone ({e.cause}), and this process cannot go on "
+                        "(--fail-fast: that row is not written); finished rows are committed")
     if len(e.items) == 1:
         item = e.items[0]
         where = item.where or f"row {item.row}"
@@ -348,6 +357,10 @@ def _device_failed_line(e: Any, writer: OutputWriter | StdoutWriter, digests: di
                         "that row is written as its error, finished rows are committed: rerun the same command "
                         "to resume")
     writer.set_suspects({**suspects, **{i.row: e.cause for i in e.items}})
+    if writer.path == "-":                   # no parts, no suspects.json: nothing for a rerun to go on from
+        return JobError(f"the device failed with {len(e.items)} rows in flight ({e.cause}); -o - cannot resume, "
+                        "so a rerun fails the same way: write to a file (-o PATH) to have those rows run one "
+                        "at a time on the rerun")
     return JobError(f"the device failed with {len(e.items)} rows in flight ({e.cause}); finished rows are committed: "
                     "rerun the same command to resume, and those rows run one at a time first, so a row that "
                     "brings the device down is written as its error")

@@ -122,13 +122,16 @@ class LLM:
         return self.recipe.with_overrides(sampling=dict(params)).sampling
 
     def stream(self, rows: Iterable[RowRequest | RowError],
-               params: SamplingParams | Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+               params: SamplingParams | Mapping[str, Any] | None = None,
+               alone: Sequence[RowRequest | RowError] = ()) -> Iterator[dict[str, Any]]:
         """Output records (dicts, as `specbatch run` writes them) in completion order, streaming `rows`.
         A `seed` in `params` is every request's own seed (as vLLM's SamplingParams(seed=...)), not
         a run seed the rows derive theirs from: identical prompts give identical samples."""
         defaults = self.sampling(params)
         seed = defaults.seed if params is not None and _get(params, "seed") is not None else None
-        return self.engine.generate(rows if seed is None else _seeded(rows, seed), defaults)
+        if seed is not None:
+            rows, alone = _seeded(rows, seed), list(_seeded(alone, seed))
+        return self.engine.generate(rows, defaults, alone=alone)
 
     def reset_prefix_cache(self) -> None:
         """Forget the prompt pages earlier calls left in the KV pool (as vLLM's LLM.reset_prefix_cache):

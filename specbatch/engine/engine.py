@@ -5,11 +5,12 @@ admits them in waves, prefills them, runs the cycle (cycle.py) and turns request
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -217,16 +218,18 @@ class Engine:
     # ---- the job loop -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def generate(self, items: Iterable[RowRequest | RowError],
-                 defaults: SamplingParams = SamplingParams()) -> Iterator[dict[str, Any]]:
+    def generate(self, items: Iterable[RowRequest | RowError], defaults: SamplingParams = SamplingParams(),
+                 alone: Sequence[RowRequest | RowError] = ()) -> Iterator[dict[str, Any]]:
         """Yield one record per input row, in completion order, streaming the input.
 
         Admission comes in waves: once a share of the slots is free (or nothing runs, or the
         queue is that short), every queued request whose pages fit is admitted and prefilled in
         a few large forwards, rather than a forward for each slot that frees up. A failure in a
         prefill or a cycle costs only the row that causes it (failures.py). A caller that stops
-        reading early leaves the engine as it found it, ready for the next call."""
-        yield from vouched(self._run(items, defaults))
+        reading early leaves the engine as it found it, ready for the next call. `alone`: rows
+        run one at a time (each a job of its own) before `items`, under the same record filter."""
+        runs = (self._run(part, defaults) for part in ([[r] for r in alone] + [items]))
+        yield from vouched(itertools.chain.from_iterable(runs))
 
     def _run(self, items: Iterable[RowRequest | RowError], defaults: SamplingParams,
              recover: bool = True) -> Iterator[dict[str, Any] | FailedAlone]:
