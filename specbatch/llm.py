@@ -126,7 +126,8 @@ class LLM:
                alone: Sequence[RowRequest | RowError] = ()) -> Iterator[dict[str, Any]]:
         """Output records (dicts, as `specbatch run` writes them) in completion order, streaming `rows`.
         A `seed` in `params` is every request's own seed (as vLLM's SamplingParams(seed=...)), not
-        a run seed the rows derive theirs from: identical prompts give identical samples."""
+        a run seed the rows derive theirs from: identical prompts give identical samples. `alone`:
+        rows run one at a time before `rows` (the job's suspects: engine/failures.py)."""
         defaults = self.sampling(params)
         seed = defaults.seed if params is not None and _get(params, "seed") is not None else None
         if seed is not None:
