@@ -70,3 +70,29 @@ def run_cli(inp: Path, out: Path, model: Path, device: str, *extra: str,
 
 def completions(path: Path) -> dict[int, dict]:
     return {r["row"]: r for r in map(json.loads, open(path))}
+
+
+JOB_ROWS = [{"id": f"r{i}", "prompt": f"row {i}: " + "abc " * (i % 5)} for i in range(10)]
+
+
+def job_input(tmp_path: Path) -> Path:
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in JOB_ROWS))
+    return path
+
+
+def job_flags(tiny_model: Path) -> list:
+    return ["--model", tiny_model, "--max-tokens", 5, "--batch-size", 4, "--device", "cpu", "--ignore-eos"]
+
+
+def plant_in_process(monkeypatch, fails, error: str = "planted") -> None:
+    """Engine._prefill (this process) raises RuntimeError(error) for admitted rows `fails(row)` names."""
+    from specbatch.engine import Engine
+
+    prefill = Engine._prefill
+
+    def failing(self, admitted):
+        if any(fails(req.row) for _, req in admitted):
+            raise RuntimeError(error)
+        return prefill(self, admitted)
+    monkeypatch.setattr(Engine, "_prefill", failing)

@@ -8,34 +8,13 @@ import json
 import pytest
 
 from specbatch.cli import EXIT_USAGE
-from specbatch.engine import Engine
 
 from cli_runner import cli, ok
+from failure_helpers import job_flags, job_input, plant_in_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROWS = [{"id": f"r{i}", "prompt": f"row {i}: " + "abc " * (i % 5)} for i in range(10)]
-
-
-def _input(tmp_path):
-    path = tmp_path / "in.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    return path
-
-
-def _base(tiny_model):
-    return ["--model", tiny_model, "--max-tokens", 5, "--batch-size", 4, "--device", "cpu", "--ignore-eos"]
-
-
-def _plant(monkeypatch, fails, error="planted"):
-    """Engine._prefill raises for admitted rows that `fails(row)` names."""
-    prefill = Engine._prefill
-
-    def failing(self, admitted):
-        if any(fails(req.row) for _, req in admitted):
-            raise RuntimeError(error)
-        return prefill(self, admitted)
-    monkeypatch.setattr(Engine, "_prefill", failing)
+_input, _base, _plant = job_input, job_flags, plant_in_process
 
 
 def test_one_failing_row_is_its_error_and_the_summary_counts_it(tmp_path, tiny_model, monkeypatch):

@@ -72,6 +72,21 @@ def _same(rows: list[dict], ref: list[dict]) -> None:
             assert r[key] == w[key], (r["row"], key)
 
 
+class Proc:
+    """A dead worker process's stand-in for WorkerPool._bury: its exit code, a join that returns."""
+
+    def __init__(self, code: int = 1):
+        self.exitcode = code
+
+    def join(self, timeout=None):
+        pass
+
+
+class Inbox:
+    def cancel_join_thread(self):
+        pass
+
+
 def test_two_workers_write_what_one_process_writes(job):
     out = job["dir"] / "two.jsonl"
     stats = job["dir"] / "two.stats.json"
@@ -112,15 +127,6 @@ def test_a_replaced_worker_takes_rows_and_restarts_are_bounded(capsys):
     MAX_RESTARTS; one that dies before it was ready is not."""
     from specbatch.workers import MAX_RESTARTS, WorkerPool, _Worker
 
-    class Proc:
-        exitcode = -9
-
-        def join(self, timeout=None):
-            pass
-
-    class Inbox:
-        def cancel_join_thread(self):
-            pass
 
     pool = WorkerPool.__new__(WorkerPool)
     pool.last_error, pool.suspects, pool.delivered = "", set(), set()
@@ -184,16 +190,6 @@ def test_each_dead_worker_is_named_by_its_own_end(capsys):
     and the last one's rows wait for a rerun (there are no other workers to take them)."""
     from specbatch.workers import WorkerPool, _Worker
 
-    class Proc:
-        def __init__(self, code):
-            self.exitcode = code
-
-        def join(self, timeout=None):
-            pass
-
-    class Inbox:
-        def cancel_join_thread(self):
-            pass
 
     pool = WorkerPool.__new__(WorkerPool)
     pool.last_error = ""
@@ -214,15 +210,6 @@ def test_a_device_failure_makes_suspects_and_one_alone_is_the_error(capsys):
     from specbatch.data import RowRequest
     from specbatch.workers import WorkerPool, _Worker
 
-    class Proc:
-        exitcode = 1
-
-        def join(self, timeout=None):
-            pass
-
-    class Inbox:
-        def cancel_join_thread(self):
-            pass
 
     rows = {i: RowRequest(row=i, id=f"q{i}", prompt="x", where=f"in.jsonl:{i + 1}") for i in range(6)}
     pool = WorkerPool.__new__(WorkerPool)
