@@ -256,7 +256,7 @@ def inspect(
 @app.command()
 def bench(
     recipe: Optional[list[str]] = typer.Option(None, "--recipe", "-r", help="Recipe to measure (repeatable; default: vanilla, eagle3_topk1, eagle3_tree)."),
-    model: Optional[str] = typer.Option(None, help="HF model directory (default: the embedded demo model)."),
+    model: Optional[str] = typer.Option(None, help="HF model directory (default: the recipes' model; the embedded demo model for builtin recipes)."),
     draft: Optional[str] = typer.Option(None, help=algorithms.draft_help("bench")),
     random_weights: Optional[str] = typer.Option(None, help="Random weights at real shapes: llama-3.1-8b, or a config.json path (no download)."),
     batch_sizes: Optional[str] = typer.Option(None, help="Comma-separated batch sizes (default 1,2,...,256 on GPU; 1,2,4,8 on CPU)."),

@@ -382,9 +382,37 @@ def builtin_recipes() -> list[str]:
     return sorted(_builtin_files())
 
 
+class _RecipeLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently:
+    a second `sampling:` block would drop the first) and reads `1e-3` as a number, as YAML 1.2,
+    JSON rows and the command line do (YAML 1.1 wants `1.0e-3` and gives `1e-3` as a string)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:             # unhashable: SafeLoader reports it
+                    continue
+                if first is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key '{key}' given twice (first at line {first.start_mark.line + 1}); "
+                        "keep one", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+_RecipeLoader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
 def _load_yaml(text: str, source: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -31,7 +31,7 @@ from ..records import emitted_tokens
 from ..prompts import PromptError, encode_row
 from .floor import copy_bandwidth, kv_bytes, weight_bytes
 from .sources import (BenchError, BenchOptions, Source, acceptance_label, build_engine, check_options,
-                      failure_message, free_memory, load_source, recipe_spec)
+                      failure_message, free_memory, load_source, recipe_spec, recipes_model)
 
 Log = Callable[[str], None]
 
@@ -173,6 +173,7 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
         raise BenchError("--every-size-too compares CUDA graph sizes: it needs a CUDA device and no --eager")
     check_options(opts)
     recipes = [load_recipe(r) for r in opts.recipes]
+    opts = recipes_model(opts, recipes)
     src = load_source(opts, device)
     specs = [recipe_spec(r, opts, src, device) for r in recipes]     # a missing --draft fails before any run
     rows = job_rows(mix, opts, src)

@@ -4,7 +4,7 @@ sweep (sweep.py) and the whole-job mode (job.py)."""
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,20 @@ def check_options(opts: BenchOptions) -> None:
     sim = opts.simulate_acceptance
     if sim is not None and not all(0.0 <= p <= 1.0 for p in sim):
         raise BenchError(f"--simulate-acceptance {','.join(map(str, sim))}: probabilities must be in [0, 1]")
+
+
+def recipes_model(opts: BenchOptions, recipes: list[Any]) -> BenchOptions:
+    """Without --model (or --random-weights), the target is the recipes' own `model:`, as in
+    `specbatch run`; every recipe runs on the one target, so they must name the same one."""
+    if opts.model is not None or opts.random_weights:
+        return opts
+    models = dict.fromkeys(r.model for r in recipes)
+    if len(models) > 1:
+        named = ", ".join(f"{r.name}: {'the demo model' if r.model == 'default' else r.model}" for r in recipes)
+        raise BenchError(f"the recipes name different models ({named}); bench runs every recipe on one "
+                         "target: pass --model DIR")
+    model = next(iter(models), "default")
+    return opts if model == "default" else replace(opts, model=model)
 
 
 def load_source(opts: BenchOptions, device: torch.device) -> Source:

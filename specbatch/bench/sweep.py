@@ -26,7 +26,7 @@ from .floor import copy_bandwidth, draft_bytes, kv_bytes, step_floor_ms, weight_
 from .hf_peer import PEER_NAME, hf_model, hf_tokens_per_s
 from .sources import (BenchError, BenchOptions, Source, acceptance_label, bench_prompts,
                       build_engine, check_options, device_name, failure_message, free_memory, load_source,
-                      recipe_spec)
+                      recipe_spec, recipes_model)
 
 GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CPU_BATCH_SIZES = (1, 2, 4, 8)
@@ -41,6 +41,7 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
     device = resolve_device(opts.device)
     sizes = sorted(set(opts.batch_sizes or (GPU_BATCH_SIZES if device.type == "cuda" else CPU_BATCH_SIZES)))
     recipes = [load_recipe(r) for r in opts.recipes]
+    opts = recipes_model(opts, recipes)
     for r in recipes:
         try:
             get_algorithm(r.algorithm)
