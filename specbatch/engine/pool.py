@@ -63,6 +63,13 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
                              f"{max_len} tokens ({pool_rows} rows fit); set a smaller --max-model-len")
         max_len = pool_rows - headroom
     per_slot = math.ceil((max_len + headroom) / P)
+    usable = budget_pages - 1 - dummy
+    if batch_size is not None and batch_size > usable:
+        # every sequence in flight holds a page at least: more slots than pages are never used,
+        # and their per-slot state (page table rows, lengths) would be allocated for nothing
+        raise ModelError(f"--batch-size (or the recipe's batch_size) {batch_size}: the {device.type} KV pool "
+                         f"holds {usable} pages of {P} rows and every sequence in flight needs one at least; "
+                         f"use at most {usable}")
     if batch_size is not None:
         slots = batch_size
     elif device.type == "cuda":

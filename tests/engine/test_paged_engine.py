@@ -169,3 +169,11 @@ def test_a_prompt_that_fills_the_context_says_so(tiny_model):
                               SamplingDefaults(max_tokens=4))
     assert "prompt has 32 tokens, no room for a completion, but the context is 32 tokens" in full["error"]
     assert "prompt has 33 tokens but the context is 32 tokens" in over["error"]
+
+
+def test_more_slots_than_pages_is_an_error_naming_the_flag(tiny_model):
+    from specbatch.models.config import ModelError
+
+    with pytest.raises(ModelError, match=r"--batch-size \(or the recipe's batch_size\) 100000000: the cpu KV pool "
+                                         r"holds \d+ pages of 8 rows .* use at most \d+"):
+        Engine(tiny_model, EngineOptions(device="cpu", dtype="float32", batch_size=10**8, kv_rows=480, page_size=8))
