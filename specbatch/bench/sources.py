@@ -120,8 +120,17 @@ def check_options(opts: BenchOptions) -> None:
 
 
 def recipes_model(opts: BenchOptions, recipes: list[Any]) -> BenchOptions:
-    """Without --model (or --random-weights), the target is the recipes' own `model:`, as in
-    `specbatch run`; every recipe runs on the one target, so they must name the same one."""
+    """Without --model (or --random-weights), the target is the recipes' own `model:`, and with
+    --dtype auto their `dtype:`, as in `specbatch run`; every recipe runs on the one target, so
+    they must name the same ones."""
+    if opts.dtype == "auto":
+        dtypes = dict.fromkeys(r.dtype for r in recipes if r.dtype != "auto")
+        if len(dtypes) > 1:
+            named = ", ".join(f"{r.name}: {r.dtype}" for r in recipes)
+            raise BenchError(f"the recipes name different dtypes ({named}); bench runs every recipe on one "
+                             "target: pass --dtype")
+        if dtypes:
+            opts = replace(opts, dtype=next(iter(dtypes)))
     if opts.model is not None or opts.random_weights:
         return opts
     models = dict.fromkeys(r.model for r in recipes)

@@ -55,3 +55,16 @@ def test_bench_runs_on_the_recipes_model(tiny_model, tmp_path):
     assert recipes_model(BenchOptions(model="x"), [load_recipe(str(mine))]).model == "x"
     assert recipes_model(BenchOptions(random_weights="llama-3.1-8b"), [load_recipe(str(mine))]).model is None
     assert recipes_model(BenchOptions(), [load_recipe("vanilla")]).model is None
+
+
+def test_bench_takes_the_recipes_dtype_unless_given_and_refuses_two():
+    from specbatch.bench.sources import BenchError, BenchOptions, recipes_model
+    from specbatch.recipe import load_recipe
+
+    half = load_recipe("vanilla").with_overrides(dtype="bfloat16")
+    full = load_recipe("eagle3_topk1").with_overrides(dtype="float32")
+    assert recipes_model(BenchOptions(recipes=["vanilla"]), [half]).dtype == "bfloat16"
+    assert recipes_model(BenchOptions(recipes=["vanilla"], dtype="float16"), [half]).dtype == "float16"
+    assert recipes_model(BenchOptions(recipes=["vanilla"]), [load_recipe("vanilla")]).dtype == "auto"
+    with pytest.raises(BenchError, match=r"different dtypes \(vanilla: bfloat16, eagle3_topk1: float32\).*--dtype"):
+        recipes_model(BenchOptions(recipes=["vanilla", "eagle3_topk1"]), [half, full])
