@@ -263,7 +263,7 @@ def bench(
     prompt_len: int = typer.Option(1024, help="Prompt tokens (random ids, or held-out prefixes of about this length)."),
     prompts: Optional[str] = typer.Option(None, help="Prompts from a .jsonl / .parquet file instead."),
     max_tokens: int = typer.Option(128, help="Tokens generated per request (greedy, EOS ignored)."),
-    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16 (auto: the recipes' dtype when they set one, else the checkpoint's)."),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16 (auto: the recipes' dtype when they set one, else the checkpoint's on a GPU, float32 on the CPU)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs."),
     simulate_acceptance: Optional[str] = typer.Option(None, help="Per-position acceptance probabilities P1,P2,... for the drafts (random weights: step times at a chosen acceptance); every output is labelled simulated."),
