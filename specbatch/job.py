@@ -325,42 +325,37 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
 
 
 def _device_failed(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[int, bytes],
-                   suspects: dict[int, str], fail_fast: bool = False) -> JobError:
+                   suspects: dict[int, str], fail_fast: bool) -> JobError:
     """The device failed (engine.failures.DeviceFailed) and the process cannot go on: a row that
-    was alone in flight is written as its error; several are remembered beside the parts, for the
-    rerun to run one at a time. -> the job's one line."""
-    failure = _device_failed_line(e, writer, digests, suspects, fail_fast)
-    failure.hard_exit = e.hard_exit          # type: ignore[attr-defined]
-    return failure
-
-
-def _device_failed_line(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[int, bytes],
-                        suspects: dict[int, str], fail_fast: bool = False) -> JobError:
-    from .records import error_record
+    was alone in flight is written as its error (under --fail-fast it stays a suspect, unwritten);
+    several are remembered beside the parts, for the rerun to run one at a time. -> the job's
+    one line, marked for the CLI's hard exit on CUDA."""
+    from .engine.failures import device_failed_alone
 
     if not e.items:                          # an asynchronous error surfacing once every row had finished
-        return JobError(f"the device failed ({e.cause}) with no row in flight; finished rows are committed: "
-                        "rerun the same command to resume")
-    if len(e.items) == 1 and fail_fast:      # a failing row stops --fail-fast, never an error row
+        line = (f"the device failed ({e.cause}) with no row in flight; finished rows are committed: "
+                "rerun the same command to resume")
+    elif len(e.items) == 1:
         item = e.items[0]
-        where = item.where or f"row {item.row}"
-        writer.set_suspects({**suspects, item.row: e.cause})
-        return JobError(f"the device failed while {where} ran alone ({e.cause}), and this process cannot go on "
-                        "(--fail-fast: that row is not written); finished rows are committed")
-    if len(e.items) == 1:
-        item = e.items[0]
-        where = item.where or f"row {item.row}"
-        writer.add(error_record(item.row, item.id, f"{where}: the device failed while this row ran alone "
-                                f"({e.cause}); it was left out", item.keep), digests.pop(item.row, b""))
-        writer.set_suspects({r: m for r, m in suspects.items() if r != item.row})
-        return JobError(f"the device failed while {where} ran alone ({e.cause}), and this process cannot go on; "
-                        "that row is written as its error, finished rows are committed: rerun the same command "
-                        "to resume")
-    writer.set_suspects({**suspects, **{i.row: e.cause for i in e.items}})
-    if writer.path == "-":                   # no parts, no suspects.json: nothing for a rerun to go on from
-        return JobError(f"the device failed with {len(e.items)} rows in flight ({e.cause}); -o - cannot resume, "
-                        "so a rerun fails the same way: write to a file (-o PATH) to have those rows run one "
-                        "at a time on the rerun")
-    return JobError(f"the device failed with {len(e.items)} rows in flight ({e.cause}); finished rows are committed: "
-                    "rerun the same command to resume, and those rows run one at a time first, so a row that "
-                    "brings the device down is written as its error")
+        if fail_fast:                        # a failing row stops --fail-fast, never an error row
+            writer.set_suspects({**suspects, item.row: e.cause})
+            how = " (--fail-fast: that row is not written); finished rows are committed"
+        else:
+            writer.add(device_failed_alone(item, e.cause), digests.pop(item.row, b""))
+            writer.set_suspects({r: m for r, m in suspects.items() if r != item.row})
+            how = ("; that row is written as its error, finished rows are committed: rerun the same command "
+                   "to resume")
+        line = f"the device failed while {item.place} ran alone ({e.cause}), and this process cannot go on{how}"
+    else:
+        writer.set_suspects({**suspects, **{i.row: e.cause for i in e.items}})
+        if writer.path == "-":               # no parts, no suspects.json: nothing for a rerun to go on from
+            line = (f"the device failed with {len(e.items)} rows in flight ({e.cause}); -o - cannot resume, "
+                    "so a rerun fails the same way: write to a file (-o PATH) to have those rows run one "
+                    "at a time on the rerun")
+        else:
+            line = (f"the device failed with {len(e.items)} rows in flight ({e.cause}); finished rows are "
+                    "committed: rerun the same command to resume, and those rows run one at a time first, so a "
+                    "row that brings the device down is written as its error")
+    failure = JobError(line)
+    failure.hard_exit = e.hard_exit          # type: ignore[attr-defined]
+    return failure

@@ -96,7 +96,7 @@ def encode_row(tokenizer: Any, row: Any, vocab_size: int, max_tokens_allowed: in
     `max_tokens_allowed` (the context): a text prompt with more UTF-8 bytes than that
     many tokens can cover is rejected without tokenizing it, and a long one is tokenized by a
     prefix first; whether the ids fit is still the caller's check."""
-    where = row.where or f"row {row.row}"
+    where = row.place
     if row.prompt_token_ids is not None:
         ids = list(row.prompt_token_ids)
         bad = [t for t in ids if t >= vocab_size]

@@ -109,8 +109,11 @@ class SlotScheduler(Generic[R]):
 
     def drop(self, pred: Callable[[R], bool]) -> list[R]:
         """Remove the queued requests for which `pred` holds; returns them."""
-        gone = [e.req for e in self._queue if pred(e.req)]
-        self._queue = deque(e for e in self._queue if not pred(e.req))
+        kept: deque[_Entry[R]] = deque()
+        gone = []
+        for e in self._queue:
+            (gone.append(e.req) if pred(e.req) else kept.append(e))
+        self._queue = kept
         return gone
 
     def _take_fifo(self, n: int) -> list[_Entry[R]]:

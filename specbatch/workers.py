@@ -371,13 +371,11 @@ class WorkerPool:
         w.inbox.cancel_join_thread()
 
     def _failed_alone(self, item: Any, error: str) -> dict[str, Any]:
-        from .records import error_record
+        from .engine.failures import device_failed_alone
 
         self.delivered.add(item.row)
         self.suspects.discard(item.row)
-        where = item.where or f"row {item.row}"
-        return error_record(item.row, item.id, f"{where}: the device failed while this row ran alone ({error}); "
-                            "it was left out", item.keep)
+        return device_failed_alone(item, error)
 
     def close(self) -> None:
         for w in self.workers:

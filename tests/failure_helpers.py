@@ -72,6 +72,23 @@ def completions(path: Path) -> dict[int, dict]:
     return {r["row"]: r for r in map(json.loads, open(path))}
 
 
+def clean_run(tmp_path: Path, model: Path, device: str) -> tuple[Path, dict[int, dict]]:
+    """The input, and what a run with nothing planted writes for it."""
+    inp = write_input(tmp_path)
+    clean = tmp_path / "clean.jsonl"
+    assert run_cli(inp, clean, model, device).returncode == 0
+    return inp, completions(clean)
+
+
+def only_the_poison_row_failed(out: Path, want: dict[int, dict]) -> str:
+    """Every row is in `out`, each as the clean run wrote it but the poison row: -> its error."""
+    got = completions(out)
+    assert sorted(got) == sorted(want)
+    assert all(got[i]["completion"] == want[i]["completion"] and got[i]["error"] is None
+               for i in got if i != POISON_ROW)
+    return got[POISON_ROW]["error"]
+
+
 JOB_ROWS = [{"id": f"r{i}", "prompt": f"row {i}: " + "abc " * (i % 5)} for i in range(10)]
 
 

@@ -46,6 +46,11 @@ class RowRequest:
     where: str = ""
     digest: bytes = b""  # 16 bytes over the row's raw input (set by the readers; resume checks)
 
+    @property
+    def place(self) -> str:
+        """Where the row is, for its messages: `where` (file:line), else its row number."""
+        return self.where or f"row {self.row}"
+
 
 @dataclass
 class RowError:

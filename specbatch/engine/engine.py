@@ -348,9 +348,9 @@ class Engine:
                 return
             try:
                 yield from self._run(items, defaults, recover=False)
-            except Exception as e:
-                if not survivable(e, self.device):
-                    raise
+            except DeviceFailed:
+                raise
+            except Exception as e:               # _job found it survivable (else: DeviceFailed)
                 self.failure_counts.failed_alone += 1
                 yield failed_alone(items[0], e)
         finally:
@@ -410,7 +410,7 @@ class Engine:
             try:
                 rec = self.rows.record(req) if group is None else self.rows.group_record(group)
             except Exception as e:  # noqa: BLE001 - building one row's output fails that row alone
-                rec = error_record(item.row, item.id, f"{item.where or f'row {item.row}'}: its completion could "
+                rec = error_record(item.row, item.id, f"{item.place}: its completion could "
                                    f"not be turned into output ({exception_line(e)})", item.keep,
                                    prompt_tokens=len(req.prompt_ids))
             yield rec

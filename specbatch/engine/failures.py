@@ -87,10 +87,15 @@ def warn_failure(e: BaseException, rows: int) -> None:
 
 
 def failed_alone(item: RowRequest, e: BaseException) -> FailedAlone:
-    where = item.where or f"row {item.row}"
-    return FailedAlone(error_record(item.row, item.id, f"{where}: the engine failed while generating this row, and "
-                                    f"again when it ran alone ({exception_line(e)}); the other rows ran without it",
+    return FailedAlone(error_record(item.row, item.id, f"{item.place}: the engine failed while generating this row, "
+                                    f"and again when it ran alone ({exception_line(e)}); the other rows ran without it",
                                     item.keep), e)
+
+
+def device_failed_alone(item: RowRequest, cause: str) -> dict[str, Any]:
+    """The error record of a row that brought the device down running alone (job.py, workers.py)."""
+    return error_record(item.row, item.id, f"{item.place}: the device failed while this row ran alone ({cause}); "
+                        "it was left out", item.keep)
 
 
 def engine_failed(e: BaseException) -> EngineFailed:

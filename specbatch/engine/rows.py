@@ -37,7 +37,7 @@ class RowConverter:
         if isinstance(item, RowError):
             return error_record(item.row, item.id, item.error, item.keep)
         # Whatever goes wrong with one row is that row's error record, never the job's end.
-        where = item.where or f"row {item.row}"
+        where = item.place
         try:
             ids = encode_row(self.tokenizer, item, self.cfg.vocab_size, max_tokens_allowed=self.max_len)
         except PromptError as e:

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from failure_helpers import POISON_ROW, completions, plant, run_cli, write_input
+from failure_helpers import clean_run, only_the_poison_row_failed, plant, run_cli
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_worker_device_failure_isolates_the_row(tmp_path, tiny_model):
-    inp = write_input(tmp_path)
-    clean = tmp_path / "clean.jsonl"
-    assert run_cli(inp, clean, tiny_model, "cpu").returncode == 0
-    want = completions(clean)
+    inp, want = clean_run(tmp_path, tiny_model, "cpu")
     planted = plant(tmp_path, 'raise RuntimeError("CUDA error: an illegal memory access was encountered (planted)")')
     out = tmp_path / "o.jsonl"
     run = run_cli(inp, out, tiny_model, "cpu", "--workers", "2", planted=planted)
@@ -24,9 +21,5 @@ def test_a_worker_device_failure_isolates_the_row(tmp_path, tiny_model):
     assert run.returncode == 0, run.stderr
     assert "rows in flight" in run.stderr and "restart 1 of 3" in run.stderr, run.stderr
     assert "alone, which is written as its error" in run.stderr, run.stderr
-    got = completions(out)
-    assert sorted(got) == sorted(want)
-    bad = got[POISON_ROW]["error"]
+    bad = only_the_poison_row_failed(out, want)
     assert "the device failed while this row ran alone" in bad and "planted" in bad
-    assert all(got[i]["completion"] == want[i]["completion"] and got[i]["error"] is None
-               for i in got if i != POISON_ROW)

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from failure_helpers import POISON_ROW, completions, plant, run_cli, write_input
+from failure_helpers import clean_run, only_the_poison_row_failed, plant, run_cli
 
 pytestmark = pytest.mark.gpu
 
 
 def test_a_real_device_assert_is_isolated_over_reruns(tmp_path, tiny_model):
-    inp = write_input(tmp_path)
-    clean = tmp_path / "clean.jsonl"
-    assert run_cli(inp, clean, tiny_model, "cuda").returncode == 0
-    want = completions(clean)
+    inp, want = clean_run(tmp_path, tiny_model, "cuda")
     planted = plant(tmp_path, "torch.zeros(4, device=self.device)[torch.tensor([1 << 20], device=self.device)]"
                               ".sum().item()")
     out = tmp_path / "o.jsonl"
@@ -25,7 +22,4 @@ def test_a_real_device_assert_is_isolated_over_reruns(tmp_path, tiny_model):
     assert second.returncode == 2 and "ran alone" in second.stderr, second.stderr
     third = run_cli(inp, out, tiny_model, "cuda", planted=planted)
     assert third.returncode == 0, third.stderr
-    got = completions(out)
-    assert sorted(got) == sorted(want) and "the device failed while this row ran alone" in got[POISON_ROW]["error"]
-    assert all(got[i]["completion"] == want[i]["completion"] and got[i]["error"] is None
-               for i in got if i != POISON_ROW)
+    assert "the device failed while this row ran alone" in only_the_poison_row_failed(out, want)
