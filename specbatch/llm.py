@@ -123,16 +123,17 @@ class LLM:
 
     def stream(self, rows: Iterable[RowRequest | RowError],
                params: SamplingParams | Mapping[str, Any] | None = None,
-               alone: Sequence[RowRequest | RowError] = ()) -> Iterator[dict[str, Any]]:
+               alone: Sequence[RowRequest | RowError] = (), vouch: bool = True) -> Iterator[dict[str, Any]]:
         """Output records (dicts, as `specbatch run` writes them) in completion order, streaming `rows`.
         A `seed` in `params` is every request's own seed (as vLLM's SamplingParams(seed=...)), not
         a run seed the rows derive theirs from: identical prompts give identical samples. `alone`:
-        rows run one at a time before `rows` (the job's suspects: engine/failures.py)."""
+        rows run one at a time before `rows` (the job's suspects: engine/failures.py); `vouch`: as
+        Engine.generate's."""
         defaults = self.sampling(params)
         seed = defaults.seed if params is not None and _get(params, "seed") is not None else None
         if seed is not None:
             rows, alone = _seeded(rows, seed), list(_seeded(alone, seed))
-        return self.engine.generate(rows, defaults, alone=alone)
+        return self.engine.generate(rows, defaults, alone=alone, vouch=vouch)
 
     def reset_prefix_cache(self) -> None:
         """Forget the prompt pages earlier calls left in the KV pool (as vLLM's LLM.reset_prefix_cache):

@@ -12,7 +12,9 @@ nothing committed; the rows it held are handed to the others, and a new worker s
 device (MAX_RESTARTS a device; a job fails only when no worker is left, after committing what
 finished). A worker whose device failed (engine.failures.DeviceFailed)
 names the rows it had in flight: each then runs alone on one worker, and one that brings a device
-down alone is written as its error. Workers die with the parent (PR_SET_PDEATHSIG, and a
+down alone is written as its error. A row that failed alone in a worker's engine is held here
+until that engine finishes a row after it; STRIKES of them in a row stop the worker (its engine
+is at fault, not the rows) and they run elsewhere, as its other rows do. Workers die with the parent (PR_SET_PDEATHSIG, and a
 watch on the parent's pid), so a killed parent leaves no orphan engines; the rerun resumes.
 """
 from __future__ import annotations
@@ -106,7 +108,9 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
         if spec.threads:
             torch.set_num_threads(spec.threads)
         from .engine import WAIT
+        from .engine.failures import IDLE, FailedAlone
         from .llm import LLM
+        from .prompts import exception_line
 
         t0 = time.perf_counter()
         llm = LLM(recipe=spec.recipe, device=spec.device, eager=spec.eager, bucket=spec.bucket,
@@ -138,8 +142,11 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
                 else:
                     pending.extend(msg)
 
-        for rec in llm.stream(feed()):
-            outbox.send(("rec", wid, rec))
+        for rec in llm.stream(feed(), vouch=False):      # the parent vouches (a row that failed alone)
+            if isinstance(rec, FailedAlone):
+                outbox.send(("failed_alone", wid, (rec.record, exception_line(rec.error))))
+            elif rec is not IDLE:
+                outbox.send(("rec", wid, rec))
         from .stats import peak_memory
 
         outbox.send(("done", wid, {"device": str(eng.device), "target_forwards": eng.target_forwards,
@@ -156,6 +163,12 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
         except OSError:
             pass
         sys.exit(1)
+
+
+def _vouching() -> Any:
+    from .engine.failures import Vouching      # torch: not imported before a worker is
+
+    return Vouching()
 
 
 @dataclass
@@ -178,6 +191,7 @@ class _Worker:
     in_flight: list[int] | None = None   # the rows its engine had in flight when its device failed
     alone: int | None = None         # the one row it was given to run alone (a suspect)
     draining: bool = False           # takes no rows but suspects, one at a time, once empty
+    vouching: Any = field(default_factory=lambda: _vouching())   # (item, record)s of rows that failed alone in it
 
 
 class WorkerPool:
@@ -268,8 +282,12 @@ class WorkerPool:
                 for w in live:
                     if id(w) in batches:
                         w.inbox.put(batches[id(w)])
-                # the end: only once no row is in anyone's hands (a dying worker's rows need a taker)
+                # the end: only once no row is in anyone's hands (a dying worker's rows need a taker);
+                # rows that failed alone and wait for their engine to finish a row are written
                 if exhausted and not redo and not alone and not any(w.held for w in self.workers):
+                    for w in self.workers:
+                        if not w.dead:
+                            yield from self._deliver(w, [rec for _, rec in w.vouching.release()])
                     for w in live:
                         w.inbox.put(None)
                         w.ended = True
@@ -315,32 +333,60 @@ class WorkerPool:
                 except (EOFError, OSError):
                     self._bury(w, redo, out)
                     break
-                if kind == "ready":
-                    w.ready, w.stats = True, dict(payload)
-                    w.cap = max(8, 2 * int(payload.get("slots", 32)) + 8)
-                elif kind == "rec":
-                    w.held.pop(payload["row"], None)
-                    if w.alone == payload["row"]:
-                        w.alone = None
-                    if payload["row"] not in self.delivered:
-                        self.delivered.add(payload["row"])
-                        w.records += 1
-                        out.append(payload)
-                elif kind == "done":
-                    w.done = True
-                    w.stats.update(payload)
-                elif kind == "in_flight":
-                    w.in_flight = list(payload)
-                elif kind == "error":
-                    self.last_error = w.error = payload
-                    self.errors.append(payload)
+                self._heard(w, kind, payload, redo, out)
         for w in list(self.workers):          # (a burial may add a worker)
             if not w.dead and not w.done and not w.proc.is_alive() and not w.reader.poll():
                 self._bury(w, redo, out)
         return redo
 
+    def _heard(self, w: _Worker, kind: str, payload: Any, redo: list, out: list) -> None:
+        """One message of worker `w`."""
+        from .engine.failures import EngineFailed
+
+        if kind == "ready":
+            w.ready, w.stats = True, dict(payload)
+            w.cap = max(8, 2 * int(payload.get("slots", 32)) + 8)
+        elif kind in ("rec", "failed_alone"):
+            rec, line = payload if kind == "failed_alone" else (payload, "")
+            item = w.held.pop(rec["row"], None)
+            if w.alone == rec["row"]:
+                w.alone = None
+            if kind == "rec":
+                vouched = w.vouching.finished() if rec["error"] is None else []
+                out.extend(self._deliver(w, [r for _, r in vouched] + [rec]))
+                return
+            try:
+                w.vouching.failed((item, rec), line)
+            except EngineFailed as e:        # its engine is at fault: its rows run elsewhere
+                for held_item, _ in w.vouching.release() + [(item, rec)]:
+                    if held_item is not None:
+                        w.held[held_item.row] = held_item
+                self.last_error = w.error = f"{w.device}: stopped: {e}"
+                self.errors.append(w.error)
+                w.proc.terminate()
+                self._bury(w, redo, out)
+        elif kind == "done":
+            w.done = True
+            w.stats.update(payload)
+            out.extend(self._deliver(w, [r for _, r in w.vouching.release()]))
+        elif kind == "in_flight":
+            w.in_flight = list(payload)
+        elif kind == "error":
+            self.last_error = w.error = payload
+            self.errors.append(payload)
+
+    def _deliver(self, w: _Worker, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`records` of worker `w` not delivered before (a row redone elsewhere is delivered once)."""
+        fresh = [r for r in records if r["row"] not in self.delivered]
+        self.delivered.update(r["row"] for r in fresh)
+        w.records += len(fresh)
+        return fresh
+
     def _bury(self, w: _Worker, redo: list, out: list) -> None:
         w.dead = True
+        for item, _ in w.vouching.release():     # rows that failed alone in it, not vouched for: run elsewhere
+            if item is not None:
+                w.held.setdefault(item.row, item)
         if not w.error:                      # its own report, else how it ended
             w.proc.join(timeout=1)           # its pipe closed first: reap it for the exit code
             code = w.proc.exitcode

@@ -14,7 +14,7 @@ from specbatch.data import RowRequest
 
 POISON_ROW = 9
 
-# sitecustomize: Engine._prefill runs `{action}` when the poison row is admitted
+# sitecustomize: Engine._prefill runs `{action}` when `{when}` (by default: the poison row is admitted)
 PLANT = '''
 import os
 import torch
@@ -25,7 +25,7 @@ _poison = int(os.environ["SPECBATCH_TEST_POISON_ROW"])
 
 
 def _failing(self, admitted):
-    if any(req.row == _poison for _, req in admitted):
+    if {when}:
         {action}
     return _prefill(self, admitted)
 
@@ -49,11 +49,14 @@ def write_input(tmp_path: Path, count: int = 16) -> Path:
     return inp
 
 
-def plant(tmp_path: Path, action: str) -> Path:
+POISON_ADMITTED = "any(req.row == _poison for _, req in admitted)"
+
+
+def plant(tmp_path: Path, action: str, when: str = POISON_ADMITTED) -> Path:
     """A directory holding the sitecustomize, for run_cli's `plant`."""
     d = tmp_path / "plant"
     d.mkdir()
-    (d / "sitecustomize.py").write_text(PLANT.replace("{action}", action))
+    (d / "sitecustomize.py").write_text(PLANT.replace("{action}", action).replace("{when}", when))
     return d
 
 

@@ -219,7 +219,7 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, items: Iterable[RowRequest | RowError], defaults: SamplingParams = SamplingParams(),
-                 alone: Sequence[RowRequest | RowError] = ()) -> Iterator[dict[str, Any]]:
+                 alone: Sequence[RowRequest | RowError] = (), vouch: bool = True) -> Iterator[Any]:
         """Yield one record per input row, in completion order, streaming the input.
 
         Admission comes in waves: once a share of the slots is free (or nothing runs, or the
@@ -227,9 +227,12 @@ class Engine:
         a few large forwards, rather than a forward for each slot that frees up. A failure in a
         prefill or a cycle costs only the row that causes it (failures.py). A caller that stops
         reading early leaves the engine as it found it, ready for the next call. `alone`: rows
-        run one at a time (each a job of its own) before `items`, under the same record filter."""
+        run one at a time (each a job of its own) before `items`, under the same record filter.
+        `vouch=False`: a row that failed alone comes as its FailedAlone, and IDLE when a live feed
+        idles, for a caller that holds them itself (the worker pool: failures.Vouching)."""
         runs = (self._run(part, defaults) for part in ([[r] for r in alone] + [items]))
-        yield from vouched(itertools.chain.from_iterable(runs))
+        records = itertools.chain.from_iterable(runs)
+        yield from (vouched(records) if vouch else records)
 
     def _run(self, items: Iterable[RowRequest | RowError], defaults: SamplingParams,
              recover: bool = True) -> Iterator[dict[str, Any] | FailedAlone]:

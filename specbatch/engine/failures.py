@@ -98,33 +98,52 @@ def device_failed_alone(item: RowRequest, cause: str) -> dict[str, Any]:
                         "it was left out", item.keep)
 
 
-def engine_failed(e: BaseException) -> EngineFailed:
+def engine_failed(error: BaseException | str) -> EngineFailed:
+    line = error if isinstance(error, str) else exception_line(error)
     return EngineFailed(f"the engine failed on {STRIKES} rows one after another, each run alone, with no row "
-                        f"finishing between them ({exception_line(e)}): the fault is not the rows'")
+                        f"finishing between them ({line}): the fault is not the rows'")
+
+
+class Vouching:
+    """Rows that failed alone, held until a row finishes after them on the same engine (it works:
+    the rows are at fault) or their caller lets them go (the input ended); STRIKES of them in a
+    row, none finishing between them, raise EngineFailed. `vouched` keeps one for a job loop; the
+    worker pool one per worker (workers.py)."""
+
+    def __init__(self) -> None:
+        self.held: list[Any] = []
+        self.strikes = 0
+
+    def failed(self, held: Any, error: BaseException | str) -> None:
+        self.strikes += 1
+        if self.strikes >= STRIKES:
+            raise engine_failed(error) from (error if isinstance(error, BaseException) else None)
+        self.held.append(held)
+
+    def finished(self) -> list[Any]:
+        """A row finished: -> what was held, now vouched for."""
+        self.strikes = 0
+        return self.release()
+
+    def release(self) -> list[Any]:
+        held, self.held = self.held, []
+        return held
 
 
 def vouched(records: Iterator[Any]) -> Iterator[dict[str, Any]]:
-    """The job loop's records, a row that failed alone held until a row finishes after it (the
-    engine works: the row is at fault), or until the input ends or a live feed idles (IDLE: it
-    may wait for that row before it ends); STRIKES of them in a row raise EngineFailed."""
-    held: list[dict[str, Any]] = []
-    strikes = 0
+    """The job loop's records, a row that failed alone held (Vouching) until a row finishes after
+    it, or until the input ends or a live feed idles (IDLE: it may wait for that row before it ends)."""
+    vouching = Vouching()
     for rec in records:
-        if rec is IDLE or (isinstance(rec, dict) and rec["error"] is None):
-            if rec is not IDLE:
-                strikes = 0
-            yield from held
-            held.clear()
-            if rec is IDLE:
-                continue
+        if rec is IDLE:
+            yield from vouching.release()
         elif isinstance(rec, FailedAlone):
-            strikes += 1
-            if strikes >= STRIKES:
-                raise engine_failed(rec.error) from rec.error
-            held.append(rec.record)
-            continue
-        yield rec
-    yield from held
+            vouching.failed(rec.record, rec.error)
+        else:
+            if rec["error"] is None:
+                yield from vouching.finished()
+            yield rec
+    yield from vouching.release()
 
 
 def touched(sched: Any, inputs: dict[int, tuple[RowRequest, list]]) -> list[int]:

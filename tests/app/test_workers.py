@@ -77,6 +77,10 @@ class Proc:
 
     def __init__(self, code: int = 1):
         self.exitcode = code
+        self.terminated = False
+
+    def terminate(self):
+        self.terminated = True
 
     def join(self, timeout=None):
         pass
@@ -227,3 +231,48 @@ def test_a_device_failure_makes_suspects_and_one_alone_is_the_error(capsys):
     assert redo == [] and [r["row"] for r in out] == [4] and 4 in pool.delivered
     assert out[0]["error"].startswith("in.jsonl:5: the device failed while this row ran alone (cuda:1: DeviceFailed")
     assert "it ran row 4 alone, which is written as its error" in capsys.readouterr().err
+
+
+def test_rows_that_failed_alone_wait_for_their_worker_to_finish_a_row(capsys):
+    """A row that failed alone in a worker is written once that worker's engine finishes a row
+    after it, or when the job ends; its hands are free meanwhile (a draining worker takes the next
+    suspect). The third in a row, none finishing between, stops the worker: its engine is at
+    fault, and those rows run elsewhere instead of being written as errors one by one."""
+    from specbatch.data import RowRequest
+    from specbatch.records import error_record
+    from specbatch.workers import WorkerPool, _Worker
+
+    rows = {i: RowRequest(row=i, id=f"q{i}", prompt="x", where=f"in.jsonl:{i + 1}") for i in range(8)}
+
+    def failed(i):
+        return ("failed_alone", (error_record(i, f"q{i}", f"in.jsonl:{i + 1}: failed alone", {}), "RuntimeError: x"))
+
+    def ok(i):
+        return ("rec", {**error_record(i, f"q{i}", "", {}), "error": None, "completion": "fine"})
+
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.last_error, pool.suspects, pool.delivered, pool.errors = "", set(), set(), []
+    spawned = []
+    pool._spawn = lambda wid, restarts=0: spawned.append(wid) or _Worker(
+        proc=Proc(), inbox=Inbox(), reader=None, device="cuda:0", wid=wid, restarts=restarts)
+    w = _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:0", held=dict(rows), ready=True)
+    pool.workers = [w, _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:1", ready=True)]
+    out, redo = [], []
+    for kind, payload in (failed(0), failed(1)):
+        pool._heard(w, kind, payload, redo, out)
+    assert out == [] and 0 not in w.held and 1 not in w.held and not pool.delivered
+    pool._heard(w, *ok(2), redo, out)
+    assert [(r["row"], r["error"] is None) for r in out] == [(0, False), (1, False), (2, True)]
+    out.clear()
+    pool._heard(w, *failed(3), redo, out)
+    pool._heard(w, "done", {}, redo, out)                 # the job ended: what it held is written
+    assert [r["row"] for r in out] == [3] and pool.delivered == {0, 1, 2, 3}
+
+    w = _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:0", held=dict(rows), ready=True)
+    pool.workers[0], out = w, []
+    for i in (4, 5, 6):
+        pool._heard(w, *failed(i), redo, out)
+    assert out == [] and w.dead and w.proc.terminated and spawned == [0]
+    assert sorted(r.row for r in redo) == list(range(8)) and not pool.delivered & {4, 5, 6}
+    assert "stopped: the engine failed on 3 rows one after another" in pool.last_error
+    assert "its 8 unfinished rows go to the other workers" in capsys.readouterr().err
