@@ -22,11 +22,33 @@ out = Console()
 
 EXIT_FAILED = 1     # --fail-fast stopped on a bad row
 EXIT_USAGE = 2      # unknown recipe, unusable model, unreadable input, output conflict
+RESTART_ENV = "SPECBATCH_RESTART"   # set in a run that started itself again after its device failed: how often
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> None:
     err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def _restart(e: Exception) -> None:
+    """A device failure ends this process, not the job: the same command starts again in a fresh
+    process (exec: the same pid, terminal and arguments, a fresh CUDA context), which resumes and
+    goes past the failing row (job.py), up to MAX_RESTARTS times a command. Returns if it may not."""
+    from .workers import MAX_RESTARTS
+
+    done = int(os.environ.get(RESTART_ENV) or 0)
+    if not getattr(e, "restartable", False) or done >= MAX_RESTARTS:
+        return
+    err.print(f"[yellow]warning:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+    err.print(f"specbatch: the same command starts again in a fresh process to resume "
+              f"(restart {done + 1} of {MAX_RESTARTS})", highlight=False, soft_wrap=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.environ[RESTART_ENV] = str(done + 1)
+    try:
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    except OSError as failed:
+        err.print(f"[yellow]warning:[/] could not start again ({failed})", highlight=False, soft_wrap=True)
 
 
 def _version(value: bool) -> None:
@@ -131,6 +153,8 @@ def run(
     from .params import check_logprobs_mode
     from .recipe import RecipeError, load_recipe
 
+    if os.environ.get(RESTART_ENV):          # started again after a device failure: resume what it wrote
+        overwrite = False
     overrides = dict(model=model, draft=draft, batch_size=batch_size, max_tokens=max_tokens,
                      temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                      stop=list(stop) if stop else None, ignore_eos=ignore_eos, dtype=dtype,
@@ -168,6 +192,7 @@ def run(
             summary = run_job(input, rec, opts, progress=view.update)
     except JobError as e:
         if getattr(e, "hard_exit", False):      # the CUDA context failed: its teardown may abort the exit
+            _restart(e)
             err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             sys.stdout.flush()
             sys.stderr.flush()

@@ -16,7 +16,7 @@ from .data.reader import Row
 from .data.writer import output_file_format
 from .params import DEFAULT_LOGPROBS_MODE
 from .recipe import Recipe
-from .resolve import DEMO_DIR, JobError, describe_draft, resolve_draft, resolve_model, spec_config
+from .resolve import DEMO_DIR, DeviceLost, JobError, describe_draft, resolve_draft, resolve_model, spec_config
 from .stats import RunStats
 from .workers import WorkerError
 
@@ -164,6 +164,9 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
                     return stats.summary(output=output, complete_before=True, resumed=len(writer.done_rows))
                 writer.reopen(digests)       # finished before with a smaller --limit, or new rows: add them
         return _generate(source, writer, recipe, opts, devices, output, stats, notify)
+    except DeviceLost as e:
+        e.restartable = e.restartable and input_path != "-"      # stdin is read once
+        raise
     finally:
         writer.close()
         if spooled:
@@ -325,11 +328,11 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
 
 
 def _device_failed(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[int, bytes],
-                   suspects: dict[int, str], fail_fast: bool) -> JobError:
+                   suspects: dict[int, str], fail_fast: bool) -> DeviceLost:
     """The device failed (engine.failures.DeviceFailed) and the process cannot go on: a row that
     was alone in flight is written as its error (under --fail-fast it stays a suspect, unwritten);
     several are remembered beside the parts, for the rerun to run one at a time. -> the job's
-    one line, marked for the CLI's hard exit on CUDA."""
+    one line, marked for the CLI's hard exit on CUDA and its restart where a rerun resumes."""
     from .engine.failures import device_failed_alone
 
     if not e.items:                          # an asynchronous error surfacing once every row had finished
@@ -356,6 +359,4 @@ def _device_failed(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[in
             line = (f"the device failed with {len(e.items)} rows in flight ({e.cause}); finished rows are "
                     "committed: rerun the same command to resume, and those rows run one at a time first, so a "
                     "row that brings the device down is written as its error")
-    failure = JobError(line)
-    failure.hard_exit = e.hard_exit          # type: ignore[attr-defined]
-    return failure
+    return DeviceLost(line, e.hard_exit, writer.path != "-" and not fail_fast)

@@ -14,6 +14,16 @@ class JobError(Exception):
     """A job that must stop with a non-zero exit; the message is one actionable line."""
 
 
+class DeviceLost(JobError):
+    """The device failed and this process cannot go on (a CUDA error: leave by os._exit, its
+    context's teardown may abort the exit). `restartable`: the same command in a fresh process
+    resumes past it (an output file, an input file, no --fail-fast)."""
+
+    def __init__(self, line: str, hard_exit: bool, restartable: bool):
+        super().__init__(line)
+        self.hard_exit, self.restartable = hard_exit, restartable
+
+
 def resolve_model(name: str) -> Path:
     """A model directory, or `default`: the demo model shipped inside the package."""
     if name == "default":
