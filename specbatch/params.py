@@ -72,6 +72,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
+        # As vLLM's: one stop string or a list (a bare string iterated would be one stop per character)
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name), tuple):
+                object.__setattr__(self, name, tuple(getattr(self, name) or ()))
         if not isinstance(self.logit_bias, tuple) or any(not isinstance(e, tuple) for e in self.logit_bias):
             object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))   # {id: bias} given
 

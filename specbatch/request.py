@@ -83,7 +83,7 @@ class StopChecker:
             hit = any(s in tail for s in p.stop)
             if hit and p.min_tokens > 0:
                 # Only a stop string ending in this token's text: one before min_tokens does not count.
-                prev = len(self.tokenizer.decode(window[:-1], skip_special_tokens=skip))
+                prev = _unchanged(self.tokenizer.decode(window[:-1], skip_special_tokens=skip), tail)
                 hit = any(s in tail[max(0, prev - len(s) + 1):] for s in p.stop)
             if hit:
                 req.stop_hit = True
@@ -105,9 +105,18 @@ class StopChecker:
         if req.stop_hit:
             start = 0          # a stop string must end in text generated from min_tokens on
             if p.min_tokens > 1:
-                start = len(self.tokenizer.decode(ids[: p.min_tokens - 1], skip_special_tokens=p.skip_special_tokens))
+                start = _unchanged(self.tokenizer.decode(ids[: p.min_tokens - 1],
+                                                         skip_special_tokens=p.skip_special_tokens), text)
             cuts = [(i, -len(s), s) for s in p.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
             if cuts:
                 i, neg, reason = min(cuts)
                 text = text[: i - neg] if p.include_stop_str_in_output else text[:i]
         return text, reason
+
+
+def _unchanged(before: str, after: str) -> int:
+    """How much of `after` (the text with more tokens decoded) `before` already held: their common
+    prefix. Not len(before): a character split across tokens decodes as U+FFFD until its last
+    byte comes, so the token completing it changes text that is already there."""
+    n = min(len(before), len(after))
+    return next((i for i in range(n) if before[i] != after[i]), n)

@@ -177,3 +177,19 @@ def test_stop_reason_reaches_the_outputs(llm, tmp_path):
     line = to_openai_line({**c.record, "endpoint": "completion", "batch_line": True}, "m")
     assert line["response"]["body"]["choices"][0]["stop_reason"] == stop_id
     assert from_openai_line(line)["stop_reason"] == stop_id                   # a reopened output keeps it
+
+
+def test_sampling_params_take_one_stop_string_as_vllms_do(llm):
+    """vLLM's SamplingParams(stop="...") takes one string as well as a list. The dataclass kept
+    the string, and turning it into the run's mapping (list(stop)) made each character a stop
+    string: stop="single" stopped at the first 'n'."""
+    from specbatch import SamplingParams
+
+    assert SamplingParams(stop="single").stop == ("single",)
+    assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]).to_dict()["stop_token_ids"] == [3]
+    p = "def add(a, b):"
+    (free,) = llm.generate([p], {"max_tokens": 30})
+    assert "single" in free.text and "n" in free.text.split("single")[0]
+    for params in (SamplingParams(max_tokens=30, stop="single"), [SamplingParams(max_tokens=30, stop="single")]):
+        (c,) = llm.generate([p], params)
+        assert (c.text, c.stop_reason) == (free.text.split("single")[0], "single")

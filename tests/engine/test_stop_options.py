@@ -68,3 +68,22 @@ def test_stop_reason_names_what_ended_the_completion():
     assert reason("abxyz", stop_token_ids=(ord("x"),)) == ("ab", ord("x"))
     assert reason("ab#cd", stop_token_ids=(0,)) == ("ab", None)             # EOS
     assert reason("abcd", max_tokens=3) == ("abc", None)                   # length
+
+
+class _ByteTokenizer:
+    """One token per UTF-8 byte, decoded as byte-level BPE tokenizers do: an incomplete character
+    at the end is one U+FFFD until the token completing it arrives."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_min_tokens_stop_string_ending_in_a_multibyte_character():
+    """'é' is two byte tokens: the stop string is completed by the second one. With min_tokens set
+    (even 1), the text that token added was measured against the decode without it, whose U+FFFD
+    has the same length as 'é': the stop string was never found and generation ran on."""
+    chk = StopChecker(_ByteTokenizer(), eos_ids={0})
+    for stop, min_tokens, text in (("é", 0, "caf"), ("é", 1, "caf"), ("fé", 4, "ca"), ("é", 5, "caf")):
+        req = _req(stop=(stop,), min_tokens=min_tokens)
+        kept = chk.append(req, list("café au lait".encode()))
+        assert (kept, req.finish_reason, chk.completion(req)) == (5, "stop", (text, stop)), (stop, min_tokens)
