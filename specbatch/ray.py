@@ -14,9 +14,9 @@ num_gpus=1, batch_size=B)`.
 
 Rows: `messages` (a chat), `prompt` (text) or `tokenized_prompt` (token ids), and an optional
 `sampling_params` dict (specbatch's per-row fields: max_tokens, temperature, top_p, top_k, seed,
-stop, ...). Output: the input columns, then `generated_text`, `generated_tokens`,
-`num_input_tokens`, `num_generated_tokens`, `time_taken_llm`, `finish_reason` and the speculation
-stats (`spec_verify_steps`, `spec_accepted_tokens`, `spec_accept_length`), then `logprobs` and
+stop, ...; another key is the row's error). Output: the input columns, then `generated_text`,
+`generated_tokens`, `num_input_tokens`, `num_generated_tokens`, `time_taken_llm`, `finish_reason` and the
+speculation stats (`spec_verify_steps`, `spec_accepted_tokens`, `spec_accept_length`), then `logprobs` and
 `prompt_logprobs` (null unless the row's sampling_params asked; specbatch's column layout). A row
 that cannot run raises, or with `should_continue_on_error` carries its message in
 `__inference_error__`. An engine that breaks (CUDA, out of memory) ends its actor's process: Ray
@@ -26,8 +26,8 @@ an exception raised from a batch would fail the dataset at once).
 Each actor runs ONE engine in a background thread, fed by every batch it holds: with K batches in
 flight per actor (`max_concurrent_batches`; `__call__` is async) their rows share the engine's
 slots, so a 32-row batch never becomes a 32-slot engine. A row without its
-own seed gets one from its content, so a retried or resumed row writes the same bytes: Ray's
-at-least-once delivery then gives exactly-once results (resume with
+own seed gets one from its content (every input column) and the run seed, so a retried or resumed
+row writes the same bytes: Ray's at-least-once delivery then gives exactly-once results (resume with
 `ray.data.checkpoint.CheckpointConfig(id_column=...)`, see README).
 """
 from __future__ import annotations
@@ -45,12 +45,24 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import pyarrow as pa
+
+from .data.fields import CHAT_OPTIONS, OVERRIDE_KEYS, UNSUPPORTED_FIELDS, BadField, check_token_ids
 from .records import LOGPROBS_TYPE, PROMPT_LOGPROBS_TYPE
 
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
                   "time_taken_llm", "finish_reason", "spec_verify_steps", "spec_accepted_tokens",
                   "spec_accept_length", "logprobs", "prompt_logprobs")
 ERROR_COLUMN = "__inference_error__"
+# Every output column has its type: a batch whose rows all failed holds only nulls, and Arrow's
+# null type in one file of a Parquet output makes the whole directory unreadable.
+_INT, _FLOAT = pa.int64(), pa.float64()
+OUTPUT_TYPES = dict(zip(OUTPUT_COLUMNS, (
+    pa.string(), pa.list_(pa.int64()), _INT, _INT, _FLOAT, pa.string(), _INT, _INT, _FLOAT, LOGPROBS_TYPE,
+    PROMPT_LOGPROBS_TYPE)))
+# The keys a row's sampling_params may hold (implemented or refused by name, data/fields.py):
+# another key is a typo or another engine's field, refused as vLLM's SamplingParams(**d) does.
+SAMPLING_PARAMS_KEYS = frozenset((*OVERRIDE_KEYS, *UNSUPPORTED_FIELDS, *CHAT_OPTIONS, "add_special_tokens"))
 
 
 class EngineFailure(RuntimeError):
@@ -61,9 +73,12 @@ class RowFailure(ValueError):
     """A row that cannot run, with should_continue_on_error off."""
 
 
-def _content_seed(row: dict[str, Any]) -> int:
-    key = json.dumps({k: row.get(k) for k in ("messages", "prompt", "tokenized_prompt", "sampling_params")},
-                     sort_keys=True, default=str)
+def _content_seed(row: dict[str, Any], run_seed: int | None) -> int:
+    # Every input column, not only the prompt and its params: a prompt repeated under several ids
+    # (pass@k) must draw independent samples; our own output columns (a re-run over earlier output)
+    # leave the seed as it was. The run seed (engine_kwargs' seed) is mixed in as `--seed` is.
+    cols = {k: v for k, v in row.items() if k not in OUTPUT_COLUMNS and k != ERROR_COLUMN}
+    key = json.dumps(cols if not run_seed else [run_seed, cols], sort_keys=True, default=str)
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
@@ -71,6 +86,36 @@ def _clock() -> str:
     """Wall-clock time of day to the millisecond, for the actors' lines in the driver's log."""
     now = time.time()
     return f"{time.strftime('%H:%M:%S', time.localtime(now))}.{int(now * 1000) % 1000:03d}"
+
+
+def _sampling_params(params: Any) -> dict[str, Any]:
+    """A row's sampling_params as row fields; a key no sampling field has is refused (a null one is
+    a key another row of a Parquet struct column set)."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise BadField(f"field 'sampling_params': expected an object, got {type(params).__name__}")
+    unknown = [k for k, v in params.items() if v is not None and k not in SAMPLING_PARAMS_KEYS]
+    if unknown:
+        raise BadField(f"field 'sampling_params.{unknown[0]}': not a sampling field specbatch knows (e.g. max_tokens, "
+                       "temperature, top_p, seed, stop; see README, Input)")
+    return dict(params)
+
+
+def _prompt(row: dict[str, Any], apply_chat_template: bool) -> dict[str, Any]:
+    """The row's prompt as an input row's field: messages, prompt or tokenized_prompt."""
+    if row.get("messages") is not None:
+        if not apply_chat_template:
+            raise BadField("field 'messages': apply_chat_template is off; give 'prompt' or 'tokenized_prompt'")
+        return {"messages": list(row["messages"])}
+    if row.get("prompt") is not None:
+        return {"prompt": row["prompt"]}
+    tokens = row.get("tokenized_prompt")
+    if tokens is not None:
+        # numpy arrays (other batch formats) as Python ints; validated here to name the column
+        tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        return {"prompt_token_ids": check_token_ids(tokens, "tokenized_prompt", non_empty=True)}
+    return {}
 
 
 class SpecbatchPredictor:
@@ -129,26 +174,16 @@ class SpecbatchPredictor:
     def _row(self, i: int, row: dict[str, Any]):
         from .data import RowError, parse_row
 
-        params = row.get("sampling_params") or {}
-        if not isinstance(params, dict):
-            return RowError(i, i, f"field 'sampling_params': expected an object, got {type(params).__name__}")
-        # tokenized_prompt and friends may arrive as numpy arrays from other formats
-        obj: dict[str, Any] = {**params}
+        where = f"row {row['id']}" if row.get("id") is not None else "row"
+        try:
+            obj = {**_sampling_params(row.get("sampling_params")), **_prompt(row, self.apply_chat_template)}
+        except BadField as e:
+            return RowError(i, i, f"{where}: {e}")
         if obj.get("seed") is None:
-            obj["seed"] = _content_seed(row)
-        if row.get("messages") is not None:
-            if not self.apply_chat_template:
-                return RowError(i, i, "field 'messages': apply_chat_template is off; give 'prompt' or 'tokenized_prompt'")
-            obj["messages"] = list(row["messages"])
-        elif row.get("prompt") is not None:
-            obj["prompt"] = row["prompt"]
-        elif row.get("tokenized_prompt") is not None:
-            obj["prompt_token_ids"] = [int(t) for t in row["tokenized_prompt"]]
-        return parse_row(obj, row=i, where=f"row {row['id']}" if row.get("id") is not None else "row")
+            obj["seed"] = _content_seed(row, self.llm.recipe.sampling.seed)
+        return parse_row(obj, row=i, where=where)
 
     async def __call__(self, batch):
-        import pyarrow as pa
-
         if self.failure is not None:
             raise EngineFailure(str(self.failure))
         rows = batch.to_pylist() if hasattr(batch, "to_pylist") else pa.Table.from_pydict(batch).to_pylist()
@@ -185,9 +220,7 @@ class SpecbatchPredictor:
                     spec.get("accept_length"), rec.get("logprobs"), rec.get("prompt_logprobs"))):
                 out[name].append(value)
         table = batch if isinstance(batch, pa.Table) else pa.Table.from_pylist(rows)
-        types = {"generated_tokens": pa.list_(pa.int64()), "generated_text": pa.string(), "finish_reason": pa.string(),
-                 "logprobs": LOGPROBS_TYPE, "prompt_logprobs": PROMPT_LOGPROBS_TYPE}
-        columns = {**{name: pa.array(values, type=types.get(name)) for name, values in out.items()},
+        columns = {**{name: pa.array(values, type=OUTPUT_TYPES[name]) for name, values in out.items()},
                    **({ERROR_COLUMN: pa.array(errors, pa.string())} if self.continue_on_error else {})}
         for name, column in columns.items():
             # an input column of the same name (a re-run dataset's output, say) is replaced, never doubled
@@ -203,7 +236,7 @@ class ProcessorConfig:
     recipe: str = "vanilla"
     draft: str | None = None
     batch_size: int = 64                     # rows per map_batches batch
-    concurrency: int = 1                     # actors (engines)
+    concurrency: int | tuple[int, int] = 1   # actors (engines), or (min, max): an autoscaling pool
     max_concurrent_batches: int = 8          # batches in flight per actor, sharing its slots
     should_continue_on_error: bool = False
     engine_kwargs: dict[str, Any] = field(default_factory=dict)   # LLM(...) options: batch_size, dtype, device, ...
@@ -219,6 +252,20 @@ class ProcessorConfig:
     max_restarts: int = 3                    # per actor, after its engine broke (then the dataset fails)
 
 
+def _pool_size(concurrency: Any) -> dict[str, int]:
+    """`concurrency` as ray.data.llm takes it: N actors, or (min, max) for an autoscaling pool."""
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    if whole(concurrency):
+        return {"size": concurrency}
+    if isinstance(concurrency, (tuple, list)) and len(concurrency) == 2 and all(map(whole, concurrency)) \
+            and concurrency[0] <= concurrency[1]:
+        return {"min_size": concurrency[0], "max_size": concurrency[1]}
+    raise ValueError(f"ProcessorConfig.concurrency: expected an integer >= 1 or a (min, max) pair with "
+                     f"1 <= min <= max, got {concurrency!r}")
+
+
 def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
                     postprocess: Callable[[dict], dict] | None = None) -> Callable[[Any], Any]:
     """A `Dataset -> Dataset` function: preprocess rows, generate on `concurrency` actors, postprocess."""
@@ -232,7 +279,7 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
     k = config.max_concurrent_batches
     # Ray Data restarts an actor that died and retries its batches (bounded: an engine that breaks
     # every time would otherwise be restarted forever).
-    compute = ray.data.ActorPoolStrategy(size=config.concurrency, max_tasks_in_flight_per_actor=k,
+    compute = ray.data.ActorPoolStrategy(**_pool_size(config.concurrency), max_tasks_in_flight_per_actor=k,
                                          max_concurrent_calls_per_actor=k)
 
     def process(ds: "ray.data.Dataset") -> "ray.data.Dataset":

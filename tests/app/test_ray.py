@@ -219,3 +219,87 @@ def test_n_and_logprobs_reach_the_columns():
     out = asyncio.run(pred(again))
     assert out.column_names.count("generated_text") == 1 and out.column_names.count("logprobs") == 1
     assert out.column("generated_text").to_pylist() == [b["generated_text"]]
+
+
+@pytest.fixture(scope="module")
+def lenient():
+    """One predictor for the row-contract tests below: bad rows become `__inference_error__`."""
+    return SpecbatchPredictor(engine_kwargs={"device": "cpu", "batch_size": 8}, should_continue_on_error=True)
+
+
+def _call(pred, rows):
+    import asyncio
+
+    return asyncio.run(pred(pa.Table.from_pylist(rows)))
+
+
+def test_a_batch_of_failed_rows_keeps_the_column_types(lenient, tmp_path):
+    """A batch whose every row failed wrote its count columns as Arrow's null type, and a Parquet
+    directory holding that file beside a good batch's could not be read back (cast int64 to null)."""
+    bad = _call(lenient, [{"id": 0, "prompt": "", "sampling_params": {"max_tokens": 3}}])
+    good = _call(lenient, [{"id": 1, "prompt": "def f(x):", "sampling_params": {"max_tokens": 3}}])
+    assert bad.schema == good.schema
+    pq.write_table(bad, tmp_path / "a.parquet")
+    pq.write_table(good, tmp_path / "b.parquet")
+    assert pq.read_table(tmp_path).num_rows == 2
+
+
+def test_an_unknown_sampling_params_key_is_a_row_error(lenient):
+    """ray.data.llm builds vLLM's SamplingParams from the dict, which refuses an unknown key; here a
+    typo (max_new_tokens) or a field of another engine (guided_decoding) ran without it, silently."""
+    rows = [{"prompt": "def f(x):", "sampling_params": {"max_new_tokens": 3}},
+            {"prompt": "def f(x):", "sampling_params": {"max_tokens": 3, "guided_decoding": {"choice": ["a"]}}},
+            {"prompt": "def f(x):", "sampling_params": {"max_tokens": 3, "max_new_tokens": None}}]   # struct fill
+    a, b, c = _call(lenient, rows).to_pylist()
+    assert "'sampling_params.max_new_tokens'" in a["__inference_error__"] and a["generated_text"] is None
+    assert "'sampling_params.guided_decoding'" in b["__inference_error__"]
+    assert c["__inference_error__"] is None and c["num_generated_tokens"] == 3
+
+
+def test_a_bad_tokenized_prompt_is_a_row_error(lenient):
+    """A null or fractional token id raised from the batch (failing the whole dataset even with
+    should_continue_on_error) or was truncated to an integer and generated from."""
+    rows = [{"id": 0, "tokenized_prompt": [5, None]}, {"id": 1, "tokenized_prompt": [5.7, 9.2]},
+            {"id": 2, "tokenized_prompt": [5, 9], "sampling_params": {"max_tokens": 2}}]
+    a, b, c = _call(lenient, rows).to_pylist()
+    assert "'tokenized_prompt[1]'" in a["__inference_error__"]
+    assert "'tokenized_prompt[0]'" in b["__inference_error__"]
+    assert c["__inference_error__"] is None and c["num_input_tokens"] == 2
+    assert not lenient.waiting                         # no row of a batch is left waiting
+
+
+def test_rows_that_differ_only_in_id_sample_independently(lenient):
+    """A prompt repeated under several ids (pass@k) drew the same sample for each: the content seed
+    left every column but the prompt and its params out. A retried row still draws the same."""
+    row = {"prompt": "def f(x):", "sampling_params": {"max_tokens": 8, "temperature": 1.0}}
+    rows = [{"id": f"q#{k}", **row} for k in range(4)]
+    first = [r["generated_tokens"] for r in _call(lenient, rows).to_pylist()]
+    assert len({tuple(t) for t in first}) > 1
+    assert [r["generated_tokens"] for r in _call(lenient, rows).to_pylist()] == first
+
+
+def test_concurrency_takes_ray_data_llms_autoscaling_range(cluster):
+    """vLLMEngineProcessorConfig(concurrency=(min, max)) is an autoscaling pool; here a range failed
+    inside Ray with "'<' not supported between instances of 'tuple' and 'int'"."""
+    from specbatch.ray import build_processor
+
+    rows = build_processor(_config(concurrency=(1, 2), wait_for_actors_s=None))(
+        ray.data.from_items([{"id": i, "prompt": f"def f{i}(x):", "sampling_params": {"max_tokens": 2}}
+                             for i in range(8)])).take_all()
+    assert sorted(r["id"] for r in rows) == list(range(8))
+    for bad in ((2, 1), (0, 0), (1, 2, 3), "2"):
+        with pytest.raises(ValueError, match="concurrency"):
+            build_processor(_config(concurrency=bad))
+
+
+def test_the_run_seed_in_engine_kwargs_reaches_unseeded_rows(lenient):
+    """engine_kwargs={"seed": S} is LLM's run seed (rows without a seed derive theirs from it, as in
+    `specbatch run --seed`); the content seed replaced it, so every seed drew the same samples."""
+    rows = [{"id": k, "prompt": "def f(x):", "sampling_params": {"max_tokens": 8, "temperature": 1.0}}
+            for k in range(3)]
+    other = SpecbatchPredictor(engine_kwargs={"device": "cpu", "batch_size": 8, "seed": 1})
+    ours = [r["generated_tokens"] for r in _call(lenient, rows).to_pylist()]
+    theirs = [r["generated_tokens"] for r in _call(other, rows).to_pylist()]
+    assert ours != theirs
+    seeded = [{**r, "sampling_params": {**r["sampling_params"], "seed": 3}} for r in rows]   # a row's own seed wins
+    assert _call(lenient, seeded).column("generated_tokens") == _call(other, seeded).column("generated_tokens")
