@@ -148,7 +148,7 @@ def run(
     import signal
 
     from .data import InputError, OutputError
-    from .job import JobError, JobOptions, run_job
+    from .job import JobError, JobOptions, check_stats_path, run_job
     from .models.config import ModelError
     from .params import check_logprobs_mode
     from .recipe import RecipeError, load_recipe
@@ -175,6 +175,10 @@ def run(
         _fail(f"{_FLAGS[key]}: {e.detail}" if overrides.get(key) is not None else str(e))
     if stats_json:
         _check_stats_path(stats_json)
+        try:
+            check_stats_path(stats_json, input, output)
+        except JobError as e:
+            _fail(str(e))
     try:
         check_logprobs_mode(logprobs_mode)
     except ValueError as e:

@@ -20,8 +20,8 @@ from .resolve import DEMO_DIR, DeviceLost, JobError, describe_draft, resolve_dra
 from .stats import RunStats
 from .workers import WorkerError
 
-__all__ = ["DEMO_DIR", "JobError", "JobOptions", "describe_draft", "fingerprint", "resolve_draft",
-           "resolve_model", "run_job", "spec_config"]
+__all__ = ["DEMO_DIR", "JobError", "JobOptions", "check_stats_path", "describe_draft", "fingerprint",
+           "resolve_draft", "resolve_model", "run_job", "spec_config"]
 
 
 @dataclass
@@ -79,14 +79,30 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
+def _output_paths(output: str) -> tuple[str, ...]:
+    """What a job writes for `output`: the file, its parts, its manifest and its lock."""
+    return (output, output + ".parts", output + ".manifest.json", output + ".lock")
+
+
 def _check_paths(input_path: str, output: str) -> None:
     if output != "-":
         output_file_format(output)           # a bad output path fails before the input is counted
     if output == "-" or input_path == "-":
         return
-    for p in (output, output + ".parts", output + ".manifest.json", output + ".lock"):
+    for p in _output_paths(output):
         if _same_file(input_path, p):
             raise JobError(f"--output {output}: that is the input file {input_path}; choose another --output")
+
+
+def check_stats_path(path: str, input_path: str, output: str | None) -> None:
+    """--stats-json is written when the job ends: over the input or the job's own files it would
+    replace them with the summary (a JobError naming which)."""
+    output = output or default_output(input_path)
+    taken = [] if input_path == "-" else [(input_path, "the input file")]
+    taken += [] if output == "-" else [(p, "the output's") for p in _output_paths(output)]
+    for p, what in taken:
+        if _same_file(path, p):
+            raise JobError(f"--stats-json {path}: that is {what} {p}; choose another path")
 
 
 def _spool_stdin(output: str) -> str:

@@ -163,10 +163,13 @@ def completion_record(f: Finished, keep: Mapping[str, Any]) -> dict[str, Any]:
     return {**{c.name: c.value(f) for c in COLUMNS}, **keep}
 
 
-def error_record(row: int, id: Any, error: str, keep: Mapping[str, Any], prompt_tokens: int = 0) -> dict[str, Any]:
-    """A row that could not run: its error, zero counts, no text or stats."""
+def error_record(row: int, id: Any, error: str, keep: Mapping[str, Any], prompt_tokens: int = 0,
+                 batch_line: bool | None = None) -> dict[str, Any]:
+    """A row that could not run: its error, zero counts, no text or stats. `batch_line`: whether
+    the row was an OpenAI batch line (None: unknown, a malformed line), which "auto" output
+    formats follow: a rejected batch line is answered with an OpenAI error line."""
     rec: dict[str, Any] = {c.name: None for c in COLUMNS}
-    rec.update(row=row, id=id, error=error, prompt_tokens=prompt_tokens, completion_tokens=0)
+    rec.update(row=row, id=id, error=error, prompt_tokens=prompt_tokens, completion_tokens=0, batch_line=batch_line)
     return {**rec, **keep}
 
 

@@ -182,7 +182,8 @@ def from_openai_line(line: dict[str, Any]) -> dict[str, Any]:
     rec: dict[str, Any] = {"row": extra["row"], "id": line.get("custom_id"), "spec": extra.get("spec"),
                            "output_token_ids": extra.get("output_token_ids")}
     if line.get("error"):
-        rec.update(error=line["error"].get("message"), completion=None, prompt_tokens=0, completion_tokens=0)
+        rec.update(error=line["error"].get("message"), completion=None, prompt_tokens=0, completion_tokens=0,
+                   batch_line=extra.get("batch_line", True))
         return rec
     body = line["response"]["body"]
     chat = body.get("object") == "chat.completion"

@@ -59,6 +59,7 @@ class RowError:
     error: str
     keep: dict = field(default_factory=dict)
     digest: bytes = b""
+    batch_line: bool | None = None  # an OpenAI batch line (it has a body); None: unknown or not
 
 
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
@@ -147,7 +148,8 @@ def _parse_body(obj: dict, req: RowRequest) -> None:
     check_unsupported(body, "body.")
 
 
-def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequence[str]) -> None:
+def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequence[str],
+                 kept: Sequence[str]) -> None:
     forms = _present(obj, (prompt_column, "messages", "prompt_token_ids"))
     if len(forms) > 1:
         raise BadField(f"row has both '{forms[0]}' and '{forms[1]}'; give one")
@@ -167,7 +169,9 @@ def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequenc
     req.endpoint = "chat" if form == "messages" else "completion"
     req.overrides = parse_overrides(obj, "", exempt=exempt)
     req.chat = parse_chat_options(obj, "", req.messages is not None, exempt)
-    check_unsupported(obj, "", exempt)
+    # A kept column named like a field specbatch does not implement is the user's data, not a
+    # request for it; a kept field specbatch implements still applies (keeping only copies it).
+    check_unsupported(obj, "", (*exempt, *kept))
 
 
 def parse_row(
@@ -192,20 +196,22 @@ def parse_row(
             v = None  # the output cannot hold it
             keep_error = keep_error or bad
         keep[c] = v
+    # A batch line with a bad field is still answered as a batch line (an OpenAI error line).
+    batch_line = True if obj.get("body") is not None else None
     try:
         rid = _row_id(obj, row, id_column)
     except BadField as e:
-        return RowError(row, row, f"{where}: {e}", keep)
+        return RowError(row, row, f"{where}: {e}", keep, batch_line=batch_line)
     if keep_error is not None:
-        return RowError(row, rid, f"{where}: {keep_error}", keep)
+        return RowError(row, rid, f"{where}: {keep_error}", keep, batch_line=batch_line)
     req = RowRequest(row=row, id=rid, keep=keep, where=where)
     try:
-        if obj.get("body") is not None:
+        if batch_line:
             _parse_body(obj, req)
         else:
-            # Columns the user named are their data, not sampling fields.
-            exempt = (prompt_column, *keep_columns, *((id_column,) if id_column is not None else ()))
-            _parse_plain(obj, req, prompt_column, exempt)
+            # The prompt and id columns are the user's data, not sampling fields.
+            exempt = (prompt_column, *((id_column,) if id_column is not None else ()))
+            _parse_plain(obj, req, prompt_column, exempt, keep_columns)
     except BadField as e:
-        return RowError(row, rid, f"{where}: {e}", keep)
+        return RowError(row, rid, f"{where}: {e}", keep, batch_line=batch_line)
     return req

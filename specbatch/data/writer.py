@@ -149,7 +149,7 @@ class OutputWriter:
         parts = self._read_parts_manifest() if os.path.isdir(self.parts_dir) else None
         if overwrite:
             if os.path.lexists(self.path) and final is None and not self._stale_ours(parts):
-                raise OutputError(f"--overwrite: {self.path} was not written by specbatch (no manifest); "
+                raise OutputError(f"--overwrite: {self.path} {self._not_ours()}; "
                                   "remove it yourself or choose another --output")
             if os.path.isdir(self.parts_dir):
                 self._remove_ours(self.parts_dir)
@@ -161,7 +161,7 @@ class OutputWriter:
             parts = None
         if parts is not None:
             if os.path.lexists(self.path) and final is None and not self._stale_ours(parts):
-                raise OutputError(f"{self.path} exists but was not written by specbatch (no manifest), "
+                raise OutputError(f"{self.path} exists but {self._not_ours()}, "
                                   f"beside this job's parts in {self.parts_dir}; move it away and rerun")
             self._resume(parts)
         elif final is not None:
@@ -171,7 +171,7 @@ class OutputWriter:
             self.done_rows = RowSet(self._final_file_rows())
             self._final_rows = len(self.done_rows)
         elif os.path.lexists(self.path):
-            raise OutputError(f"{self.path} exists and was not written by specbatch (no manifest); "
+            raise OutputError(f"{self.path} exists and {self._not_ours()}; "
                               "choose another --output or remove it yourself")
         else:
             self._create_parts_dir()
@@ -190,6 +190,15 @@ class OutputWriter:
         except OSError as e:
             raise fs_error(path, e) from None
 
+    def _not_ours(self) -> str:
+        """Why the file at P is not taken for a specbatch output: a JSONL output edited after it
+        was written still has its manifest beside it, which says so."""
+        side = manifest.read_json(self.sidecar) if self.format == "jsonl" else None
+        if isinstance(side, dict) and isinstance(side.get("output"), dict):
+            return (f"is not the file specbatch wrote there (its size or hash differs from what "
+                    f"{self.sidecar} records: edited since?)")
+        return "was not written by specbatch (no manifest)"
+
     def _stale_ours(self, parts: dict | None) -> bool:
         """P is the JSONL output whose sidecar this job's finalize overwrote before it was cut short."""
         if parts is None or self.format != "jsonl":
@@ -207,11 +216,16 @@ class OutputWriter:
             "keep_columns": list(self.keep_columns),
         }
 
-    def _create_parts_dir(self) -> None:
+    def _create_parts_dir(self, first: pa.Table | None = None) -> None:
+        """The parts directory with the job's manifest and, when given, a `first` part: both are
+        in it before it takes its name (a reopen stopped midway must not leave a parts directory
+        without the finished rows, which would redo them all)."""
         tmp_dir = self.parts_dir + ".tmp"
         try:
             os.mkdir(tmp_dir)
             write_atomic(os.path.join(tmp_dir, manifest.MANIFEST), lambda f: f.write(self._dump_manifest()))
+            if first is not None:
+                write_atomic(os.path.join(tmp_dir, self._part_name()), lambda f: pq.write_table(first, f))
             os.rename(tmp_dir, self.parts_dir)
         except OSError as e:
             raise fs_error(self.parts_dir, e) from None
@@ -322,9 +336,7 @@ class OutputWriter:
                     records = [self._native(json.loads(line)) for line in f if line.strip()]
         except (OSError, pa.ArrowException, ValueError) as e:
             raise OutputError(f"{self.path}: cannot read it back ({' '.join(str(e).split())})") from None
-        table = self._part_table([(r, digests.get(r["row"], b"")) for r in records])
-        self._create_parts_dir()
-        write_atomic(os.path.join(self.parts_dir, self._part_name()), lambda f: pq.write_table(table, f))
+        self._create_parts_dir(self._part_table([(r, digests.get(r["row"], b"")) for r in records]))
         self.complete = False
 
     # ---- writing parts -------------------------------------------------

@@ -415,7 +415,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - building one row's output fails that row alone
                 rec = error_record(item.row, item.id, f"{item.place}: its completion could "
                                    f"not be turned into output ({exception_line(e)})", item.keep,
-                                   prompt_tokens=len(req.prompt_ids))
+                                   prompt_tokens=len(req.prompt_ids), batch_line=item.batch_line)
             yield rec
 
     # ---- prefill ------------------------------------------------------------------------------

@@ -89,13 +89,13 @@ def warn_failure(e: BaseException, rows: int) -> None:
 def failed_alone(item: RowRequest, e: BaseException) -> FailedAlone:
     return FailedAlone(error_record(item.row, item.id, f"{item.place}: the engine failed while generating this row, "
                                     f"and again when it ran alone ({exception_line(e)}); the other rows ran without it",
-                                    item.keep), e)
+                                    item.keep, batch_line=item.batch_line), e)
 
 
 def device_failed_alone(item: RowRequest, cause: str) -> dict[str, Any]:
     """The error record of a row that brought the device down running alone (job.py, workers.py)."""
     return error_record(item.row, item.id, f"{item.place}: the device failed while this row ran alone ({cause}); "
-                        "it was left out", item.keep)
+                        "it was left out", item.keep, batch_line=item.batch_line)
 
 
 def engine_failed(error: BaseException | str) -> EngineFailed:

@@ -34,6 +34,12 @@ class RowConverter:
 
     def request(self, item: RowRequest | RowError, defaults: SamplingParams) -> Request | dict:
         """A Request ready to schedule, or an error record for a row that cannot run."""
+        out = self._request(item, defaults)
+        if isinstance(out, dict):
+            out["batch_line"] = item.batch_line     # what "auto" output formats answer it as
+        return out
+
+    def _request(self, item: RowRequest | RowError, defaults: SamplingParams) -> Request | dict:
         if isinstance(item, RowError):
             return error_record(item.row, item.id, item.error, item.keep)
         # Whatever goes wrong with one row is that row's error record, never the job's end.

@@ -198,6 +198,18 @@ def test_stats_json_that_cannot_be_written_fails_before_the_job(tmp_path, base):
     assert not (tmp_path / "o.parquet").exists()
 
 
+@pytest.mark.parametrize("target", ["input", "output", "sidecar"])
+def test_stats_json_is_never_the_input_or_the_output(tmp_path, base, target):
+    """--stats-json is written after the job: naming the input (or the output, or its manifest)
+    there would replace the user's data with the summary."""
+    inp, out = write(tmp_path / "in.jsonl", ROWS), tmp_path / "o.jsonl"
+    before = inp.read_bytes()
+    path = {"input": inp, "output": out, "sidecar": tmp_path / "o.jsonl.manifest.json"}[target]
+    line = one_line_cli_error(cli("run", inp, "-o", out, *base, "--stats-json", path), EXIT_USAGE)
+    assert "--stats-json" in line and str(path) in line
+    assert inp.read_bytes() == before and not out.exists()
+
+
 @pytest.mark.parametrize("flag,value,expect", [("--top-p", "2", "--top-p: expected 0 < top_p <= 1"),
                                                 ("--temperature", "-1", "--temperature: expected a number >= 0"),
                                                 ("--batch-size", "0", "--batch-size: expected an integer >= 1")])

@@ -226,3 +226,19 @@ def test_stdout_and_a_file_write_the_same_lines(tiny_model, batch_file, tmp_path
         line = one_line_cli_error(cli("run", src, "-o", dest, *_args(tiny_model, "--output-format", "bogus")),
                                   EXIT_USAGE)
         assert "--output-format bogus" in line
+
+
+def test_a_batch_whose_every_request_is_rejected_still_gets_openai_lines(tiny_model, tmp_path):
+    """A batch line with a bad field is still a batch line: "auto" answers it with a 400 line
+    (what a vLLM run-batch consumer parses), also when no request of the job could run."""
+    from specbatch.cli import EXIT_FAILED
+
+    rows = [{**_batch(i, "chat"), "body": {**_batch(i, "chat")["body"], "response_format": {"type": "json_object"}}}
+            for i in range(2)]
+    inp, out = tmp_path / "rejected.jsonl", tmp_path / "rejected.out.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    one_line_cli_error(cli("run", inp, "-o", out, *_args(tiny_model)), EXIT_FAILED)
+    r = cli("run", inp, "-o", "-", *_args(tiny_model))
+    for lines in (consume(out), consume(r.stdout)):
+        assert [ln.custom_id for ln in lines] == ["req-0", "req-1"]
+        assert all(ln.response.status_code == 400 and "response_format" in ln.error.message for ln in lines)

@@ -78,3 +78,14 @@ def test_bad_override_in_body_names_body_field():
     e = err({"custom_id": "c", "body": {"messages": MESSAGES, "temperature": "hot"}})
     assert "field 'body.temperature'" in e and '"hot"' in e
     assert parse({"custom_id": "c", "body": {"messages": MESSAGES, "temperature": "hot"}}).id == "c"
+
+
+def test_a_kept_column_still_sets_its_sampling_field():
+    """--keep-columns copies columns to the output; it does not change how a row is read: a kept
+    `temperature` (or `max_tokens`, `stop`, a chat option) still applies to its row."""
+    row = {"messages": MESSAGES, "temperature": 0.7, "max_tokens": 9, "stop": "END", "add_generation_prompt": False}
+    r = parse(row, keep_columns=["temperature", "max_tokens", "stop", "add_generation_prompt"])
+    assert r.overrides == parse(row).overrides == {"temperature": 0.7, "max_tokens": 9, "stop": ["END"]}
+    assert r.chat == {"add_generation_prompt": False}
+    assert r.keep == {"temperature": 0.7, "max_tokens": 9, "stop": "END", "add_generation_prompt": False}
+    assert "'temperature'" in err({**row, "temperature": -1}, keep_columns=["temperature"])

@@ -303,3 +303,46 @@ def test_a_bad_output_path_fails_before_the_input_is_read(tiny_model, tmp_path):
     recipe = load_recipe("vanilla").with_overrides(model=str(tiny_model))
     with pytest.raises(ValueError, match=r"x\.csv: unsupported output"):
         run_job(str(tmp_path / "missing.jsonl"), recipe, JobOptions(output=str(tmp_path / "x.csv"), device="cpu"))
+
+
+@pytest.mark.parametrize("ext", ["parquet", "jsonl"])
+def test_a_reopen_cut_short_keeps_the_finished_rows(tmp_path, monkeypatch, ext):
+    """A rerun that adds rows to a finished output turns it back into a part; stopped while that
+    part is written (Ctrl-C, SIGKILL), the next rerun still counts the finished rows as done
+    instead of generating the whole job again."""
+    out = str(tmp_path / f"re.{ext}")
+    w = OutputWriter(out, fingerprint=FP)
+    for i in range(3):
+        w.add(rec(i))
+    w.finalize()
+    w.close()
+    w = OutputWriter(out, fingerprint=FP)
+
+    def stopped(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer_mod.pq, "write_table", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        w.reopen({0: b"a", 1: b"b", 2: b"c"})
+    w.close()
+    monkeypatch.undo()
+    w = OutputWriter(out, fingerprint=FP)
+    assert w.done_rows == {0, 1, 2}
+    w.close()
+
+
+def test_an_edited_jsonl_output_is_named_as_edited(tmp_path):
+    """A finished JSONL output changed afterwards is not taken for finished (nor replaced), and
+    the refusal says why: its manifest is there, the file differs from it."""
+    out = str(tmp_path / "ed.jsonl")
+    w = OutputWriter(out, fingerprint=FP)
+    w.add(rec(0))
+    w.finalize()
+    w.close()
+    with open(out, "a") as f:
+        f.write("\n")
+    for overwrite in (False, True):
+        with pytest.raises(OutputError) as e:
+            OutputWriter(out, fingerprint=FP, overwrite=overwrite)
+        assert "edited since" in str(e.value) and "ed.jsonl.manifest.json" in str(e.value)
+        assert "no manifest" not in str(e.value)

@@ -104,7 +104,7 @@ def test_a_finished_output_of_either_format_remembers_its_settings(tmp_path, fmt
         # an edited JSONL output no longer checks out as ours: never silently treated as finished
         with open(out, "a") as f:
             f.write('{"row": 1}\n')
-        with pytest.raises(OutputError, match="not written by specbatch"):
+        with pytest.raises(OutputError, match="is not the file specbatch wrote there .*edited since"):
             OutputWriter(out, fingerprint=FP)
 
 
