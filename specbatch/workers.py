@@ -14,8 +14,9 @@ finished). A worker whose device failed (engine.failures.DeviceFailed)
 names the rows it had in flight: each then runs alone on one worker, and one that brings a device
 down alone is written as its error. A row that failed alone in a worker's engine is held here
 until that engine finishes a row after it; STRIKES of them in a row stop the worker (its engine
-is at fault, not the rows) and they run elsewhere, as its other rows do. Workers die with the parent (PR_SET_PDEATHSIG, and a
-watch on the parent's pid), so a killed parent leaves no orphan engines; the rerun resumes.
+is at fault, not the rows) and they run elsewhere, as its other rows do. Workers die with the
+parent (PR_SET_PDEATHSIG, and a watch on the parent's pid), so a killed parent leaves no orphan
+engines; the rerun resumes.
 """
 from __future__ import annotations
 
@@ -325,7 +326,7 @@ class WorkerPool:
         readers = {w.reader: w for w in self.workers if not w.dead and not w.done}
         for reader in wait(list(readers), timeout=POLL_S) if readers else []:
             w = readers[reader]
-            while not w.dead:
+            while not w.dead and not w.done:     # "done" is its last word: the EOF of its exit is no death
                 try:
                     if not reader.poll():
                         break

@@ -276,3 +276,24 @@ def test_rows_that_failed_alone_wait_for_their_worker_to_finish_a_row(capsys):
     assert sorted(r.row for r in redo) == list(range(8)) and not pool.delivered & {4, 5, 6}
     assert "stopped: the engine failed on 3 rows one after another" in pool.last_error
     assert "its 8 unfinished rows go to the other workers" in capsys.readouterr().err
+
+
+def test_a_worker_that_ends_after_done_is_not_buried(capsys):
+    """A worker closes its pipe as it exits, right after "done": the parent may read both in one
+    drain. The end of a finished worker is not a death (no warning, no replacement started)."""
+    import multiprocessing as mp
+
+    from specbatch.workers import WorkerPool, _Worker
+
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.last_error, pool.suspects, pool.delivered, pool.errors = "", set(), set(), []
+    spawned = []
+    pool._spawn = lambda wid, restarts=0: spawned.append(wid)
+    reader, writer = mp.Pipe(duplex=False)
+    w = _Worker(proc=Proc(0), inbox=Inbox(), reader=reader, device="cpu", ready=True, ended=True)
+    pool.workers = [w]
+    writer.send(("done", 0, {"tokens_emitted": 5}))
+    writer.close()                                    # it exited: EOF follows "done" in the pipe
+    assert pool._drain([]) == []
+    assert w.done and not w.dead and spawned == [] and w.stats["tokens_emitted"] == 5
+    assert "died" not in capsys.readouterr().err
