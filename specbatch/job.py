@@ -338,6 +338,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
     import torch
 
     return stats.summary(torch.device(runner.device.split(",")[0]), output=output, rows_in_output=rows_written,
+                         errors_in_output=getattr(writer, "error_rows", None),
                          resumed=resumed, device=runner.device, max_model_len=runner.max_len,
                          recipe=recipe.name, model=str(resolve_model(recipe.model)),
                          draft=describe_draft(recipe, spec_config(recipe).draft), **runner.facts())

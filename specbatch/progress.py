@@ -95,6 +95,15 @@ def hms(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def _errors(s: dict[str, Any]) -> str:
+    """This run's error rows, and the output's when rows were resumed (a restart after a device
+    failure resumes too: the row it wrote as its error was an earlier process's)."""
+    whole = s.get("errors_in_output")
+    if s.get("resumed") and whole is not None and whole != s["errors"]:
+        return f"{s['errors']} ({whole} in the output, resumed rows included)"
+    return str(s["errors"])
+
+
 def print_summary(err: Console, s: dict[str, Any]) -> None:
     table = Table(title="specbatch run", show_header=False)
     if s.get("complete_before"):
@@ -105,7 +114,7 @@ def print_summary(err: Console, s: dict[str, Any]) -> None:
         ("output", s["output"]), ("recipe", s["recipe"]), ("model", s["model"]),
         ("draft", s["draft"] or "-"), ("device", s["device"]),
         ("requests", f"{s['requests']} ({s['resumed']} resumed from an earlier run)" if s["resumed"] else s["requests"]),
-        ("errors", s["errors"]), ("prompt tokens", s["prompt_tokens"]), ("completion tokens", s["completion_tokens"]),
+        ("errors", _errors(s)), ("prompt tokens", s["prompt_tokens"]), ("completion tokens", s["completion_tokens"]),
         ("output tokens/s", f"{s['output_tokens_per_s']:.1f} while generating ({s['job_output_tokens_per_s']:.1f} over the whole job)"),
         ("mean accept length", f"{s['mean_accept_length']:.3f}"),
         ("acceptance per draft position", " ".join(f"{r:.2f}" for r in s["acceptance_per_position"]) or "-"),

@@ -168,6 +168,15 @@ def part_rows(parts: Sequence[str]) -> tuple[pa.Array, list[bytes]]:
     return t.column("row").combine_chunks(), t.column(DIGEST_COLUMN).to_pylist()
 
 
+def error_rows(parts: Sequence[str]) -> int:
+    """Rows (each once) that the parts hold as errors: a resumed output's count, earlier runs' included."""
+    tables = [pq.read_table(p, columns=["row", "error"]) for p in parts]
+    if not tables:
+        return 0
+    t = pa.concat_tables(tables)
+    return len(pc.unique(t.filter(pc.is_valid(t.column("error"))).column("row")))
+
+
 def merge_chunks(parts: Sequence[str], schema: pa.Schema, as_json: set[str]) -> Iterator[pa.Table]:
     """The merged output in row order (deduplicated), in chunks bounded by MERGE_CHUNK_BYTES."""
     rows_of = [pq.read_table(p, columns=["row"]).column("row").combine_chunks() for p in parts]

@@ -42,6 +42,7 @@ from .merge import (
     STANDARD_COLUMNS,
     merged_schema,
     output_schema,
+    error_rows,
     part_rows,
     part_table,
     typed_columns,
@@ -110,6 +111,7 @@ class OutputWriter:
         self._last_commit = time.monotonic()
         self._next_part = 0
         self._final_rows: int | None = None
+        self.error_rows: int | None = None    # rows of the finished output that hold an error (finalize)
         self._final_manifest: dict | None = None
 
         if os.path.isdir(path):
@@ -452,6 +454,7 @@ class OutputWriter:
                        **{name: self._any_set(parts, name) for name in ON_REQUEST}}
             schema, as_json = merged_schema([pq.read_schema(p) for p in parts], options, self.keep_columns, parts)
             rows, digests = part_rows(parts)
+            self.error_rows = error_rows(parts)
         except OSError as e:
             raise fs_error(self.parts_dir, e) from None
         row_list = rows.to_pylist()
