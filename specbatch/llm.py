@@ -73,6 +73,16 @@ def _row(prompt: Prompt, index: int) -> RowRequest | RowError:
     return parse_row(obj, row=index, where=where)
 
 
+def _one_prompt(prompts: Any) -> bool:
+    """generate() was given one prompt (text, a row, or token ids), not a list of prompts. A list
+    with any prompt in it is a list of prompts (judged by its first item alone, [None, "text", ...]
+    was one prompt of token ids: one error Completion for the whole list)."""
+    if isinstance(prompts, (str, Mapping)):
+        return True
+    return (isinstance(prompts, Sequence) and bool(prompts)
+            and not any(isinstance(p, (str, Mapping, Sequence)) for p in prompts))
+
+
 def _get(params: SamplingParams | Mapping[str, Any], key: str) -> Any:
     return getattr(params, key) if isinstance(params, SamplingParams) else params.get(key)
 
@@ -115,11 +125,10 @@ class LLM:
         """The recipe's sampling defaults with `params` applied (validated as recipe keys)."""
         if params is None:
             return self.recipe.sampling
-        if isinstance(params, SamplingParams):
-            params = params.to_dict()
-            if params["seed"] is None:              # no seed of its own: the run seed stays
-                del params["seed"]
-        return self.recipe.with_overrides(sampling=dict(params)).sampling
+        params = params.to_dict() if isinstance(params, SamplingParams) else dict(params)
+        if "seed" in params and params["seed"] is None:     # no seed of its own: the run seed stays
+            del params["seed"]
+        return self.recipe.with_overrides(sampling=params).sampling
 
     def stream(self, rows: Iterable[RowRequest | RowError],
                params: SamplingParams | Mapping[str, Any] | None = None,
@@ -147,9 +156,8 @@ class LLM:
         bad fields) comes back with `error` set; the others are unaffected. `params`: defaults
         for every prompt, or (as vLLM's list of SamplingParams) one per prompt, each complete; a
         row dict's own fields win over either."""
-        if isinstance(prompts, (str, Mapping)) or (
-                isinstance(prompts, Sequence) and prompts and not isinstance(prompts[0], (str, Mapping, Sequence))):
-            prompts = [prompts]                     # one prompt: text, a row, or token ids
+        if _one_prompt(prompts):
+            prompts = [prompts]
         rows = [_row(p, i) for i, p in enumerate(prompts)]
         if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
             if len(params) != len(rows):

@@ -97,6 +97,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "reasoning_effort": ("null", _empty),
     "chat_template": ("null", _empty),
     "documents": ("null", _empty),
+    "multi_modal_data": ("null", _empty),       # vLLM's prompt dict: images, audio (a text model takes none)
     "mm_processor_kwargs": ("null", _empty),
     "return_tokens_as_token_ids": ("false", _false),
     "detokenize": ("true", _true),

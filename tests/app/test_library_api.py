@@ -193,3 +193,39 @@ def test_sampling_params_take_one_stop_string_as_vllms_do(llm):
     for params in (SamplingParams(max_tokens=30, stop="single"), [SamplingParams(max_tokens=30, stop="single")]):
         (c,) = llm.generate([p], params)
         assert (c.text, c.stop_reason) == (free.text.split("single")[0], "single")
+
+
+def test_a_null_seed_in_params_keeps_the_run_seed():
+    """{"seed": None} is no seed of its own, as SamplingParams(seed=None) and a per-prompt
+    mapping's are: the rows derive theirs from LLM(seed=...). The mapping replaced the run seed
+    with None, so LLM(seed=5) drew what an LLM without a seed draws."""
+    from specbatch import SamplingParams
+
+    run = LLM(device="cpu", seed=5)
+    p, params = ["def f(x):"] * 2, {"temperature": 1.0, "max_tokens": 8}
+    want = [c.token_ids for c in run.generate(p, params)]
+    for given in ({**params, "seed": None}, SamplingParams(**params), [{**params, "seed": None}] * 2):
+        assert [c.token_ids for c in run.generate(p, given)] == want
+    assert [c.token_ids for c in LLM(device="cpu").generate(p, params)] != want
+
+
+@pytest.mark.parametrize("bad", [None, float("nan")])
+def test_a_bad_first_prompt_does_not_swallow_the_list(llm, bad):
+    """A list whose first item is not a prompt (None, a NaN from a pandas column) was taken for ONE
+    prompt of token ids: one error Completion came back for the whole list. It is refused as the
+    same item anywhere else in the list is."""
+    with pytest.raises(TypeError, match="prompt 0: .* got (NoneType|float)"):
+        llm.generate([bad, "def f():", "import os"], {"max_tokens": 2})
+    with pytest.raises(TypeError, match="prompt 1: .* got (NoneType|float)"):
+        llm.generate(["def f():", bad], {"max_tokens": 2})
+    (c,) = llm.generate([5, 6, None], {"max_tokens": 2})            # one token-id prompt stays one
+    assert "prompt_token_ids[2]" in c.error
+
+
+def test_multi_modal_data_is_refused_not_ignored(llm):
+    """vLLM's prompt dict carries images as multi_modal_data (vLLM refuses it for a text model);
+    specbatch dropped the key as the user's metadata and answered from the text alone."""
+    ok, c = llm.generate([{"prompt": "Describe:", "multi_modal_data": None},
+                          {"prompt": "Describe:", "multi_modal_data": {"image": "x.png"}}], {"max_tokens": 2})
+    assert ok.error is None
+    assert c.text is None and "field 'multi_modal_data': not supported by specbatch yet" in c.error

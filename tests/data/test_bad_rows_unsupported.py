@@ -21,6 +21,7 @@ NON_DEFAULT = {
     "stream_options": {"include_usage": True}, "prediction": {"type": "content", "content": "x"},
     "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "reasoning_effort": "high",
     "chat_template": "{{ messages }}", "documents": [{"text": "d"}], "mm_processor_kwargs": {"x": 1},
+    "multi_modal_data": {"image": "x.png"},
     "return_tokens_as_token_ids": True, "detokenize": False, "structural_tag": {"type": "x"},
     "logits_processors": ["my.module:Proc"], "prompt_embeds": "AAAA",
 }
