@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Union
 
@@ -87,6 +87,9 @@ def _get(params: SamplingParams | Mapping[str, Any], key: str) -> Any:
     return getattr(params, key) if isinstance(params, SamplingParams) else params.get(key)
 
 
+_CALL_MIX = 0x9E3779B97F4A7C15     # odd 64-bit constant: a call's count spread over the run seed's bits
+
+
 def _seeded(rows: Iterable[RowRequest | RowError], seed: int) -> Iterator[RowRequest | RowError]:
     for r in rows:
         if isinstance(r, RowRequest) and r.overrides.get("seed") is None:
@@ -120,6 +123,7 @@ class LLM:
             batch_size=r.batch_size, max_model_len=r.max_model_len, dtype=r.dtype, device=device,
             bucket_window=bucket, spec=spec, graphs=not eager, prefix_caching=enable_prefix_caching,
             logprobs_mode=logprobs_mode))
+        self.calls = 0          # generate() calls so far: each later one draws fresh samples (_records)
 
     def sampling(self, params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
         """The recipe's sampling defaults with `params` applied (validated as recipe keys)."""
@@ -138,10 +142,21 @@ class LLM:
         a run seed the rows derive theirs from: identical prompts give identical samples. `alone`:
         rows run one at a time before `rows` (the job's suspects: engine/failures.py); `vouch`: as
         Engine.generate's."""
+        return self._records(rows, params, alone, vouch)
+
+    def _records(self, rows: Iterable[RowRequest | RowError], params: SamplingParams | Mapping[str, Any] | None,
+                 alone: Sequence[RowRequest | RowError] = (), vouch: bool = True,
+                 call: int = 0) -> Iterator[dict[str, Any]]:
+        """`call`: generate()'s count. Rows without a seed derive theirs from the run seed and
+        their row number; a later call mixes its count into the run seed, so each call draws
+        fresh samples (as vLLM's generator moves on between calls) and a script run again draws
+        the same ones."""
         defaults = self.sampling(params)
         seed = defaults.seed if params is not None and _get(params, "seed") is not None else None
         if seed is not None:
             rows, alone = _seeded(rows, seed), list(_seeded(alone, seed))
+        elif call:
+            defaults = replace(defaults, seed=((defaults.seed or 0) ^ (call * _CALL_MIX)) % (1 << 64))
         return self.engine.generate(rows, defaults, alone=alone, vouch=vouch)
 
     def reset_prefix_cache(self) -> None:
@@ -170,7 +185,8 @@ class LLM:
                         del own["seed"]
                     r.overrides = {**own, **r.overrides}
             params = None
-        out = [Completion.from_record(rec) for rec in self.stream(rows, params)]
+        self.calls += 1
+        out = [Completion.from_record(rec) for rec in self._records(rows, params, call=self.calls - 1)]
         return sorted(out, key=lambda c: c.index)
 
     @property

@@ -33,11 +33,10 @@ def test_vanilla_greedy_n_rows_keep_accept_length_one(tmp_path):
 def test_one_samplingparams_keeps_the_run_seed_like_the_list_form():
     from specbatch import LLM, SamplingParams
 
-    llm = LLM(recipe="vanilla", device="cpu", seed=5)
     prompts = ["def add(a, b):", "import os"]
     sp = SamplingParams(max_tokens=8, temperature=1.0)
-    one = [c.text for c in llm.generate(prompts, sp)]
-    lst = [c.text for c in llm.generate(prompts, [sp, sp])]
+    one = [c.text for c in LLM(recipe="vanilla", device="cpu", seed=5).generate(prompts, sp)]     # first calls
+    lst = [c.text for c in LLM(recipe="vanilla", device="cpu", seed=5).generate(prompts, [sp, sp])]
     assert one == lst
 
 

@@ -136,9 +136,10 @@ def test_one_params_per_prompt(llm):
     assert outs[1].token_ids == alone[0].token_ids
     assert outs[0].token_ids == llm.generate([p], {"temperature": 0, "max_tokens": 4})[0].token_ids
     # without a seed of its own a prompt derives one from the run seed, as with one params for all
-    seeded_run = LLM(recipe="eagle3_topk1", device="cpu", batch_size=3, seed=5)
-    each = seeded_run.generate([p, p], [{"temperature": 1.0, "max_tokens": 10}] * 2)
-    shared = seeded_run.generate([p, p], {"temperature": 1.0, "max_tokens": 10})
+    each = LLM(recipe="eagle3_topk1", device="cpu", batch_size=3, seed=5).generate(
+        [p, p], [{"temperature": 1.0, "max_tokens": 10}] * 2)
+    shared = LLM(recipe="eagle3_topk1", device="cpu", batch_size=3, seed=5).generate(
+        [p, p], {"temperature": 1.0, "max_tokens": 10})
     assert [c.token_ids for c in each] == [c.token_ids for c in shared] and each[0].token_ids != each[1].token_ids
 
 
@@ -201,11 +202,10 @@ def test_a_null_seed_in_params_keeps_the_run_seed():
     with None, so LLM(seed=5) drew what an LLM without a seed draws."""
     from specbatch import SamplingParams
 
-    run = LLM(device="cpu", seed=5)
     p, params = ["def f(x):"] * 2, {"temperature": 1.0, "max_tokens": 8}
-    want = [c.token_ids for c in run.generate(p, params)]
+    want = [c.token_ids for c in LLM(device="cpu", seed=5).generate(p, params)]
     for given in ({**params, "seed": None}, SamplingParams(**params), [{**params, "seed": None}] * 2):
-        assert [c.token_ids for c in run.generate(p, given)] == want
+        assert [c.token_ids for c in LLM(device="cpu", seed=5).generate(p, given)] == want   # each a first call
     assert [c.token_ids for c in LLM(device="cpu").generate(p, params)] != want
 
 
@@ -229,3 +229,19 @@ def test_multi_modal_data_is_refused_not_ignored(llm):
                           {"prompt": "Describe:", "multi_modal_data": {"image": "x.png"}}], {"max_tokens": 2})
     assert ok.error is None
     assert c.text is None and "field 'multi_modal_data': not supported by specbatch yet" in c.error
+
+
+def test_each_generate_call_draws_fresh_samples_and_a_rerun_the_same():
+    """As vLLM's generator moves on between calls: a pass@k loop of generate() calls without a
+    seed gets k samples, not one k times; a script run again (a new LLM) draws the same ones; a
+    request's own seed draws the same in every call."""
+    params = {"temperature": 1.0, "max_tokens": 10}
+
+    def three_calls(extra):
+        llm = LLM(device="cpu", seed=5)
+        return [llm.generate(["def f(x):"], {**params, **extra})[0].token_ids for _ in range(3)]
+
+    fresh = three_calls({})
+    assert len({tuple(t) for t in fresh}) == 3 and three_calls({}) == fresh
+    seeded = three_calls({"seed": 11})
+    assert seeded[0] == seeded[1] == seeded[2]
