@@ -113,7 +113,8 @@ class Column:
 COLUMNS: list[Column] = [
     Column("row", pa.int64(), lambda f: f.row, "0-based input row number"),
     Column("id", None, lambda f: f.id, "the row id (string or integer, as in the input)"),
-    Column("completion", pa.string(), lambda f: f.text, "generated text, special tokens skipped, cut before a matched stop string"),
+    Column("completion", pa.string(), lambda f: f.text,
+           "generated text, special tokens skipped, cut before a matched stop string (as vLLM writes it)"),
     Column("prompt_tokens", pa.int64(), lambda f: f.prompt_tokens, "prompt token count"),
     Column("completion_tokens", pa.int64(),
            lambda f: sum(c["completion_tokens"] for c in f.choices) if f.choices else len(f.output_ids),

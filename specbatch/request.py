@@ -37,6 +37,8 @@ class Request:
     histogram: list[int] = field(default_factory=list)   # histogram[i]: steps that accepted i drafts
     waited_for_pages: bool = False      # admission found its pages short at least once
     cached_rows: int = 0                # leading prompt positions found in the KV pool (prefill skips them)
+    text_context: tuple[list[int], str] | None = None   # StopChecker's cache: prompt tokens the text is decoded
+    # after, and their text
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -79,11 +81,15 @@ class StopChecker:
             # A stop string of L chars spans at most 4L byte-level tokens (4 bytes per char).
             window = req.output_ids[-(4 * longest + 4):]
             skip = p.skip_special_tokens
-            tail = self.tokenizer.decode(window, skip_special_tokens=skip)
+            at_start = len(window) == len(req.output_ids)     # the output's start reads after the prompt
+
+            def decode(ids: list[int]) -> str:
+                return self._decode(req, ids) if at_start else self.tokenizer.decode(ids, skip_special_tokens=skip)
+            tail = decode(window)
             hit = any(s in tail for s in p.stop)
             if hit and p.min_tokens > 0:
                 # Only a stop string ending in this token's text: one before min_tokens does not count.
-                prev = _unchanged(self.tokenizer.decode(window[:-1], skip_special_tokens=skip), tail)
+                prev = _unchanged(decode(window[:-1]), tail)
                 hit = any(s in tail[max(0, prev - len(s) + 1):] for s in p.stop)
             if hit:
                 req.stop_hit = True
@@ -101,17 +107,64 @@ class StopChecker:
         ids = req.output_ids
         if req.stop_token and not p.include_stop_str_in_output:
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
-        if req.stop_hit:
-            start = 0          # a stop string must end in text generated from min_tokens on
-            if p.min_tokens > 1:
-                start = _unchanged(self.tokenizer.decode(ids[: p.min_tokens - 1],
-                                                         skip_special_tokens=p.skip_special_tokens), text)
-            cuts = [(i, -len(s), s) for s in p.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
-            if cuts:
-                i, neg, reason = min(cuts)
-                text = text[: i - neg] if p.include_stop_str_in_output else text[:i]
+        text = self._decode(req, ids)
+        if not req.stop_hit:
+            return self._held_back(req, ids, text), reason
+        start = 0          # a stop string must end in text generated from min_tokens on
+        if p.min_tokens > 1:
+            start = _unchanged(self._decode(req, ids[: p.min_tokens - 1]), text)
+        cuts = [(i, -len(s), s) for s in p.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+        if cuts:
+            i, neg, reason = min(cuts)
+            text = text[: i - neg] if p.include_stop_str_in_output else text[:i]
         return text, reason
+
+    def _decode(self, req: Request, ids: list[int]) -> str:
+        """The text of output ids from the output's start, decoded after the prompt's last tokens as
+        vLLM's detokenizer reads them: a sentencepiece decoder strips the leading space of a text, so
+        the token ' Paris' decodes alone as 'Paris', where the completion of 'The capital is' is ' Paris'."""
+        skip = req.params.skip_special_tokens
+        if req.text_context is None:
+            context = prompt_context(self.tokenizer, req.prompt_ids)
+            req.text_context = (context, self.tokenizer.decode(context, skip_special_tokens=skip))
+        context, head = req.text_context
+        if context:
+            full = self.tokenizer.decode(context + ids, skip_special_tokens=skip)
+            # (not when the prompt ends inside a character the output completes, or a byte-fallback run
+            # spans both: the output's text alone then)
+            if full.startswith(head):
+                return full[len(head):]
+        return self.tokenizer.decode(ids, skip_special_tokens=skip)
+
+    def _held_back(self, req: Request, ids: list[int], text: str) -> str:
+        """`text` without what vLLM's detokenizer holds back, never to write it: the text of the last
+        tokens while it ends with U+FFFD (a character whose bytes have not all come, as when max_tokens
+        cuts one). A character spans at most 4 byte tokens; further back the U+FFFD is the model's
+        invalid bytes, and only the U+FFFD are dropped."""
+        k, out = len(ids), text
+        while out.endswith(REPLACEMENT) and k > 0:
+            if k <= len(ids) - _HOLD_BACK_MAX:
+                return text.rstrip(REPLACEMENT)
+            k -= 1
+            out = self._decode(req, ids[:k])
+        return out
+
+
+REPLACEMENT = "\ufffd"
+_HOLD_BACK_MAX = 8     # tokens walked back for a character's missing bytes (4 bytes, with room)
+
+
+def prompt_context(tokenizer: Detokenizer, prompt_ids: list[int]) -> list[int]:
+    """The prompt tokens vLLM's detokenizer primes its stream with: the shortest suffix of at least 4
+    tokens (up to 23) that decodes without U+FFFD, or the whole prompt (here its last 24 tokens: more
+    changes nothing the output decodes to)."""
+    if len(prompt_ids) <= 4:
+        return list(prompt_ids)
+    for i in range(4, min(len(prompt_ids) + 1, 24)):
+        suffix = list(prompt_ids[-i:])
+        if REPLACEMENT not in tokenizer.decode(suffix, skip_special_tokens=True):
+            return suffix
+    return list(prompt_ids[-24:])
 
 
 def _unchanged(before: str, after: str) -> int:

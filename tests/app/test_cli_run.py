@@ -109,7 +109,9 @@ def test_save_token_ids_and_keep_columns(ids_run, jsonl_run, tokenizer):
     assert [r["b"] for r in rows] == [f"b{i}" for i in range(N)]
     for r, ref in zip(rows, reference):
         assert len(r["output_token_ids"]) == r["completion_tokens"]
-        assert tokenizer.decode(r["output_token_ids"], skip_special_tokens=True) == r["completion"]
+        text = tokenizer.decode(r["output_token_ids"], skip_special_tokens=True)
+        # (a character cut by max_tokens is left out, as vLLM's detokenizer holds it back)
+        assert r["completion"] == text or (text.endswith("\ufffd") and text.startswith(r["completion"]))
         assert r["completion"] == ref["completion"]
 
 
