@@ -164,6 +164,19 @@ def completion_record(f: Finished, keep: Mapping[str, Any]) -> dict[str, Any]:
     return {**{c.name: c.value(f) for c in COLUMNS}, **keep}
 
 
+# What an error of the engine's own (not of the request) says after its row's place: an OpenAI
+# line answers such a row with a 500 server_error, which a client may retry, not a 400.
+ENGINE_FAILED = "the engine failed while generating this row"
+DEVICE_FAILED = "the device failed while this row ran alone"
+OUTPUT_FAILED = "its completion could not be turned into output"
+_ENGINE_FAULTS = (ENGINE_FAILED, DEVICE_FAILED, OUTPUT_FAILED)
+
+
+def engine_fault(error: str) -> bool:
+    """Whether a row's error reports the engine failing on it rather than the request being wrong."""
+    return any(f": {fault}" in error for fault in _ENGINE_FAULTS)
+
+
 def error_record(row: int, id: Any, error: str, keep: Mapping[str, Any], prompt_tokens: int = 0,
                  batch_line: bool | None = None) -> dict[str, Any]:
     """A row that could not run: its error, zero counts, no text or stats. `batch_line`: whether

@@ -104,6 +104,11 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "structural_tag": ("null", _empty),
     "logits_processors": ("null", _empty),
     "prompt_embeds": ("null", _empty),
+    # vLLM request extras: token ids in the response, ending a repetitive output early, custom
+    # logits-processor arguments (each changes what comes back)
+    "return_token_ids": ("false", _false),
+    "repetition_detection": ("null", _empty),
+    "vllm_xargs": ("null", _empty),
 }
 
 # Chat-template options of a messages row (vLLM's chat completion extras), passed to the

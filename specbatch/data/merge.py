@@ -225,7 +225,7 @@ def jsonl_lines(chunk: pa.Table, json_columns: Sequence[str], openai_model: str 
                 if r.get(c) is not None:
                     r[c] = json.loads(r[c])
             if openai_model is not None:
-                line = to_openai_line(r, openai_model)
+                line = to_openai_line(r, openai_model, r.pop(DIGEST_COLUMN, None))
                 line.update((c, r.get(c)) for c in keep_columns)
                 r = line
             lines.append(json.dumps(r, ensure_ascii=False, default=str))
@@ -257,6 +257,8 @@ def write_jsonl(f: BinaryIO, parts: Sequence[str], schema: pa.Schema, as_json: s
     -> (rows, bytes, blake2b hex of the bytes)."""
     out = HashingFile(f)
     count = 0
+    if openai_model is not None:              # the lines' ids take the input row's digest
+        schema = schema.append(pa.field(DIGEST_COLUMN, pa.binary()))
     for chunk in merge_chunks(parts, schema, as_json):
         for data in jsonl_lines(chunk, json_columns, openai_model, keep_columns):
             out.write(data)

@@ -12,9 +12,10 @@ asked for prompt_logprobs gets vLLM's extension: `[null, {"<token id>": {"logpro
 "decoded_token"}, ...}, ...]` per prompt token, the prompt's own token first, then the top ones
 (on the chat body, on each completions choice). A row that could not run is a line with a
 400 `response` (body {"error": {...}}, as vLLM's run-batch and OpenAI write a rejected request) and
-`error` {"code", "message"}. Speculation stats and the input row number ride
-along in the extra top-level field `specbatch` (ignored by OpenAI clients; a resume reads the row
-back from it). Ids are derived from the row and custom_id, so a rerun writes the same ids.
+`error` {"code", "message"}; a row the engine failed on, a 500 `server_error` (the request was not
+wrong). Speculation stats and the input row number ride along in the extra top-level field
+`specbatch` (ignored by OpenAI clients; a resume reads the row back from it). Ids are derived from
+the row, custom_id and the input row's bytes, so a rerun writes the same ids and another batch others.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Any
 from .. import records
 
 ERROR_CODE = "invalid_request"
+SERVER_ERROR = "server_error"
 OUTPUT_FORMATS = ("native", "openai", "auto")
 LINE_KEYS = ("id", "custom_id", "response", "error", "specbatch")     # what a kept column must not replace
 
@@ -53,15 +55,20 @@ def _hex(*parts: object, n: int = 24) -> str:
     return hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=16).hexdigest()[:n]
 
 
-def to_openai_line(rec: dict[str, Any], model: str) -> dict[str, Any]:
-    """A merged output row (native columns plus endpoint / request_model / created) as one line."""
+def to_openai_line(rec: dict[str, Any], model: str, digest: bytes | None = None) -> dict[str, Any]:
+    """A merged output row (native columns plus endpoint / request_model / created) as one line;
+    `digest`: its input row's (data/digests.py), in the ids, so that another batch's request with
+    the same custom_id at the same row gets other ids (clients key results by them), a rerun the same."""
     row, custom_id = rec["row"], (None if rec.get("id") is None else str(rec["id"]))   # a string, as OpenAI's
-    line: dict[str, Any] = {"id": f"batch_req_{_hex('batch', row, custom_id)}", "custom_id": custom_id}
+    salt = (digest or b"").hex()
+    line: dict[str, Any] = {"id": f"batch_req_{_hex('batch', row, custom_id, salt)}", "custom_id": custom_id}
     if rec.get("error"):        # a 400 response as vLLM's run-batch and OpenAI write it; the message in `error`
-        line.update(response={"status_code": 400, "request_id": f"req-{_hex('req', row, custom_id)}",
-                              "body": {"error": {"message": rec["error"], "type": "invalid_request_error",
-                                                 "param": None, "code": None}}},
-                    error={"code": ERROR_CODE, "message": rec["error"]})
+        # (the engine failing on the row is no fault of the request: a 500, as OpenAI reports a server error)
+        status, kind, code = ((500, SERVER_ERROR, SERVER_ERROR) if records.engine_fault(rec["error"])
+                              else (400, "invalid_request_error", ERROR_CODE))
+        line.update(response={"status_code": status, "request_id": f"req-{_hex('req', row, custom_id, salt)}",
+                              "body": {"error": {"message": rec["error"], "type": kind, "param": None, "code": None}}},
+                    error={"code": code, "message": rec["error"]})
     else:
         chat = rec.get("endpoint") == "chat"
         native = rec.get("choices") or [{"index": 0, "completion": rec.get("completion"),
@@ -85,13 +92,13 @@ def to_openai_line(rec: dict[str, Any], model: str) -> dict[str, Any]:
             choices.append(choice)
         usage = {"prompt_tokens": rec.get("prompt_tokens") or 0, "completion_tokens": rec.get("completion_tokens") or 0}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{_hex('body', row, custom_id)}",
+        body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{_hex('body', row, custom_id, salt)}",
                 "object": "chat.completion" if chat else "text_completion",
                 "created": rec.get("created") or 0, "model": rec.get("request_model") or model,
                 "choices": choices, "usage": usage}
         if chat and prompt_lps is not None:
             body["prompt_logprobs"] = prompt_lps
-        line.update(response={"status_code": 200, "request_id": f"req-{_hex('req', row, custom_id)}", "body": body},
+        line.update(response={"status_code": 200, "request_id": f"req-{_hex('req', row, custom_id, salt)}", "body": body},
                     error=None)
     line["specbatch"] = {"row": row, "spec": rec.get("spec"), "batch_line": bool(rec.get("batch_line"))}
     if rec.get("output_token_ids") is not None:

@@ -31,6 +31,7 @@ class StdoutWriter:
         self.stream = stream or sys.stdout.buffer
         self.done_rows = RowSet()
         self._pending: dict[int, dict] = {}
+        self._digests: dict[int, bytes] = {}
         self._next = 0
         self.count = 0
 
@@ -45,6 +46,7 @@ class StdoutWriter:
 
     def add(self, record: dict, digest: bytes = b"") -> None:
         self._pending[record["row"]] = record
+        self._digests[record["row"]] = digest          # in an OpenAI line's ids, as the file writer's
         if self.output_format == "auto":
             row = self._next
             while row in self._pending and self._pending[row].get("batch_line") is None:
@@ -68,9 +70,10 @@ class StdoutWriter:
             if rec.get(name) is not None:
                 out[name] = rec[name]
         if self.output_format == "openai":
-            out = to_openai_line({**rec, **out}, self.model_name)
+            out = to_openai_line({**rec, **out}, self.model_name, self._digests.get(rec["row"]))
         out.update((c, rec.get(c)) for c in self.keep_columns)
         self.stream.write((json.dumps(out, ensure_ascii=False, default=str) + "\n").encode("utf-8"))
+        self._digests.pop(rec["row"], None)
         self.count += 1
 
     @property

@@ -420,15 +420,20 @@ class OutputWriter:
     # ---- final merge ---------------------------------------------------
 
     def _openai_output(self, parts: list[str]) -> bool:
-        """Whether the final file is OpenAI batch lines: asked for, or "auto" and the job's rows
-        are OpenAI batch lines (any row is: a malformed first line does not change the format)."""
+        """Whether the final file is OpenAI batch lines: asked for, or "auto" and the first row
+        whose form is known is an OpenAI batch line (a malformed line's is not), as `-o -` decides."""
         if self.output_format != "auto":
             return self.output_format == "openai"
+        first: tuple[int, bool] | None = None
         for p in parts:
-            if "batch_line" in pq.read_schema(p).names:
-                if pq.read_table(p, columns=["batch_line"]).column("batch_line").to_pylist().count(True):
-                    return True
-        return False
+            if "batch_line" not in pq.read_schema(p).names:
+                continue
+            t = pq.read_table(p, columns=["row", "batch_line"])
+            known = [(r, b) for r, b in zip(t.column("row").to_pylist(), t.column("batch_line").to_pylist())
+                     if b is not None]
+            if known:
+                first = min([*known, *([first] if first else [])])
+        return bool(first and first[1])
 
     @staticmethod
     def _any_set(parts: list[str], column: str) -> bool:

@@ -29,7 +29,7 @@ from ..models.llama import CausalLM, fuse_projections
 from ..models.loader import load_target
 from ..models.mtp import MTPLayer
 from ..prompts import exception_line, load_tokenizer
-from ..records import error_record
+from ..records import OUTPUT_FAILED, error_record
 from ..request import Request, StopChecker
 from ..runtime.kv_cache import PagedKVCache
 from ..runtime.pages import Grant, PageAllocator
@@ -413,9 +413,8 @@ class Engine:
             try:
                 rec = self.rows.record(req) if group is None else self.rows.group_record(group)
             except Exception as e:  # noqa: BLE001 - building one row's output fails that row alone
-                rec = error_record(item.row, item.id, f"{item.place}: its completion could "
-                                   f"not be turned into output ({exception_line(e)})", item.keep,
-                                   prompt_tokens=len(req.prompt_ids), batch_line=item.batch_line)
+                rec = error_record(item.row, item.id, f"{item.place}: {OUTPUT_FAILED} ({exception_line(e)})",
+                                   item.keep, prompt_tokens=len(req.prompt_ids), batch_line=item.batch_line)
             yield rec
 
     # ---- prefill ------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 
 from ..data import RowRequest
 from ..prompts import exception_line
-from ..records import error_record
+from ..records import DEVICE_FAILED, ENGINE_FAILED, error_record
 
 STRIKES = 3     # rows failing alone one after another, none finishing between them: the engine's fault
 IDLE = object()  # the job loop to `vouched`: a live feed has nothing ready and nothing runs
@@ -87,14 +87,14 @@ def warn_failure(e: BaseException, rows: int) -> None:
 
 
 def failed_alone(item: RowRequest, e: BaseException) -> FailedAlone:
-    return FailedAlone(error_record(item.row, item.id, f"{item.place}: the engine failed while generating this row, "
+    return FailedAlone(error_record(item.row, item.id, f"{item.place}: {ENGINE_FAILED}, "
                                     f"and again when it ran alone ({exception_line(e)}); the other rows ran without it",
                                     item.keep, batch_line=item.batch_line), e)
 
 
 def device_failed_alone(item: RowRequest, cause: str) -> dict[str, Any]:
     """The error record of a row that brought the device down running alone (job.py, workers.py)."""
-    return error_record(item.row, item.id, f"{item.place}: the device failed while this row ran alone ({cause}); "
+    return error_record(item.row, item.id, f"{item.place}: {DEVICE_FAILED} ({cause}); "
                         "it was left out", item.keep, batch_line=item.batch_line)
 
 

@@ -69,3 +69,23 @@ def test_a_row_that_brings_the_device_down_costs_reruns_not_the_job(tmp_path, ti
     assert sorted(got) == list(range(10)) and "ran alone" in got[6]["error"]
     assert all(got[i]["completion"] == want[i] and got[i]["error"] is None for i in got if i != 6)
     assert not (tmp_path / "o.jsonl.parts").exists()
+
+
+def test_an_openai_line_the_engine_failed_on_is_a_server_error_not_a_bad_request(tmp_path, tiny_model, monkeypatch):
+    """Review repro: a batch line the engine failed on was written as a 400 invalid_request_error,
+    the answer to a request that is wrong, which a client does not retry; the engine's failure is
+    a 500 server_error (as OpenAI reports one), and a bad field stays a 400."""
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": f"row {i}", "max_tokens": 3}} for i in range(4)]
+    lines[3]["body"]["use_beam_search"] = True
+    inp, out = tmp_path / "batch.jsonl", tmp_path / "o.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    _plant(monkeypatch, lambda row: row == 1)
+    ok("run", inp, "-o", out, "--model", tiny_model, "--batch-size", 4, "--device", "cpu", "-q")
+    got = {x["custom_id"]: x for x in map(json.loads, open(out))}
+    assert got["c0"]["response"]["status_code"] == got["c2"]["response"]["status_code"] == 200
+    failed, bad = got["c1"], got["c3"]
+    assert failed["response"]["status_code"] == 500 and failed["error"]["code"] == "server_error"
+    assert failed["response"]["body"]["error"]["type"] == "server_error"
+    assert "the engine failed while generating this row" in failed["error"]["message"]
+    assert bad["response"]["status_code"] == 400 and bad["response"]["body"]["error"]["type"] == "invalid_request_error"

@@ -242,3 +242,35 @@ def test_a_batch_whose_every_request_is_rejected_still_gets_openai_lines(tiny_mo
     for lines in (consume(out), consume(r.stdout)):
         assert [ln.custom_id for ln in lines] == ["req-0", "req-1"]
         assert all(ln.response.status_code == 400 and "response_format" in ln.error.message for ln in lines)
+
+
+def test_auto_follows_the_first_row_of_known_form_in_a_file_as_on_stdout(tiny_model, tmp_path):
+    """Review repro: a plain row first, then an OpenAI batch line. `-o -` wrote native rows (the
+    first row of known form decides "auto") while the file wrote OpenAI lines (any batch line
+    decided it): the same command gave two formats."""
+    inp = tmp_path / "mixed.jsonl"
+    inp.write_text(json.dumps({"id": "p", "prompt": "def f(x):", "max_tokens": 2}) + "\n"
+                   + json.dumps(_batch(1, "completion")) + "\n")
+    out = tmp_path / "mixed.out.jsonl"
+    ok("run", inp, "-o", out, *_args(tiny_model))
+    r = ok("run", inp, "-o", "-", *_args(tiny_model))
+    for text in (out.read_text(), r.stdout):
+        lines = [json.loads(x) for x in text.splitlines()]
+        assert [ln.get("row") for ln in lines] == [0, 1] and all("custom_id" not in ln for ln in lines)
+
+
+@pytest.mark.parametrize("dest", ["-", "file"])
+def test_two_batches_reusing_custom_ids_get_different_ids(tiny_model, tmp_path, dest):
+    """Review repro: ids were a hash of (row, custom_id) alone, so two batches numbering their
+    requests alike ("request-1", ...) got the same line id, request_id and completion id for
+    different requests (results keyed by id overwrote each other); a rerun still writes the same."""
+    ids = []
+    for name, prompt in (("a", "def f(x):"), ("b", "import os"), ("a", "def f(x):")):
+        inp = tmp_path / f"{name}.jsonl"
+        inp.write_text(json.dumps({**_batch(1, "completion"), "body": {"prompt": prompt, "max_tokens": 2}}) + "\n")
+        out = tmp_path / f"{name}-{len(ids)}.out.jsonl"
+        r = ok("run", inp, "-o", "-" if dest == "-" else out, *_args(tiny_model))
+        (line,) = consume(r.stdout if dest == "-" else out)
+        ids.append((line.id, line.response.request_id, line.response.body["id"]))
+    assert ids[0] == ids[2]
+    assert all(x != y for x, y in zip(ids[0], ids[1]))

@@ -24,6 +24,8 @@ NON_DEFAULT = {
     "multi_modal_data": {"image": "x.png"},
     "return_tokens_as_token_ids": True, "detokenize": False, "structural_tag": {"type": "x"},
     "logits_processors": ["my.module:Proc"], "prompt_embeds": "AAAA",
+    # vLLM's request extras that change the response or the generation (review: they were dropped silently)
+    "return_token_ids": True, "repetition_detection": {"max_pattern_size": 4}, "vllm_xargs": {"k": 1},
 }
 DEFAULTS = {
     "n": 1, "best_of": None, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0.0,
@@ -33,6 +35,7 @@ DEFAULTS = {
     "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "echo": False, "suffix": "", "stream": False, "stream_options": None, "modalities": ["text"],
     "reasoning_effort": None, "prompt_logprobs": None, "return_tokens_as_token_ids": False, "detokenize": True,
+    "return_token_ids": False, "repetition_detection": None, "vllm_xargs": {},
     "add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {},
 }
 
