@@ -13,7 +13,7 @@ device (MAX_RESTARTS a device; a job fails only when no worker is left, after co
 finished). A worker whose device failed (engine.failures.DeviceFailed)
 names the rows it had in flight: each then runs alone on one worker, and one that brings a device
 down alone is written as its error. A row that failed alone in a worker's engine is held here
-until that engine finishes a row after it; STRIKES of them in a row stop the worker (its engine
+until that engine finishes a row after it; STRIKES of them in a row end the worker (its engine
 is at fault, not the rows) and they run elsewhere, as its other rows do. Workers die with the
 parent (PR_SET_PDEATHSIG, and a watch on the parent's pid), so a killed parent leaves no orphan
 engines; the rerun resumes.
@@ -109,7 +109,7 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
         if spec.threads:
             torch.set_num_threads(spec.threads)
         from .engine import WAIT
-        from .engine.failures import IDLE, FailedAlone
+        from .engine.failures import IDLE, FailedAlone, Vouching
         from .llm import LLM
         from .prompts import exception_line
 
@@ -143,10 +143,16 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
                 else:
                     pending.extend(msg)
 
-        for rec in llm.stream(feed(), vouch=False):      # the parent vouches (a row that failed alone)
+        # the parent holds a row that failed alone until this engine finishes one; the strikes are
+        # counted here: the third in a row ends this worker (EngineFailed), its rows run elsewhere
+        strikes = Vouching()
+        for rec in llm.stream(feed(), vouch=False):
             if isinstance(rec, FailedAlone):
+                strikes.failed(None, rec.error)
                 outbox.send(("failed_alone", wid, (rec.record, exception_line(rec.error))))
             elif rec is not IDLE:
+                if rec["error"] is None:
+                    strikes.finished()
                 outbox.send(("rec", wid, rec))
         from .stats import peak_memory
 
@@ -164,12 +170,6 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
         except OSError:
             pass
         sys.exit(1)
-
-
-def _vouching() -> Any:
-    from .engine.failures import Vouching      # torch: not imported before a worker is
-
-    return Vouching()
 
 
 @dataclass
@@ -192,7 +192,7 @@ class _Worker:
     in_flight: list[int] | None = None   # the rows its engine had in flight when its device failed
     alone: int | None = None         # the one row it was given to run alone (a suspect)
     draining: bool = False           # takes no rows but suspects, one at a time, once empty
-    vouching: Any = field(default_factory=lambda: _vouching())   # (item, record)s of rows that failed alone in it
+    unvouched: list[tuple[Any, dict]] = field(default_factory=list)   # (row, record): failed alone in it, held
 
 
 class WorkerPool:
@@ -288,7 +288,7 @@ class WorkerPool:
                 if exhausted and not redo and not alone and not any(w.held for w in self.workers):
                     for w in self.workers:
                         if not w.dead:
-                            yield from self._deliver(w, [rec for _, rec in w.vouching.release()])
+                            yield from self._deliver(w, self._release(w))
                     for w in live:
                         w.inbox.put(None)
                         w.ended = True
@@ -334,47 +334,43 @@ class WorkerPool:
                 except (EOFError, OSError):
                     self._bury(w, redo, out)
                     break
-                self._heard(w, kind, payload, redo, out)
+                self._heard(w, kind, payload, out)
         for w in list(self.workers):          # (a burial may add a worker)
             if not w.dead and not w.done and not w.proc.is_alive() and not w.reader.poll():
                 self._bury(w, redo, out)
         return redo
 
-    def _heard(self, w: _Worker, kind: str, payload: Any, redo: list, out: list) -> None:
-        """One message of worker `w`."""
-        from .engine.failures import EngineFailed
-
+    def _heard(self, w: _Worker, kind: str, payload: Any, out: list) -> None:
+        """One message of worker `w`. A row that failed alone in it is held (`unvouched`) until its
+        engine finishes a row after it, or the job ends; the worker ends itself on its third in a
+        row (EngineFailed), and _bury hands the held rows to the others."""
         if kind == "ready":
             w.ready, w.stats = True, dict(payload)
             w.cap = max(8, 2 * int(payload.get("slots", 32)) + 8)
         elif kind in ("rec", "failed_alone"):
-            rec, line = payload if kind == "failed_alone" else (payload, "")
+            rec, _ = payload if kind == "failed_alone" else (payload, "")
             item = w.held.pop(rec["row"], None)
             if w.alone == rec["row"]:
                 w.alone = None
-            if kind == "rec":
-                vouched = w.vouching.finished() if rec["error"] is None else []
-                out.extend(self._deliver(w, [r for _, r in vouched] + [rec]))
+            if kind == "failed_alone":
+                w.unvouched.append((item, rec))
                 return
-            try:
-                w.vouching.failed((item, rec), line)
-            except EngineFailed as e:        # its engine is at fault: its rows run elsewhere
-                for held_item, _ in w.vouching.release() + [(item, rec)]:
-                    if held_item is not None:
-                        w.held[held_item.row] = held_item
-                self.last_error = w.error = f"{w.device}: stopped: {e}"
-                self.errors.append(w.error)
-                w.proc.terminate()
-                self._bury(w, redo, out)
+            vouched = self._release(w) if rec["error"] is None else []
+            out.extend(self._deliver(w, vouched + [rec]))
         elif kind == "done":
             w.done = True
             w.stats.update(payload)
-            out.extend(self._deliver(w, [r for _, r in w.vouching.release()]))
+            out.extend(self._deliver(w, self._release(w)))
         elif kind == "in_flight":
             w.in_flight = list(payload)
         elif kind == "error":
             self.last_error = w.error = payload
             self.errors.append(payload)
+
+    @staticmethod
+    def _release(w: _Worker) -> list[dict[str, Any]]:
+        held, w.unvouched = w.unvouched, []
+        return [rec for _, rec in held]
 
     def _deliver(self, w: _Worker, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """`records` of worker `w` not delivered before (a row redone elsewhere is delivered once)."""
@@ -385,9 +381,10 @@ class WorkerPool:
 
     def _bury(self, w: _Worker, redo: list, out: list) -> None:
         w.dead = True
-        for item, _ in w.vouching.release():     # rows that failed alone in it, not vouched for: run elsewhere
+        for item, _ in w.unvouched:           # rows that failed alone in it, not vouched for: run elsewhere
             if item is not None:
                 w.held.setdefault(item.row, item)
+        w.unvouched = []
         if not w.error:                      # its own report, else how it ended
             w.proc.join(timeout=1)           # its pipe closed first: reap it for the exit code
             code = w.proc.exitcode

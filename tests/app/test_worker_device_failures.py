@@ -3,7 +3,7 @@ A row that brings its worker's device down (a CUDA error): the rows that worker 
 alone on one worker; the row that fails alone is written as its error; new workers replace the
 dead, and every other row comes out as one clean process writes it. A row whose prefill raises
 (the worker goes on) is its error once its worker finished another row. An engine that fails on
-every row writes no row as an error: each worker is stopped on its third, the job on the last."""
+every row writes no row as an error: each worker ends on its third, the job with the last."""
 from __future__ import annotations
 
 import pytest
@@ -44,9 +44,10 @@ def test_workers_failing_on_every_row_write_no_row_as_its_error(tmp_path, tiny_m
     out = tmp_path / "o.jsonl"
     run = run_cli(inp, out, tiny_model, "cpu", "--workers", "2", planted=planted)
     assert run.returncode == 2, run.stderr
-    assert "stopped: the engine failed on 3 rows one after another" in run.stderr, run.stderr
+    assert "EngineFailed: the engine failed on 3 rows one after another" in run.stderr, run.stderr
     assert "restart 3 of 3" in run.stderr and "Traceback" not in run.stderr, run.stderr
-    assert run.stderr.strip().splitlines()[-1].startswith("error: every worker died"), run.stderr
+    # (Python's resource tracker may warn after it, at the interpreter's exit)
+    assert any(line.startswith("error: every worker died") for line in run.stderr.splitlines()), run.stderr
     assert not out.exists() or all(r["error"] is None for r in completions(out).values())
     rerun = run_cli(inp, out, tiny_model, "cpu", "--workers", "2")
     assert rerun.returncode == 0, rerun.stderr

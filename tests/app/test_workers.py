@@ -236,8 +236,9 @@ def test_a_device_failure_makes_suspects_and_one_alone_is_the_error(capsys):
 def test_rows_that_failed_alone_wait_for_their_worker_to_finish_a_row(capsys):
     """A row that failed alone in a worker is written once that worker's engine finishes a row
     after it, or when the job ends; its hands are free meanwhile (a draining worker takes the next
-    suspect). The third in a row, none finishing between, stops the worker: its engine is at
-    fault, and those rows run elsewhere instead of being written as errors one by one."""
+    suspect). A worker that ends (its engine failed on a third in a row: EngineFailed) hands the
+    rows it held that way to the others, with the rest it held, instead of their being written as
+    errors."""
     from specbatch.data import RowRequest
     from specbatch.records import error_record
     from specbatch.workers import WorkerPool, _Worker
@@ -257,24 +258,25 @@ def test_rows_that_failed_alone_wait_for_their_worker_to_finish_a_row(capsys):
         proc=Proc(), inbox=Inbox(), reader=None, device="cuda:0", wid=wid, restarts=restarts)
     w = _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:0", held=dict(rows), ready=True)
     pool.workers = [w, _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:1", ready=True)]
-    out, redo = [], []
+    out = []
     for kind, payload in (failed(0), failed(1)):
-        pool._heard(w, kind, payload, redo, out)
+        pool._heard(w, kind, payload, out)
     assert out == [] and 0 not in w.held and 1 not in w.held and not pool.delivered
-    pool._heard(w, *ok(2), redo, out)
+    pool._heard(w, *ok(2), out)
     assert [(r["row"], r["error"] is None) for r in out] == [(0, False), (1, False), (2, True)]
     out.clear()
-    pool._heard(w, *failed(3), redo, out)
-    pool._heard(w, "done", {}, redo, out)                 # the job ended: what it held is written
+    pool._heard(w, *failed(3), out)
+    pool._heard(w, "done", {}, out)                     # the job ended: what it held is written
     assert [r["row"] for r in out] == [3] and pool.delivered == {0, 1, 2, 3}
 
     w = _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:0", held=dict(rows), ready=True)
-    pool.workers[0], out = w, []
-    for i in (4, 5, 6):
-        pool._heard(w, *failed(i), redo, out)
-    assert out == [] and w.dead and w.proc.terminated and spawned == [0]
+    pool.workers[0], out, redo = w, [], []
+    for i in (4, 5):
+        pool._heard(w, *failed(i), out)
+    pool._heard(w, "error", "cuda:0: EngineFailed: the engine failed on 3 rows one after another", out)
+    pool._bury(w, redo, out)                            # it ended itself on the third (row 6)
+    assert out == [] and w.dead and spawned == [0] and not w.unvouched
     assert sorted(r.row for r in redo) == list(range(8)) and not pool.delivered & {4, 5, 6}
-    assert "stopped: the engine failed on 3 rows one after another" in pool.last_error
     assert "its 8 unfinished rows go to the other workers" in capsys.readouterr().err
 
 
