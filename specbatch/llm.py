@@ -132,6 +132,8 @@ class LLM:
         params = params.to_dict() if isinstance(params, SamplingParams) else dict(params)
         if "seed" in params and params["seed"] is None:     # no seed of its own: the run seed stays
             del params["seed"]
+        if "max_tokens" in params and params["max_tokens"] is None:    # as vLLM's: up to the context
+            params["max_tokens"] = self.engine.max_len
         return self.recipe.with_overrides(sampling=params).sampling
 
     def stream(self, rows: Iterable[RowRequest | RowError],

@@ -245,3 +245,15 @@ def test_each_generate_call_draws_fresh_samples_and_a_rerun_the_same():
     assert len({tuple(t) for t in fresh}) == 3 and three_calls({}) == fresh
     seeded = three_calls({"seed": 11})
     assert seeded[0] == seeded[1] == seeded[2]
+
+
+def test_max_tokens_none_runs_to_the_context_as_vllms_does():
+    """vLLM's SamplingParams(max_tokens=None) generates until the context is full (or a stop); it
+    was refused as 'expected an integer', naming a recipe file the user never wrote."""
+    from specbatch import SamplingParams
+
+    llm = LLM(device="cpu", max_model_len=64)
+    for params in (SamplingParams(max_tokens=None, ignore_eos=True), {"max_tokens": None, "ignore_eos": True},
+                   [{"max_tokens": None, "ignore_eos": True}]):
+        (c,) = llm.generate(["def f():"], params)
+        assert c.error is None and c.finish_reason == "length" and c.prompt_tokens + c.completion_tokens == 64
