@@ -5,7 +5,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.console import Console
@@ -14,6 +14,9 @@ from rich.table import Table
 
 from . import algorithms
 from .progress import ProgressView, print_summary           # torch-free: the help strings that name algorithms and drafters
+
+if TYPE_CHECKING:
+    from .resolve import DeviceLost
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Offline batch generation with speculative decoding.")
@@ -30,14 +33,14 @@ def _fail(message: str, code: int = EXIT_USAGE) -> None:
     raise typer.Exit(code)
 
 
-def _restart(e: Exception) -> None:
+def _restart(e: DeviceLost) -> None:
     """A device failure ends this process, not the job: the same command starts again in a fresh
     process (exec: the same pid, terminal and arguments, a fresh CUDA context), which resumes and
     goes past the failing row (job.py), up to MAX_RESTARTS times a command. Returns if it may not."""
     from .workers import MAX_RESTARTS
 
     done = int(os.environ.get(RESTART_ENV) or 0)
-    if not getattr(e, "restartable", False) or done >= MAX_RESTARTS:
+    if not e.restartable or done >= MAX_RESTARTS:
         return
     err.print(f"[yellow]warning:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
     err.print(f"specbatch: the same command starts again in a fresh process to resume "
@@ -148,7 +151,7 @@ def run(
     import signal
 
     from .data import InputError, OutputError
-    from .job import JobError, JobOptions, check_stats_path, run_job
+    from .job import DeviceLost, JobError, JobOptions, check_stats_path, run_job
     from .models.config import ModelError
     from .params import check_logprobs_mode
     from .recipe import RecipeError, load_recipe
@@ -195,7 +198,7 @@ def run(
         with view:
             summary = run_job(input, rec, opts, progress=view.update)
     except JobError as e:
-        if getattr(e, "hard_exit", False):      # the CUDA context failed: its teardown may abort the exit
+        if isinstance(e, DeviceLost) and e.hard_exit:   # the CUDA context failed: its teardown may abort the exit
             _restart(e)
             err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             sys.stdout.flush()

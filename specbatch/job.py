@@ -20,8 +20,8 @@ from .resolve import DEMO_DIR, DeviceLost, JobError, describe_draft, resolve_dra
 from .stats import RunStats
 from .workers import WorkerError
 
-__all__ = ["DEMO_DIR", "JobError", "JobOptions", "check_stats_path", "describe_draft", "fingerprint",
-           "resolve_draft", "resolve_model", "run_job", "spec_config"]
+__all__ = ["DEMO_DIR", "DeviceLost", "JobError", "JobOptions", "check_stats_path", "describe_draft",
+           "fingerprint", "resolve_draft", "resolve_model", "run_job", "spec_config"]
 
 
 @dataclass

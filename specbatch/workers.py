@@ -111,7 +111,6 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
         from .engine import WAIT
         from .engine.failures import IDLE, FailedAlone, Vouching
         from .llm import LLM
-        from .prompts import exception_line
 
         t0 = time.perf_counter()
         llm = LLM(recipe=spec.recipe, device=spec.device, eager=spec.eager, bucket=spec.bucket,
@@ -149,7 +148,7 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
         for rec in llm.stream(feed(), vouch=False):
             if isinstance(rec, FailedAlone):
                 strikes.failed(None, rec.error)
-                outbox.send(("failed_alone", wid, (rec.record, exception_line(rec.error))))
+                outbox.send(("failed_alone", wid, rec.record))
             elif rec is not IDLE:
                 if rec["error"] is None:
                     strikes.finished()
@@ -192,7 +191,7 @@ class _Worker:
     in_flight: list[int] | None = None   # the rows its engine had in flight when its device failed
     alone: int | None = None         # the one row it was given to run alone (a suspect)
     draining: bool = False           # takes no rows but suspects, one at a time, once empty
-    unvouched: list[tuple[Any, dict]] = field(default_factory=list)   # (row, record): failed alone in it, held
+    unvouched: list[tuple[Any, dict]] = field(default_factory=list)   # (row given, record): failed alone in it
 
 
 class WorkerPool:
@@ -347,16 +346,15 @@ class WorkerPool:
         if kind == "ready":
             w.ready, w.stats = True, dict(payload)
             w.cap = max(8, 2 * int(payload.get("slots", 32)) + 8)
-        elif kind in ("rec", "failed_alone"):
-            rec, _ = payload if kind == "failed_alone" else (payload, "")
-            item = w.held.pop(rec["row"], None)
-            if w.alone == rec["row"]:
+        elif kind in ("rec", "failed_alone"):       # payload: the row's record
+            item = w.held.pop(payload["row"], None)
+            if w.alone == payload["row"]:
                 w.alone = None
             if kind == "failed_alone":
-                w.unvouched.append((item, rec))
+                w.unvouched.append((item, payload))
                 return
-            vouched = self._release(w) if rec["error"] is None else []
-            out.extend(self._deliver(w, vouched + [rec]))
+            vouched = self._release(w) if payload["error"] is None else []
+            out.extend(self._deliver(w, vouched + [payload]))
         elif kind == "done":
             w.done = True
             w.stats.update(payload)

@@ -98,26 +98,25 @@ def device_failed_alone(item: RowRequest, cause: str) -> dict[str, Any]:
                         "it was left out", item.keep, batch_line=item.batch_line)
 
 
-def engine_failed(error: BaseException | str) -> EngineFailed:
-    line = error if isinstance(error, str) else exception_line(error)
+def engine_failed(e: BaseException) -> EngineFailed:
     return EngineFailed(f"the engine failed on {STRIKES} rows one after another, each run alone, with no row "
-                        f"finishing between them ({line}): the fault is not the rows'")
+                        f"finishing between them ({exception_line(e)}): the fault is not the rows'")
 
 
 class Vouching:
     """Rows that failed alone, held until a row finishes after them on the same engine (it works:
     the rows are at fault) or their caller lets them go (the input ended); STRIKES of them in a
-    row, none finishing between them, raise EngineFailed. `vouched` keeps one for a job loop; the
-    worker pool one per worker (workers.py)."""
+    row, none finishing between them, raise EngineFailed. `vouched` keeps one for a job loop; a
+    pool's worker one for its strikes alone (the parent holds its rows: workers.py)."""
 
     def __init__(self) -> None:
         self.held: list[Any] = []
         self.strikes = 0
 
-    def failed(self, held: Any, error: BaseException | str) -> None:
+    def failed(self, held: Any, error: BaseException) -> None:
         self.strikes += 1
         if self.strikes >= STRIKES:
-            raise engine_failed(error) from (error if isinstance(error, BaseException) else None)
+            raise engine_failed(error) from error
         self.held.append(held)
 
     def finished(self) -> list[Any]:

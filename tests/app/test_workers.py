@@ -246,7 +246,7 @@ def test_rows_that_failed_alone_wait_for_their_worker_to_finish_a_row(capsys):
     rows = {i: RowRequest(row=i, id=f"q{i}", prompt="x", where=f"in.jsonl:{i + 1}") for i in range(8)}
 
     def failed(i):
-        return ("failed_alone", (error_record(i, f"q{i}", f"in.jsonl:{i + 1}: failed alone", {}), "RuntimeError: x"))
+        return ("failed_alone", error_record(i, f"q{i}", f"in.jsonl:{i + 1}: failed alone", {}))
 
     def ok(i):
         return ("rec", {**error_record(i, f"q{i}", "", {}), "error": None, "completion": "fine"})
