@@ -317,6 +317,8 @@ def bench(
     output_max: int = typer.Option(768, min=1, help="--job: longest output (clip)."),
     slots: Optional[int] = typer.Option(None, min=1, help="--job: engine slots (default: the recipe's, else from memory)."),
     shared_prefix: int = typer.Option(0, min=0, help="--job: every prompt begins with the same N tokens (an instruction all rows share), before its own lognormal part."),
+    max_tokens_factor: float = typer.Option(1.0, min=1.0, help="--job: rows ask for F x their output length as max_tokens and end at their length by EOS (min_tokens and an EOS logit bias: the processors' cost rides along), as generous max_tokens meet EOS in runs."),
+    reserve_too: bool = typer.Option(False, "--reserve-too", help="--job: also run each recipe with admission reserving every row's prompt + max_tokens up front (no preemption; default: pages as rows write), on the same engine."),
 ) -> None:
     """Measure recipes over the same prompts at a sweep of batch sizes, against the memory-bandwidth
     floor; with --job, whole jobs on a length mix against the job's floor."""
@@ -335,6 +337,7 @@ def bench(
     if not job:
         asked = [flag for flag, on in (("--fixed-width", fixed_width), ("--arrival-order-too", arrival_order_too),
                                        ("--every-size-too", every_size_too), ("--shared-prefix", shared_prefix > 0),
+                                       ("--max-tokens-factor", max_tokens_factor != 1.0), ("--reserve-too", reserve_too),
                                        ("--slots", slots is not None)) if on]
         if asked:
             _fail(f"{asked[0]} applies to whole jobs only: add --job")
@@ -359,6 +362,7 @@ def bench(
             prompt_len=prompt_len, prompts=prompts, max_tokens=max_tokens, dtype=dtype, device=device,
             graphs=not eager, separate_graphs=separate_graphs, hf=not no_hf, hf_max_batch=hf_max_batch, max_model_len=max_model_len,
             fixed_width=fixed_width, arrival_order_too=arrival_order_too, every_size_too=every_size_too,
+            reserve_too=reserve_too,
             simulate_acceptance=parse_list(simulate_acceptance, float, "--simulate-acceptance")
             if simulate_acceptance else None)
         if job:
@@ -366,7 +370,8 @@ def bench(
 
             mix = JobMix(requests=requests, prompt_median=prompt_median, prompt_sigma=prompt_sigma,
                          prompt_max=prompt_max, output_median=output_median, output_sigma=output_sigma,
-                         output_max=output_max, slots=slots, shared_prefix=shared_prefix)
+                         output_max=output_max, slots=slots, shared_prefix=shared_prefix,
+                         max_tokens_factor=max_tokens_factor)
             result = run_job_bench(opts, mix, log)
         else:
             result = run_bench(opts, log)

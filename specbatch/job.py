@@ -246,6 +246,7 @@ class _Runner:
                         **{k: sum(w.get(k, 0) for w in per) for k in FailureCounts().facts()},
                         prompt_tokens_admitted=sum(w.get("prompt_tokens_admitted", 0) for w in per),
                         prompt_tokens_cached=sum(w.get("prompt_tokens_cached", 0) for w in per),
+                        **{k: sum(w.get(k, 0) for w in per) for k in ("preempted", "preemptions", "recomputed_tokens")},
                         kv_rows=min((w.get("kv_rows", 0) for w in per), default=0),
                         peak_memory_bytes=max((w.get("peak_memory_bytes", 0) for w in per), default=0),
                         verify_widths=dict(sorted(widths.items())))

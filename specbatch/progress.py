@@ -125,6 +125,10 @@ def print_summary(err: Console, s: dict[str, Any]) -> None:
     if s.get("waited_for_pages"):                     # admission control, never out of memory
         pool = f" (KV pool: {s['kv_rows']:,} rows)" if s.get("kv_rows") else ""
         rows.append(("waited for KV pages", f"{s['waited_for_pages']} requests waited in the queue until pages freed{pool}"))
+    if s.get("preempted"):                            # the pool ran short mid-run: recompute, never lost
+        rows.append(("preempted", f"{s['preempted']} requests gave their KV pages back when the pool ran short "
+                                  f"({s['preemptions']} times) and resumed by recompute "
+                                  f"({s['recomputed_tokens']:,} tokens prefilled again)"))
     if s.get("engine_failures"):                      # failed steps survived (engine/failures.py)
         rows.append(("engine failures", f"{s['engine_failures']} survived: {s['rows_rerun']} rows in flight rerun "
                                         f"apart, {s['rows_failed_alone']} failed alone (error rows)"))

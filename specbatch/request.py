@@ -36,12 +36,20 @@ class Request:
     accepted_tokens: int = 0            # draft tokens accepted
     histogram: list[int] = field(default_factory=list)   # histogram[i]: steps that accepted i drafts
     waited_for_pages: bool = False      # admission found its pages short at least once
+    preempted: int = 0                  # times its pages were taken back mid-run (it then resumes by recompute)
+    admitted_at: int = 0                # admission order: the latest admitted is preempted first
     cached_rows: int = 0                # leading prompt positions found in the KV pool (prefill skips them)
     text_context: tuple[list[int], str] | None = None   # StopChecker's cache: prompt tokens the text is decoded
     # after, and their text
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def context_ids(self) -> list[int]:
+        """The tokens a prefill computes: the prompt, and for a request resumed after preemption
+        what it had generated (the next token follows them)."""
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
 
     @property
     def finished(self) -> bool:

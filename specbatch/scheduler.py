@@ -22,6 +22,7 @@ class _Entry(Generic[R]):
     length: int
     order: int  # arrival number, for FIFO ties
     skips: int = 0  # times a later request was admitted ahead of this one
+    first: bool = False  # put back after preemption: admitted before any other
 
 
 class SlotScheduler(Generic[R]):
@@ -49,10 +50,18 @@ class SlotScheduler(Generic[R]):
         self._queue: deque[_Entry[R]] = deque()
         self._active: dict[int, R] = {}
         self._arrivals = 0
+        self._requeued = 0
 
     def add(self, req: R) -> None:
         self._queue.append(_Entry(req, int(self._length(req)), self._arrivals))
         self._arrivals += 1
+
+    def requeue(self, req: R) -> None:
+        """Put a request taken out of its slot (preempted) back at the front of the queue: the
+        next admission takes it before any other (preempted ones in the order they were put back)."""
+        behind = next((i for i, e in enumerate(self._queue) if not e.first), len(self._queue))
+        self._queue.insert(behind, _Entry(req, int(self._length(req)), self._requeued - 2**62, self.bucket_window, True))
+        self._requeued += 1
 
     def queued(self) -> int:
         return len(self._queue)
@@ -78,9 +87,9 @@ class SlotScheduler(Generic[R]):
         else:
             chosen = self._take_fifo(n)
         if self._priority is not None and not self.bucket_window:
-            chosen.sort(key=lambda e: (-self._priority(e.req), e.order))
+            chosen.sort(key=lambda e: (not e.first, -self._priority(e.req), e.order))
         else:
-            chosen.sort(key=lambda e: e.order)
+            chosen.sort(key=lambda e: (not e.first, e.order))
         if fits is not None:
             for i, e in enumerate(chosen):
                 if not fits(e.req):
@@ -122,7 +131,7 @@ class SlotScheduler(Generic[R]):
     def _take_first(self, n: int) -> list[_Entry[R]]:
         """The n queued entries of highest priority (earliest arrival among equals); the rest keep
         their order."""
-        ranked = sorted(self._queue, key=lambda e: (-self._priority(e.req), e.order))[:n]
+        ranked = sorted(self._queue, key=lambda e: (not e.first, -self._priority(e.req), e.order))[:n]
         taken = {id(e) for e in ranked}
         self._queue = deque(e for e in self._queue if id(e) not in taken)
         return ranked

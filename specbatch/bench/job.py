@@ -47,6 +47,7 @@ class JobMix:
     output_max: int = 768
     slots: int | None = None          # engine slots (None: the engine's default, from memory)
     shared_prefix: int = 0            # tokens every prompt begins with (an instruction all rows share)
+    max_tokens_factor: float = 1.0    # > 1: rows ask for F x their output as max_tokens and end by EOS
 
 
 def lognormal_lengths(n: int, median: int, sigma: float, most: int, gen: torch.Generator) -> list[int]:
@@ -59,6 +60,8 @@ def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> list[RowRequest]:
     """The job's rows: token-id prompts (random ids, or held-out text of the demo/model) with
     per-row max_tokens; or a --prompts file."""
     if opts.prompts:
+        if mix.max_tokens_factor != 1:
+            raise BenchError("--max-tokens-factor applies to the generated mix, not --prompts (rows set their own)")
         rows = []
         for item in open_rows(opts.prompts):
             if isinstance(item, RowError):
@@ -87,8 +90,28 @@ def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> list[RowRequest]:
     if mix.shared_prefix:
         head = torch.randint(0, vocab, (mix.shared_prefix,), generator=gen).tolist()
         prompts = [head + p for p in prompts]
-    return [RowRequest(row=i, id=i, prompt_token_ids=p, overrides={"max_tokens": o})
+    return [RowRequest(row=i, id=i, prompt_token_ids=p, overrides=_lengths(o, mix, src))
             for i, (p, o) in enumerate(zip(prompts, o_lens))]
+
+
+def _lengths(out: int, mix: JobMix, src: Source) -> dict[str, Any]:
+    """A generated row's length fields: max_tokens = its output length, or with a max_tokens factor
+    F > 1, F times it, the output still ending at its length: EOS masked before it (min_tokens)
+    and the greedy choice there (an EOS logit bias), as a generous max_tokens meets EOS in a run."""
+    if mix.max_tokens_factor <= 1:
+        return {"max_tokens": out}
+    eos = sorted(src.model.cfg.eos_token_ids or ())
+    if not eos:
+        raise BenchError(f"--max-tokens-factor: the model {src.name} names no EOS token to end rows with")
+    return {"max_tokens": math.ceil(mix.max_tokens_factor * out), "min_tokens": out - 1, "ignore_eos": False,
+            "logit_bias": {str(eos[0]): 100.0}}
+
+
+def output_tokens(row: RowRequest) -> int:
+    """The tokens a bench row generates: its max_tokens, or where it ends by EOS (_lengths) one
+    past its min_tokens."""
+    o = row.overrides
+    return o["min_tokens"] + 1 if o.get("ignore_eos") is False else o["max_tokens"]
 
 
 def distinct_prompt_tokens(prompts: list[list[int]]) -> int:
@@ -147,7 +170,7 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
     prompt = sum(len(r.prompt_token_ids) for r in rows)
     distinct = distinct_prompt_tokens([r.prompt_token_ids for r in rows])
     # a sampled row's n choices each decode; a greedy row's (the bench's default) decode once
-    seqs = [(r, r.overrides["max_tokens"]) for r in rows
+    seqs = [(r, output_tokens(r)) for r in rows
             for _ in range(r.overrides.get("n", 1) if (r.overrides.get("temperature") or 0) > 0 else 1)]
     outputs = [o for _, o in seqs]
     out_tokens = sum(outputs)
@@ -203,15 +226,20 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
             engine = build_engine(eopts, src, head)
             list(engine.generate(rows[:8], SamplingDefaults(max_tokens=4, ignore_eos=True, temperature=0.0, repetition_penalty=1.0)))     # warm-up
             # one engine: input order (--arrival-order-too), as runs do, replaying every size (--every-size-too)
-            runs = [(False, True)] * opts.arrival_order_too + [(True, True)] + [(True, False)] * opts.every_size_too
+            # and admission reserving every row's max_tokens (--reserve-too)
+            runs = ([(False, True, False)] * opts.arrival_order_too + [(True, True, False)] +
+                    [(True, False, False)] * opts.every_size_too)
             if engine.graphs is None and opts.every_size_too:
                 log(f"{recipe.name}: its drafter runs without CUDA graphs: no every-size run")
                 runs = runs[:-1]
-            for longest_first, timed_sizes in runs:
+            runs += [(True, True, True)] * opts.reserve_too
+            for longest_first, timed_sizes, reserve in runs:
                 engine.opts.longest_first = longest_first
+                engine.opts.reserve_max_tokens = reserve
                 if engine.graphs is not None:
                     engine.graphs.route_by_time = timed_sizes
-                name = recipe.name + ("" if longest_first else " (input order)") + ("" if timed_sizes else " (every size)")
+                name = (recipe.name + ("" if longest_first else " (input order)") + ("" if timed_sizes else " (every size)")
+                        + (" (reserve max_tokens)" if reserve else ""))
                 points.append(_measure_job(engine, rows, name, src, bandwidth, rate))
                 _log_point(points[-1], log)
         except Exception as e:                          # noqa: BLE001 - recorded, the next recipe runs
@@ -277,8 +305,9 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
         "decode_s": wall - engine.prefill_s, "cycles": len(engine.cycle_times),
         "mean_occupancy": statistics.fmean(engine.occupancy) if engine.occupancy else 0.0,
         "admissions_waiting_for_pages": engine.waited, "prompt_tokens_cached": engine.cached_tokens,
+        "preempted": engine.preempted, "preemptions": engine.preemptions, "recomputed_tokens": engine.recomputed_tokens,
         "accept_length": emitted / max(steps + len(recs), 1) if steps else 1.0,
-        "floor_s": floor["total_s"], "floor_prefill_s": floor["prefill_s"], "floor_decode_s": floor["decode_s"],
+        "floor_s": floor["total_s"], "floor_output_tokens": floor["output_tokens"], "floor_prefill_s": floor["prefill_s"], "floor_decode_s": floor["decode_s"],
         "floor_decode_steps": floor["decode_steps"], "floor_spread_s": floor["total_spread_s"],
         "floor_spread_fraction": floor["total_spread_s"] / wall,
         "floor_tokens_per_s": out / floor["total_s"], "floor_fraction": floor["total_s"] / wall,
@@ -328,30 +357,36 @@ def _speedup(v: float | None) -> str:
 def job_markdown(result: dict[str, Any]) -> str:
     meta, mix = result["meta"], result["meta"]["mix"]
     shared = f"every prompt begins with the same {mix['shared_prefix']} tokens · " if mix.get("shared_prefix") else ""
+    factor = mix.get("max_tokens_factor", 1.0)
+    ending = f"max_tokens {factor:g}x the output, ending by EOS" if factor > 1 else "EOS ignored"
     lines = [f"# specbatch bench --job: {meta['model']} on {meta['device']}, {meta['acceptance']}", "",
              f"{meta.get('date', '')} · {meta['dtype']} · {meta['requests']} requests · prompts lognormal "
              f"median {mix['prompt_median']} sigma {mix['prompt_sigma']} max {mix['prompt_max']} · outputs "
-             f"median {mix['output_median']} sigma {mix['output_sigma']} max {mix['output_max']} (EOS ignored) · "
+             f"median {mix['output_median']} sigma {mix['output_sigma']} max {mix['output_max']} ({ending}) · "
              f"{shared}copy {meta['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s · matmul "
              f"{meta['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", ""]
     if meta.get("command"):
         lines += [f"`{meta['command']}`", ""]
     lines += ["| recipe | job tok/s | vs vanilla | wall s | prefill s (forwards) | decode s (cycles) | floor s | "
-              "of floor | of spread floor | occupancy | accept len | verify widths (cycles) | peak GiB |", "|" + "---|" * 13]
+              "of floor | of spread floor | occupancy | waited / preempted | accept len | verify widths (cycles) | "
+              "peak GiB |", "|" + "---|" * 14]
     for p in result["points"]:
         if p.get("failed"):
-            lines.append(f"| {p['recipe']} | failed: {p['error']} |" + " |" * 12)
+            lines.append(f"| {p['recipe']} | failed: {p['error']} |" + " |" * 13)
             continue
         mem = f"{p['peak_memory_bytes'] / 2**30:.1f}" if p.get("peak_memory_bytes") else "-"
         widths = " ".join(f"{w}: {n}" for w, n in p.get("verify_widths", {}).items()) or "-"
         lines.append(f"| {p['recipe']} | {p['job_tokens_per_s']:,.0f} | {_speedup(p.get('speedup_vs_vanilla'))} | "
                      f"{p['wall_s']:.1f} | {p['prefill_s']:.1f} ({p['prefill_forwards']}) | {p['decode_s']:.1f} ({p['cycles']}) | "
                      f"{p['floor_s']:.1f} | {100 * p['floor_fraction']:.0f}% | {100 * p['floor_spread_fraction']:.0f}% | "
-                     f"{p['mean_occupancy']:.0f}/{p['slots']} | {p['accept_length']:.2f} | {widths} | {mem} |")
+                     f"{p['mean_occupancy']:.0f}/{p['slots']} | {p.get('admissions_waiting_for_pages', 0)} / {p.get('preempted', 0)} | "
+                     f"{p['accept_length']:.2f} | {widths} | {mem} |")
     lines += ["", "Floor: plain decoding of this mix at the engine's slot count on this machine (prefill "
               "FLOPs at the matmul rate + decode bytes at the copy bandwidth, or decode FLOPs if larger; "
               "the weights are read once a step, and plain decoding takes at least max(output tokens / "
               "slots, the longest output) steps; the spread floor counts the first term alone). "
-              "Occupancy: mean active sequences per cycle / slots. Prefill s: GPU time of the "
-              "prefill forwards; decode s: the rest of the wall time."]
+              "Occupancy: mean active sequences per cycle / slots. Waited / preempted: requests that "
+              "waited in the queue for KV pages / gave theirs back mid-run (resumed by recompute). "
+              "Prefill s: GPU time of the prefill forwards (recomputes included); decode s: the rest "
+              "of the wall time."]
     return "\n".join(lines) + "\n"

@@ -51,6 +51,7 @@ class BenchOptions:
     warmup: bool = True                      # a short run on each new engine before measuring
     fixed_width: bool = False                # --job: every cycle verifies the whole proposal (no adaptive width)
     arrival_order_too: bool = False          # --job: each recipe also admits rows in input order
+    reserve_too: bool = False                # --job: each recipe also runs reserving every row's max_tokens
     every_size_too: bool = False             # --job: each recipe also replays the smallest graph size that fits
     seed: int = 0
 

@@ -66,6 +66,9 @@ class EngineOptions:
     simulate_acceptance: tuple[float, ...] | None = None   # bench only: per-position acceptance
     overlap: bool = True                 # launch cycle k + 1 before the host commits cycle k
     prefix_caching: bool = True          # share the K/V pages of prompts that begin alike
+    reserve_max_tokens: bool = False     # admission reserves prompt + max_tokens up front, never preempts
+                                         # (default: pages as rows write, the request admitted last
+                                         # preempted when the pool runs short: runtime/pages.py)
     logprobs_mode: str = DEFAULT_LOGPROBS_MODE   # what logprobs hold (engine/logprobs.py; vLLM's modes)
 
 
@@ -123,6 +126,9 @@ class Engine:
         steps = drafter.max_depth if drafter else (opts.spec.num_steps or width - 1)
         depth = min(steps, width - 1)
         self.headroom = max(width, drafter.scratch_rows if drafter else opts.spec.scratch_rows) + max(0, depth - 1)
+        # rows a running request may write past its host-known length before the next growth: the
+        # cycle in flight (width) and the next (headroom)
+        self.ahead = width + self.headroom
         plan = plan_pool(self.cfg, self.dtype, self.device, headroom=self.headroom,
                          drafting=drafter is not None or opts.spec.module is not None,
                          batch_size=opts.batch_size, max_model_len=opts.max_model_len, page_size=opts.page_size,
@@ -161,6 +167,12 @@ class Engine:
         self.prefill_calls = 0
         self.occupancy: list[int] = []       # active slots per cycle when profiling
         self.waited = 0                      # requests that waited for pages (at the head of the queue)
+        self.preempted = 0                   # requests preempted at least once (resumed by recompute)
+        self.preemptions = 0                 # ... and how many times
+        self.recomputed_tokens = 0           # tokens prefilled again for resumed requests
+        self._admissions = 0
+        self._pressure = False               # a preemption since a request last finished: admit none
+        self._grow_at = [math.inf] * self.num_slots   # per slot: the committed length that needs more pages
         # prefix caching: requests start from the pages of earlier prompts that began alike, when
         # the drafter's prompt state lives in those pages too; a continued prompt starts on a page
         self.prefix_caching = opts.prefix_caching and self.drafter.shares_prompt_pages
@@ -188,10 +200,13 @@ class Engine:
 
     def pool_facts(self) -> dict[str, int]:
         """The KV pool as planned: slots, pages, rows a page, and the rows requests may reserve;
-        and the prompt tokens admitted, and how many of them prefix caching found in the pool."""
+        the prompt tokens admitted, and how many of them prefix caching found in the pool; the
+        requests preempted when the pool ran short, the times, and the tokens prefilled again."""
         return {"slots": self.num_slots, "kv_pages": self.num_pages, "kv_page_rows": self.page_size,
                 "kv_rows": self.pages.usable * self.page_size,
-                "prompt_tokens_admitted": self.prompt_tokens, "prompt_tokens_cached": self.cached_tokens}
+                "prompt_tokens_admitted": self.prompt_tokens, "prompt_tokens_cached": self.cached_tokens,
+                "preempted": self.preempted, "preemptions": self.preemptions,
+                "recomputed_tokens": self.recomputed_tokens}
 
     @property
     def prefill_forwards(self) -> int:
@@ -213,7 +228,14 @@ class Engine:
             torch.cuda.set_device(self.device)
 
     def _rows_needed(self, req: Request) -> int:
+        """Every cache row the request can write: its prompt, max_tokens and the headroom."""
         return len(req.prompt_ids) + req.max_new + self.headroom
+
+    def _rows_soon(self, req: Request, written: int) -> int:
+        """Rows a request holds pages for when `written` rows are committed: the next cycles' and
+        a page more (all of them with reserve_max_tokens)."""
+        full = self._rows_needed(req)
+        return full if self.opts.reserve_max_tokens else min(full, written + self.ahead + self.page_size)
 
     # ---- the job loop -----------------------------------------------------------------------
 
@@ -305,11 +327,13 @@ class Engine:
         returns the cycle now in flight."""
         active = sched.active()
         wave = max(1, math.ceil(self.opts.wave * self.num_slots))
-        if sched.queued() and (not active or self.num_slots - len(active) >= min(wave, sched.queued())):
+        if sched.queued() and (not active or (not self._pressure and
+                                              self.num_slots - len(active) >= min(wave, sched.queued()))):
             admitted = self._admit(sched)
             if admitted:
                 done += self._free(sched, self._prefill(admitted))
-            active = sched.active()
+        pending = self._grow(sched, pending, done)
+        active = sched.active()
         if not active:
             if pending is not None:              # only rows that had finished rode in it
                 done += self._free(sched, self.cycle.finish(pending))
@@ -323,6 +347,54 @@ class Engine:
             done += self._free(sched, self.cycle.finish(launched))
             launched = None
         return launched
+
+    def _grow(self, sched: SlotScheduler, pending: Launched | None, done: list[Request]) -> Launched | None:
+        """Pages for the next cycles of every running request. When the pool runs short, the cycle
+        in flight is finished first (exact lengths; its finished requests' pages back), then the
+        requests admitted last are preempted until the earlier ones fit; returns the cycle still
+        in flight."""
+        if self.opts.reserve_max_tokens:
+            return pending
+        lens, at = self.state.seq_lens, self._grow_at
+        short = [(s, r) for s, r in sched.active() if lens[s] >= at[s]]
+        if all(self._grown(s, r, self._rows_soon(r, lens[s])) for s, r in sorted(short, key=_admission)):
+            self.pages.write_grown()
+            return pending
+        if pending is not None:
+            done += self._free(sched, self.cycle.finish(pending))
+        order = sorted(sched.active(), key=_admission)
+        i = 0
+        while i < len(order):
+            slot, req = order[i]
+            while not self._grown(slot, req, min(self._rows_needed(req), lens[slot] + self.ahead)):
+                victim_slot, victim = order.pop()          # the request admitted last
+                self._preempt(sched, victim_slot, victim)
+                if victim is req:
+                    break
+            else:
+                i += 1
+        self.pages.write_grown()
+        return None
+
+    def _grown(self, slot: int, req: Request, rows: int) -> bool:
+        """Grow the slot's pages to `rows` (False: not free); then note the length at which it
+        needs more (never, once it holds every row it can write)."""
+        if not self.pages.grow(slot, rows):
+            return False
+        held = self.pages.rows_held(slot)
+        self._grow_at[slot] = math.inf if held >= self._rows_needed(req) else held - self.ahead + 1
+        return True
+
+    def _preempt(self, sched: SlotScheduler, slot: int, req: Request) -> None:
+        """Take a running request's slot and pages back; it waits at the front of the queue and
+        resumes by recompute (a prefill of its prompt and the tokens it generated)."""
+        sched.release(slot)
+        self.pages.release(slot)
+        self.preempted += not req.preempted
+        req.preempted += 1
+        self.preemptions += 1
+        self._pressure = True
+        sched.requeue(req)
 
     def _put_aside(self, sched: SlotScheduler, inputs: Inputs, e: Exception) -> list[RowRequest]:
         """After a failed step: the inputs of the rows it touched (in flight, or taken from the
@@ -367,12 +439,24 @@ class Engine:
         earlier forward or earlier rows of the same one)."""
         grants: dict[int, Grant] = {}
         self.pages.new_wave()
+        # Pages the running requests may still take (every row they can write), and how many may grow
+        owed = [self.pages.pages_for(self._rows_needed(r)) - self.pages.rows_held(s) // self.page_size
+                for s, r in sched.active()]
+        debt, growing = [sum(owed)], [sum(1 for n in owed if n > 0)]
 
         def fits(req: Request) -> bool:
-            prompt = req.prompt_ids if self.prefix_caching else None
-            # prompt logprobs need every prompt position's logits (one choice computes them)
-            reuse = req.params.prompt_logprobs is None or req.choice > 0
-            g = self.pages.grant(self._rows_needed(req), prompt, reuse=reuse)
+            context = req.context_ids
+            prompt = context if self.prefix_caching else None
+            # prompt logprobs need every prompt position's logits (one choice computes them; a
+            # resumed request has them)
+            reuse = req.params.prompt_logprobs is None or req.choice > 0 or bool(req.output_ids)
+            rows = self._rows_soon(req, len(context))
+            owes = self.pages.pages_for(self._rows_needed(req)) - self.pages.pages_for(rows)
+            # Where the pool cannot hold every row all of them may write, a page stays free for each
+            # request that may grow (its next growth): fewer preemptions
+            certain = self.pages.free_pages >= self.pages.pages_for(rows) + debt[0] + owes
+            spare = 0 if certain else growing[0] + (owes > 0)
+            g = self.pages.grant(rows, prompt, reuse=reuse, spare=spare)
             if g is None:
                 if not req.waited_for_pages:     # count rows, not the admission attempts they sat through
                     req.waited_for_pages = True
@@ -382,17 +466,27 @@ class Engine:
                 self.cache.copy_page(*g.copy)
                 self.drafter.copy_page(*g.copy)
             grants[id(req)] = g
+            debt[0] += owes
+            growing[0] += owes > 0
             return True
 
         admitted = sched.admit(fits=fits)
         self.pages.assign([(slot, grants[id(req)]) for slot, req in admitted])
-        for _, req in admitted:
+        for slot, req in admitted:
+            self._grown(slot, req, 0)
             req.cached_rows = grants[id(req)].cached_rows
-            self.prompt_tokens += len(req.prompt_ids)
-            self.cached_tokens += req.cached_rows
+            self._admissions += 1
+            req.admitted_at = self._admissions
+            if req.output_ids:                   # resumed: its prompt and output computed again
+                self.recomputed_tokens += len(req.prompt_ids) + len(req.output_ids) - req.cached_rows
+            else:
+                self.prompt_tokens += len(req.prompt_ids)
+                self.cached_tokens += req.cached_rows
         return admitted
 
     def _free(self, sched: SlotScheduler, finished: Slotted) -> list[Request]:
+        if finished:
+            self._pressure = False               # pages came back: admission may go on
         for slot, _ in finished:
             sched.release(slot)
             self.pages.release(slot)
@@ -443,6 +537,7 @@ class Engine:
         self.cycle_times.clear()
         self.occupancy.clear()
         self.waited = self.prefill_calls = self.prompt_tokens = self.cached_tokens = 0
+        self.preempted = self.preemptions = self.recomputed_tokens = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every prompt page no request holds (a benchmark's next run starts cold)."""
@@ -454,3 +549,7 @@ class Engine:
         return hidden, [hidden] if self.drafter.reads_final_hidden else captured
 
 
+
+
+def _admission(pair: tuple[int, Request]) -> int:
+    return pair[1].admitted_at

@@ -77,7 +77,7 @@ def pack(admitted: Slotted, budget: int) -> list[list[Part]]:
     cur: list[Part] = []
     used = 0
     for slot, req in admitted:
-        n = len(req.prompt_ids)
+        n = len(req.prompt_ids) + len(req.output_ids)      # a resumed request: its output too
         j = req.cached_rows                     # tokens of a prefix already in the pool
         while j < n:
             take = min(n - j, cap - used)
@@ -195,8 +195,10 @@ class Prefiller:
         slots = torch.empty(N, dtype=torch.int64)
         last, done = [], []
         r = 0
+        contexts = {}
         for p in parts:
-            prompt, L = p.req.prompt_ids, len(p.req.prompt_ids)
+            prompt = contexts[p.slot] = p.req.context_ids
+            L = len(prompt)
             a, b = p.start, p.end
             ids[r: r + b - a] = torch.tensor(prompt[a:b])
             nb = min(b + 1, L)
@@ -217,7 +219,7 @@ class Prefiller:
         rows = PromptRows(meta=meta, next_ids=nxt.view(N, 1).to(dev, non_blocking=True),
                           last=to_device(last, torch.int64, dev),
                           slots=to_device([p.slot for p in done], torch.int64, dev),
-                          prompts=[p.req.prompt_ids for p in done])
+                          prompts=[contexts[p.slot] for p in done])
         return ids.view(N, 1).to(dev, non_blocking=True), rows
 
     def _forward(self, parts: list[Part]) -> tuple[list[Part], torch.Tensor | None, tuple | None]:
@@ -230,7 +232,8 @@ class Prefiller:
         r = 0
         for p in parts:                       # prompt logprobs of the positions in this forward
             n = p.end - p.start
-            if p.req.params.prompt_logprobs is not None and p.req.choice == 0:   # n choices share them
+            # n choices share them; a resumed request has them
+            if p.req.params.prompt_logprobs is not None and p.req.choice == 0 and not p.req.output_ids:
                 L = len(p.req.prompt_ids)
                 a, b = p.start, p.end
                 got = prompt_token_logprobs(self.model.logits, flat[r: r + b - a],
@@ -242,7 +245,7 @@ class Prefiller:
         if not done:                          # a long prompt's first rows: only the drafter's K/V
             self.drafter.prefill(rows, captured, torch.zeros(0, dtype=torch.int64, device=self.device))
             return done, None, None
-        lens = [len(p.req.prompt_ids) for p in done]
+        lens = [len(p.req.prompt_ids) + len(p.req.output_ids) for p in done]
         lengths = to_device(lens, torch.int64, self.device)
         first, lps = self._first_tokens(done, rows, hidden, lens, lengths)
         self.drafter.prefill(rows, captured, first)
@@ -258,9 +261,10 @@ class Prefiller:
         finished: Slotted = []
         for i, (p, tok) in enumerate(zip(done, first.tolist())):
             req = p.req
-            self.state.seq_lens[p.slot] = len(req.prompt_ids)
-            req.histogram = [0] * (self.drafter.max_depth + 1)
-            req.verify_steps = 1                 # the prefill: a forward that verified no drafts
+            self.state.seq_lens[p.slot] = len(req.prompt_ids) + len(req.output_ids)
+            if not req.output_ids:
+                req.histogram = [0] * (self.drafter.max_depth + 1)
+            req.verify_steps += 1                # the prefill: a forward that verified no drafts
             kept = self.stops.append(req, [tok])
             self.tokens_emitted += kept
             if req.logprobs is not None:
@@ -282,22 +286,25 @@ class Prefiller:
         logits = raw = self.model.logits(hidden.view(-1, hidden.shape[-1])[rows.last])   # [B, V]
         counts = None
         if any(q.uses_processors for q in params):
-            # the first token: nothing generated yet (min_tokens), counts zero, the prompt present
+            # the next token after the prompt and what a resumed request generated (min_tokens);
+            # penalties count the generated tokens, the prompt's present
             st = self.state
             vocab = self.model.cfg.vocab_size
-            proc = Processors.build(list(zip(params, lens)),
-                                    self.stops.eos_ids, vocab, dev)
+            prompts = [p.req.prompt_ids for p in done]
+            outputs = [p.req.output_ids for p in done]
+            proc = Processors.build(list(zip(params, map(len, prompts))), self.stops.eos_ids, vocab, dev)
             pm = None
             if proc.penalties:
                 counts, prompt_mask = st.penalty_state(vocab)
-                T = max(len(q) for q in rows.prompts)
-                padded = torch.zeros(B, T, dtype=torch.int64)
-                for i, q in enumerate(rows.prompts):
-                    padded[i, : len(q)] = torch.tensor(q)
-                reset_slots(counts, prompt_mask, slots, padded.to(dev, non_blocking=True), lengths)
+                reset_slots(counts, prompt_mask, slots, _padded(prompts, dev), to_device(list(map(len, prompts)),
+                                                                                         torch.int64, dev))
+                if any(outputs):
+                    count_tokens(counts, slots, _padded(outputs, dev), to_device(list(map(len, outputs)),
+                                                                                 torch.int64, dev))
                 pm = prompt_mask[slots]
             zero = torch.zeros(B, 1, dtype=torch.int64, device=dev)
-            logits = proc.apply(logits[:, None, :], zero, zero[:, 0], zero, None,
+            generated = to_device(list(map(len, outputs)), torch.int64, dev)
+            logits = proc.apply(logits[:, None, :], zero, generated, zero, None,
                                 None if counts is None else counts[slots], pm)[:, 0]
         first = sample(logits, sp, lengths)
         if counts is not None:
@@ -309,3 +316,11 @@ class Prefiller:
         return first, emitted_logprobs(raw[:, None, :], logits[:, None, :], zero, first[:, None], sp, max(asked),
                                        self.logprobs_mode)
 
+
+
+def _padded(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Token lists as one right-padded [B, max(1, longest)] tensor on `device`."""
+    out = torch.zeros(len(seqs), max(1, max(map(len, seqs))), dtype=torch.int64)
+    for i, q in enumerate(seqs):
+        out[i, : len(q)] = torch.tensor(q, dtype=torch.int64)
+    return out.to(device, non_blocking=True)

@@ -1,9 +1,11 @@
 """Host bookkeeping of the paged KV pool: free pages, each slot's pages, the device page table.
 
-Admission reserves, per request, the pages for everything it can write (prompt, max_tokens and
-the drafts' scratch rows), so a running request never waits for memory and none is ever lost to
-it; a request that does not fit waits until finished ones give their pages back. Page 0 is a
-trash page: table entries past a slot's reservation point at it (never read unmasked).
+A request holds pages for the rows it has written and the next cycles' rows (`grow` adds them as
+it runs), not for everything its max_tokens could write: a generous max_tokens costs nothing
+until it is used. When a running request needs a page and none is free, the engine preempts
+the request admitted last (its pages back here; it resumes later by recompute: engine.py), so no
+request is ever lost to memory. Page 0 is a trash page: table entries past a slot's pages point
+at it (never read unmasked).
 
 Prefix caching (prefix_index.py): a request's leading prompt pages may be pages another request
 wrote, counted by reference; nothing writes a shared page again (its positions come before the
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..host import to_device
 from .kv_cache import PageLayout
 from .prefix_index import PrefixIndex
 
@@ -50,6 +53,7 @@ class PageAllocator:
         self.index = PrefixIndex(page_size)
         self._owned: dict[int, list[int]] = {}
         self._wave: set[int] = set()                            # pages granted since new_wave(): unwritten
+        self._grown: list[tuple[int, int, int]] = []            # (slot, column, page) not yet in the device table
         self.copies = False                                     # grants may copy a near page (Grant.copy)
         self.dummy_slot = num_slots
         self.reserve([(self.dummy_slot, dummy_rows)])           # pad rows write there every cycle
@@ -68,8 +72,10 @@ class PageAllocator:
         written by forwards already queued, so a copy queued now reads them written."""
         self._wave.clear()
 
-    def grant(self, rows: int, prompt: list[int] | None = None, *, reuse: bool = True) -> Grant | None:
-        """Pages for `rows` cache rows, or None when they do not fit now. `prompt`: index this
+    def grant(self, rows: int, prompt: list[int] | None = None, *, reuse: bool = True,
+              spare: int = 0) -> Grant | None:
+        """Pages for `rows` cache rows, or None when they do not fit now with `spare` pages left
+        free. `prompt`: index this
         request's prompt pages for later requests and, with `reuse`, start with the pages already
         holding its leading tokens, and with a copy of the next page where only its last row
         differs (not one granted in this wave: its rows are not written yet)."""
@@ -81,7 +87,7 @@ class PageAllocator:
         if self.copies and prompt is not None and reuse and len(hits) < n:
             near = next((p for p in self.index.near(prompt, hits) if p not in self._wave), None)
         revived = sum(1 for p in hits if self._refs[p] == 0)
-        if n - len(hits) + revived > self.free_pages:
+        if n - len(hits) + revived + spare > self.free_pages:
             return None
         for p in hits:
             if self._refs[p] == 0:
@@ -120,6 +126,35 @@ class PageAllocator:
         dev = self.layout.page_table.device
         self.layout.page_table[slots.to(dev)] = table.to(dev, non_blocking=True)
 
+    def rows_held(self, slot: int) -> int:
+        """Cache rows the slot's pages hold."""
+        return len(self._owned.get(slot, ())) * self.page_size
+
+    def grow(self, slot: int, rows: int) -> bool:
+        """More pages for a running slot, up to `rows` cache rows; False (nothing taken) when
+        they are not free. The table entries reach the device at the next write_grown()."""
+        owned = self._owned[slot]
+        n = min(self.pages_for(rows), self.pages_per_slot) - len(owned)
+        if n <= 0:
+            return True
+        if n > self.free_pages:
+            return False
+        for _ in range(n):
+            page = self._take()
+            self._grown.append((slot, len(owned), page))
+            owned.append(page)
+        return True
+
+    def write_grown(self) -> None:
+        """The table entries of the pages grow() gave since the last call (one host -> device
+        copy for the lot, stream-ordered before the next forward reads the table)."""
+        if not self._grown:
+            return
+        table = self.layout.page_table
+        grown = to_device(self._grown, torch.int64, table.device)
+        self._grown.clear()
+        table[grown[:, 0], grown[:, 1]] = grown[:, 2].to(table.dtype)
+
     def reserve(self, wants: list[tuple[int, int]]) -> None:
         """Give each (slot, rows) fresh pages for `rows` cache rows (no prefix sharing)."""
         grants = []
@@ -145,6 +180,7 @@ class PageAllocator:
                     self.index.forget(page)
                 self._free.append(page)
         self._wave.clear()
+        self._grown.clear()
 
     def drop_idle(self) -> None:
         """Idle indexed pages back to the free list, their entries forgotten."""
@@ -154,8 +190,9 @@ class PageAllocator:
             self._free.append(page)
 
     def release(self, slot: int) -> None:
-        """Return a finished slot's pages (its table row is rewritten at its next reservation):
+        """Return a finished (or preempted) slot's pages (its table row is rewritten at its next reservation):
         a page no request holds goes back to the free list, or, indexed, stays readable (idle)."""
+        self._grown = [g for g in self._grown if g[0] != slot]     # never written over a later owner's row
         for page in reversed(self._owned.pop(slot, [])):
             self._refs[page] -= 1
             if self._refs[page] == 0:

@@ -329,3 +329,24 @@ def test_job_floor_counts_the_longest_output_as_a_chain_of_steps():
     # FLOPs bound the floor when they cost more than the bytes
     f = job_floor(src, rows(many_short), 4, 1e30, 1.0)
     assert f["decode_s"] == pytest.approx(2 * (w / 4) * 200)
+
+
+def test_job_mode_with_generous_max_tokens_ends_rows_by_eos_and_compares_reserving(tiny_config, tmp_path):
+    """--max-tokens-factor F: rows ask for F x their output and end at their length by EOS (the
+    floor counts the tokens they generate, not max_tokens); --reserve-too runs the mix again with
+    admission reserving every row's max_tokens (no preemption): the same tokens."""
+    out = tmp_path / "job"
+    r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "--requests", "16", "--prompt-median", "8", "--prompt-max", "16",
+                                 "--output-median", "6", "--output-max", "12", "--slots", "8", "--device", "cpu",
+                                 "--eager", "--max-tokens-factor", "4", "--reserve-too", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "job.json").read_text())
+    grown, reserved = res["points"]
+    assert (grown["recipe"], reserved["recipe"]) == ("vanilla", "vanilla (reserve max_tokens)")
+    assert grown["output_tokens"] == reserved["output_tokens"] == grown["floor_output_tokens"]
+    assert reserved["preempted"] == 0
+    assert "max_tokens 4x the output, ending by EOS" in (out / "job.md").read_text()
+    refused = CliRunner().invoke(app, ["bench", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                       "--max-tokens-factor", "2", "--out", str(out)])
+    assert refused.exit_code == 2 and "--max-tokens-factor applies to whole jobs only" in refused.output

@@ -152,10 +152,10 @@ def test_the_summary_says_how_many_admissions_waited_for_pages(tiny_model, tmp_p
 
 
 def test_waited_for_pages_counts_requests_not_cycles(tiny_model):
-    """A pool that holds one request at a time, two slots, two rows: one request waited for
-    pages (the count said 40: one per cycle it sat out)."""
+    """A pool that holds one request's reservation at a time, two slots, two rows: one request
+    waited for pages (the count said 40: one per cycle it sat out)."""
     eng = Engine(tiny_model, EngineOptions(device="cpu", dtype="float32", batch_size=2, max_model_len=64,
-                                           kv_rows=72, page_size=8))
+                                           kv_rows=72, page_size=8, reserve_max_tokens=True))
     rows = [RowRequest(row=i, id=i, prompt_token_ids=[5, 6, 7, 8], overrides={"max_tokens": 40}) for i in range(2)]
     recs = list(eng.generate(rows, SamplingDefaults(ignore_eos=True)))
     assert len(recs) == 2 and all(r["error"] is None for r in recs)

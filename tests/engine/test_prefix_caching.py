@@ -148,7 +148,8 @@ def test_vanilla_outputs_do_not_change_and_prefill_skips_the_shared_rows(tiny_mo
     assert _tokens(got) == _tokens(want) and all(r["error"] is None for r in got)
     assert ref.cached_tokens == 0 and eng.prompt_tokens == ref.prompt_tokens
     assert eng.cached_tokens >= 64 * 10 and eng.cached_tokens % eng.page_size == 0     # whole pages
-    assert eng.prefill_forwards <= ref.prefill_forwards
+    if kv_rows is None:      # a short pool: waves differ with the pages each run holds, forwards with them
+        assert eng.prefill_forwards <= ref.prefill_forwards
     assert ref.prefiller.tokens_run - eng.prefiller.tokens_run == eng.cached_tokens    # skipped, not rerun
     assert eng.pages.free_pages == eng.pages.usable                            # every page came back
 
