@@ -105,6 +105,21 @@ def test_graph_sizes_pad_to_the_next_capture(target_dir, eagle3_dir):
     assert int(eng.lens[eng.state.dummy]) == 0
 
 
+def test_a_variant_first_met_mid_job_captures_its_largest_size_first(target_dir, eagle3_dir):
+    """Rows with a logit bias, two at a time on 20 slots: their variant's size-20 graph is captured
+    before the size-2 one (smaller sizes then take their temporaries from its blocks in the shared
+    pool, rather than each growing it), and the tokens equal eager's."""
+    rows = _rows(4, logit_bias={"7": 3.0})
+    want, _, _ = _run(target_dir, _spec("eagle3_topk1", eagle3_dir), 2, graphs=False, rows=rows)
+    eng = Engine(target_dir, EngineOptions(batch_size=20, device="cuda", dtype="float32", wave=0.0,
+                                           spec=_spec("eagle3_topk1", eagle3_dir), adaptive=False))
+    base = set(eng.graphs._graphs)
+    recs = sorted(eng.generate(rows[:2], SamplingDefaults()), key=lambda r: r["row"])
+    new = [k for k in eng.graphs._graphs if k not in base]
+    assert new and new[0][0] == 20 and {k[0] for k in new} == {20, 2, 1}     # 1: the longer row alone at the end
+    assert [r["output_token_ids"] for r in recs] == want[:2]
+
+
 def test_every_width_times_its_sizes_and_keeps_the_largest(target_dir, eagle3_dir):
     eng = Engine(target_dir, EngineOptions(batch_size=20, device="cuda", dtype="float32",
                                            spec=_spec("eagle3_topk1", eagle3_dir), adaptive=True))
