@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .host import to_device
 from .params import SamplingParams
 
@@ -163,5 +164,10 @@ def draw(probs: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> tor
     Exponential race: argmax p_v / E_v with E_v ~ Exp(1) picks v with probability proportional
     to p_v; entries with p_v = 0 never win.
     """
-    u = uniforms(row_keys(sp.seed_lo, sp.seed_hi, positions), probs.shape[-1])
+    keys = row_keys(sp.seed_lo, sp.seed_hi, positions)
+    if kernels.active(probs):                   # the same race in one read, no [R, V] hashes (kernels/draw.py)
+        from .kernels.draw import draw_race
+
+        return draw_race(probs, keys)
+    u = uniforms(keys, probs.shape[-1])
     return (probs / -torch.log(u)).argmax(dim=-1)

@@ -1,0 +1,54 @@
+"""Host time per cycle of the job loop's parts, for greedy rows, rows with processors (logit_bias +
+min_tokens) and seeded sampled rows: Llama-3.1-8B shapes, random weights, vanilla, 512 slots.
+
+    python benchmarks/host_probe.py [greedy] [procs] [sampled]
+"""
+import collections, sys, time, torch
+from specbatch.bench.sources import BenchOptions, load_source, build_engine
+from specbatch.engine import EngineOptions
+from specbatch.data import RowRequest
+from specbatch.recipe import SamplingDefaults
+
+src = load_source(BenchOptions(random_weights="llama-3.1-8b", device="cuda"), torch.device("cuda"))
+eng = build_engine(EngineOptions(device="cuda", max_model_len=2048, profile=True), src, None)
+spent = collections.Counter()
+
+def timed(obj, name, key):
+    f = getattr(obj, name)
+    def wrap(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            spent[key] += time.perf_counter() - t
+    setattr(obj, name, wrap)
+
+for obj, name in ((eng.cycle, "_fill"), (eng.cycle, "launch"), (eng.cycle, "finish"), (eng, "_grow"), (eng, "_admit"),
+                  (eng, "_prefill"), (eng.cycle, "_graph_variant")):
+    timed(obj, name, name)
+
+def rows(kind):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(1024):
+        o = int(torch.randint(50, 400, (1,), generator=g))
+        f = {"max_tokens": o}
+        if kind == "procs":
+            f.update(max_tokens=4 * o, min_tokens=o - 1, ignore_eos=False, logit_bias={"128001": 100.0})
+        if kind == "sampled":
+            f.update(temperature=0.8, top_p=0.95, seed=i)
+        out.append(RowRequest(row=i, id=i, prompt_token_ids=torch.randint(0, 128000, (200,), generator=g).tolist(),
+                              overrides=f))
+    return out
+
+for kind in sys.argv[1:] or ("greedy", "procs", "sampled"):
+    for rep in range(2):
+        spent.clear(); eng.reset_profile()
+        torch.cuda.synchronize(); t = time.perf_counter()
+        recs = list(eng.generate(rows(kind), SamplingDefaults(ignore_eos=True, temperature=0.0, repetition_penalty=1.0)))
+        wall = time.perf_counter() - t
+        n = len(eng.cycle_times)
+        gpu = sum(c.draft_ms + c.verify_ms + c.extend_ms for c in eng.cycle_times) / 1e3
+        print(f"{kind} rep{rep}: wall {wall:.2f}s prefill {eng.prefill_s:.2f}s cycles {n} gpu {gpu:.2f}s "
+              f"tokens {sum(r['completion_tokens'] for r in recs)} errors {sum(r['error'] is not None for r in recs)} | host ms/cycle: "
+              + " ".join(f"{k} {1e3 * v / max(n, 1):.2f}" for k, v in sorted(spent.items())), flush=True)
