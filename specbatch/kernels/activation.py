@@ -13,22 +13,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
-
+from . import libm
 from .norm import round_to
 
 BLOCK = 1024
 NUM_WARPS = 4               # 8 elements a thread: one 128-bit load of bf16
-
-
-@triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    # PRECISE (CUDA): libdevice expf, what torch calls; tl.exp would be ex2.approx.
-    if PRECISE:
-        r = libdevice.exp(x)
-    else:
-        r = tl.exp(x)
-    return r
 
 
 @triton.jit
@@ -39,7 +28,7 @@ def _silu_mul_kernel(x_ptr, sx, y_ptr, sy, I: tl.constexpr, BLOCK: tl.constexpr,
     m = o < I
     g = tl.load(x_ptr + row * sx + o, mask=m, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * sx + I + o, mask=m, other=0.0).to(tl.float32)
-    a = round_to(tl.math.div_rn(g, 1.0 + _exp(-g, PRECISE)), y_ptr.dtype.element_ty, PRECISE)
+    a = round_to(tl.math.div_rn(g, 1.0 + libm.exp(-g, PRECISE)), y_ptr.dtype.element_ty, PRECISE)
     y = round_to(a.to(tl.float32) * u, y_ptr.dtype.element_ty, PRECISE)
     tl.store(y_ptr + row * sy + o, y, mask=m)
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
-
-from . import INTERPRET
+from . import INTERPRET, libm
 from .top1 import plan
 
 BLOCK = 1024
@@ -40,16 +38,6 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit
-def _log(x, PRECISE: tl.constexpr):
-    # PRECISE (CUDA): libdevice logf, what torch's log calls; tl.log may be approximate
-    if PRECISE:
-        r = libdevice.log(x)
-    else:
-        r = tl.log(x)
-    return r
-
-
 @triton.jit(do_not_specialize=["tiles"])
 def _draw_kernel(p_ptr, stride_r, keys_ptr, V, tiles, val_ptr, idx_ptr,
                  BLOCK: tl.constexpr, PRECISE: tl.constexpr):
@@ -70,7 +58,7 @@ def _draw_kernel(p_ptr, stride_r, keys_ptr, V, tiles, val_ptr, idx_ptr,
         p = tl.load(base + o, mask=m, other=0.0).to(tl.float32)
         x = _mix32(key ^ _mix32(o.to(tl.uint32) ^ golden))
         u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)      # exact: 23 bits + 1/2, times 2**-23
-        w = tl.where(m, tl.math.div_rn(p, -_log(u, PRECISE)), -1.0)
+        w = tl.where(m, tl.math.div_rn(p, -libm.log(u, PRECISE)), -1.0)
         gt = w > best                                                # strict: a lane keeps its first max
         best = tl.where(gt, w, best)
         at = tl.where(gt, o, at)
