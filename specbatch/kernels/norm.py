@@ -20,7 +20,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+from . import libm
 
 MAX_H = 32768               # one block per row: beyond this the row no longer fits in registers
 
@@ -42,14 +43,6 @@ def round_to(x, DT: tl.constexpr, PRECISE: tl.constexpr):
     return r
 
 
-@triton.jit
-def _rsqrt(x, PRECISE: tl.constexpr):
-    # PRECISE (CUDA): libdevice rsqrtf, what torch.rsqrt calls. The interpreter lacks libdevice.
-    if PRECISE:
-        r = libdevice.rsqrt(x)
-    else:
-        r = tl.math.rsqrt(x)
-    return r
 
 
 @triton.jit
@@ -66,7 +59,7 @@ def _rms_norm_kernel(x_ptr, sx, r_ptr, sr, w_ptr, y_ptr, sy, s_ptr, ss, eps, inv
         tl.store(s_ptr + row * ss + o, x, mask=m)
     x32 = x.to(tl.float32)
     ms = tl.sum(x32 * x32, axis=0) * inv_h                  # masked lanes hold 0
-    y = round_to(x32 * _rsqrt(ms + eps, PRECISE), x_ptr.dtype.element_ty, PRECISE)
+    y = round_to(x32 * libm.rsqrt(ms + eps, PRECISE), x_ptr.dtype.element_ty, PRECISE)
     w = tl.load(w_ptr + o, mask=m, other=0.0)
     out = w.to(tl.float32) * y.to(tl.float32)
     tl.store(y_ptr + row * sy + o, round_to(out, y_ptr.dtype.element_ty, PRECISE), mask=m)
