@@ -111,7 +111,9 @@ def output_tokens(row: RowRequest) -> int:
     """The tokens a bench row generates: its max_tokens, or where it ends by EOS (_lengths) one
     past its min_tokens."""
     o = row.overrides
-    return o["min_tokens"] + 1 if o.get("ignore_eos") is False else o["max_tokens"]
+    # all three of _lengths' fields: a --prompts row's own ignore_eos / min_tokens end it nowhere known
+    ends_by_eos = o.get("ignore_eos") is False and "min_tokens" in o and "logit_bias" in o
+    return o["min_tokens"] + 1 if ends_by_eos else o["max_tokens"]
 
 
 def distinct_prompt_tokens(prompts: list[list[int]]) -> int:
@@ -196,6 +198,11 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
         raise BenchError("--every-size-too compares CUDA graph sizes: it needs a CUDA device and no --eager")
     check_options(opts)
     recipes = [load_recipe(r) for r in opts.recipes]
+    if mix.max_tokens_factor > 1 and opts.simulate_acceptance and any(r.drafter is not None for r in recipes):
+        # rows end by the target's EOS; the simulated walk accepts drafts the target did not choose
+        raise BenchError("--max-tokens-factor ends rows by the target's EOS, which --simulate-acceptance's "
+                         "planted drafts run past (a speculative recipe would generate more tokens than "
+                         "vanilla and the floor): drop one of them")
     opts = recipes_model(opts, recipes)
     src = load_source(opts, device)
     specs = [recipe_spec(r, opts, src, device) for r in recipes]     # a missing --draft fails before any run

@@ -158,7 +158,7 @@ class SpecCycle:
         to the host) without waiting for it. The engine launches cycle k + 1 before finishing
         cycle k, so the host's commit of k runs while the GPU runs k + 1; a request that
         finished in cycle k then rides in k + 1 once more, its results dropped (its pages hold
-        the rows it writes: prompt + max_tokens + headroom)."""
+        the rows it writes: Engine._grow keeps them ahead of the cycle in flight and the next)."""
         t0 = time.perf_counter()
         context = sum(self.state.seq_lens[s] for s, _ in active) if self.timer.enabled else 0
         # the policy's key for this many rows (the graph replayed may be a larger, faster size)

@@ -10,10 +10,10 @@ from ..models.config import DecoderConfig, ModelError
 from ..runtime.kv_cache import GiB, bytes_per_row, memory_budget
 
 MAX_DEFAULT_SLOTS = 512
-# Slots only bound how many requests run at once: admission reserves each request's own pages
-# (prompt + max_tokens + headroom) and waits when they are short. So the default asks only that
-# the pool could hold every slot at a short request's size, never at the model's whole context
-# (at Llama-3.1's 131,072 tokens that rule left 16 slots on an 80 GB GPU).
+# Slots only bound how many requests run at once: a request holds its own pages (what it wrote and
+# the next cycles', grown as it runs: engine.py) and waits, or is preempted, when they are short.
+# So the default asks only that the pool could hold every slot at a short request's size, never at
+# the model's whole context (at Llama-3.1's 131,072 tokens that rule left 16 slots on an 80 GB GPU).
 ROWS_PER_DEFAULT_SLOT = 256
 
 

@@ -247,7 +247,7 @@ class Prefiller:
             return done, None, None
         lens = [len(p.req.prompt_ids) + len(p.req.output_ids) for p in done]
         lengths = to_device(lens, torch.int64, self.device)
-        first, lps = self._first_tokens(done, rows, hidden, lens, lengths)
+        first, lps = self._first_tokens(done, rows, hidden, lengths)
         self.drafter.prefill(rows, captured, first)
         st = self.state
         st.lens[rows.slots], st.last[rows.slots] = lengths, first
@@ -273,11 +273,11 @@ class Prefiller:
                 finished.append((p.slot, req))
         return finished
 
-    def _first_tokens(self, done: list[Part], rows: PromptRows, hidden: torch.Tensor, lens: list[int],
+    def _first_tokens(self, done: list[Part], rows: PromptRows, hidden: torch.Tensor,
                       lengths: torch.Tensor) -> tuple:
         """The finished prompts' first tokens [B] (processed, sampled), and when a row asked for
-        them, (their logprobs, top ids) on the device (else None). lens: their prompt lengths,
-        on the host and as `lengths` on the device."""
+        them, (their logprobs, top ids) on the device (else None). lengths [B]: the rows each
+        prefilled (prompt, and a resumed request's output), the position its token is drawn at."""
         B = len(done)
         dev = self.device
         slots = rows.slots

@@ -350,3 +350,44 @@ def test_job_mode_with_generous_max_tokens_ends_rows_by_eos_and_compares_reservi
     refused = CliRunner().invoke(app, ["bench", "--random-weights", str(tiny_config), "-r", "vanilla",
                                        "--max-tokens-factor", "2", "--out", str(out)])
     assert refused.exit_code == 2 and "--max-tokens-factor applies to whole jobs only" in refused.output
+
+
+def test_max_tokens_factor_with_simulated_acceptance_is_refused_for_drafting_recipes(tiny_config, tmp_path):
+    """Rows given F x their output end at their length by the target's EOS; simulated acceptance
+    accepts planted drafts the target did not choose, so a speculative recipe's rows ran past that
+    EOS (more tokens than vanilla's and than the floor counts: 156 against 145 here) and the job
+    compared unequal work. Refused, as the other options that cannot combine are."""
+    out = tmp_path / "job"
+    r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "-r", "eagle3_topk1", "--requests", "16", "--prompt-median", "8",
+                                 "--prompt-max", "16", "--output-median", "10", "--output-max", "20",
+                                 "--slots", "8", "--device", "cpu", "--eager", "--max-tokens-factor", "4",
+                                 "--simulate-acceptance", "0.8,0.6,0.45", "--out", str(out)])
+    assert r.exit_code == 2 and "--simulate-acceptance" in r.output, r.output
+    # vanilla drafts nothing: its rows still end by EOS with the option given
+    r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "--requests", "8", "--prompt-median", "8", "--prompt-max", "16",
+                                 "--output-median", "6", "--output-max", "12", "--slots", "4", "--device", "cpu",
+                                 "--eager", "--max-tokens-factor", "4", "--simulate-acceptance", "0.8",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    p = json.loads((out / "job.json").read_text())["points"][0]
+    assert p["output_tokens"] == p["floor_output_tokens"]
+
+
+def test_job_mode_prompts_rows_that_do_not_ignore_eos_keep_max_tokens_in_the_floor(tiny_config, tmp_path):
+    """A --prompts row's own `ignore_eos: false` (with or without min_tokens) is not the mix's
+    --max-tokens-factor ending: the floor counts its max_tokens, as before, where it failed the
+    recipe with KeyError: 'min_tokens' (or counted min_tokens + 1)."""
+    prompts = tmp_path / "p.jsonl"
+    extras = [{"ignore_eos": False}, {}, {"ignore_eos": False, "min_tokens": 2}, {}]
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": [5, 6, 7, 8 + i], "max_tokens": 8, **e}) + "\n"
+                               for i, e in enumerate(extras)))
+    out = tmp_path / "job"
+    r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "--prompts", str(prompts), "--requests", "4", "--slots", "4", "--device", "cpu",
+                                 "--eager", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    p = json.loads((out / "job.json").read_text())["points"][0]
+    assert not p.get("failed"), p.get("error")
+    assert p["floor_output_tokens"] == 4 * 8
