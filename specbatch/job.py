@@ -235,6 +235,8 @@ class _Runner:
             per = self.pool.per_worker()
             forwards = sum(w.get("target_forwards", 0) for w in per)
             tokens = sum(w.get("tokens_emitted", 0) for w in per)
+            summed = ("waited_for_pages", *FailureCounts().facts(), "prompt_tokens_admitted", "prompt_tokens_cached",
+                      "preempted", "preemptions", "recomputed_tokens")       # counts the workers add up
             widths: dict[int, int] = {}
             for w in per:
                 for k, n in (w.get("verify_widths") or {}).items():
@@ -242,11 +244,7 @@ class _Runner:
             return dict(target_forwards=forwards, graphs=any(w["device"].startswith("cuda") for w in per) and
                         not self.pool.eager, capture_s=self.capture_s, workers=per,
                         tokens_per_target_forward=tokens / max(forwards, 1),
-                        waited_for_pages=sum(w.get("waited_for_pages", 0) for w in per),
-                        **{k: sum(w.get(k, 0) for w in per) for k in FailureCounts().facts()},
-                        prompt_tokens_admitted=sum(w.get("prompt_tokens_admitted", 0) for w in per),
-                        prompt_tokens_cached=sum(w.get("prompt_tokens_cached", 0) for w in per),
-                        **{k: sum(w.get(k, 0) for w in per) for k in ("preempted", "preemptions", "recomputed_tokens")},
+                        **{k: sum(w.get(k, 0) for w in per) for k in summed},
                         kv_rows=min((w.get("kv_rows", 0) for w in per), default=0),
                         peak_memory_bytes=max((w.get("peak_memory_bytes", 0) for w in per), default=0),
                         verify_widths=dict(sorted(widths.items())))

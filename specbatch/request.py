@@ -46,6 +46,11 @@ class Request:
         return len(self.prompt_ids)
 
     @property
+    def context_len(self) -> int:
+        """len(context_ids), without building it."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
     def context_ids(self) -> list[int]:
         """The tokens a prefill computes: the prompt, and for a request resumed after preemption
         what it had generated (the next token follows them)."""

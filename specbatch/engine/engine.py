@@ -478,7 +478,7 @@ class Engine:
             self._admissions += 1
             req.admitted_at = self._admissions
             if req.output_ids:                   # resumed: its prompt and output computed again
-                self.recomputed_tokens += len(req.prompt_ids) + len(req.output_ids) - req.cached_rows
+                self.recomputed_tokens += req.context_len - req.cached_rows
             else:
                 self.prompt_tokens += len(req.prompt_ids)
                 self.cached_tokens += req.cached_rows
@@ -547,8 +547,6 @@ class Engine:
         """The target forward: (final-normed hidden, the states the drafter reads)."""
         hidden, captured = self.model(ids, meta, self.cache.layers, self.drafter.capture_layers)
         return hidden, [hidden] if self.drafter.reads_final_hidden else captured
-
-
 
 
 def _admission(pair: tuple[int, Request]) -> int:

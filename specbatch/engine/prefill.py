@@ -77,7 +77,7 @@ def pack(admitted: Slotted, budget: int) -> list[list[Part]]:
     cur: list[Part] = []
     used = 0
     for slot, req in admitted:
-        n = len(req.prompt_ids) + len(req.output_ids)      # a resumed request: its output too
+        n = req.context_len                     # a resumed request: its output too
         j = req.cached_rows                     # tokens of a prefix already in the pool
         while j < n:
             take = min(n - j, cap - used)
@@ -245,7 +245,7 @@ class Prefiller:
         if not done:                          # a long prompt's first rows: only the drafter's K/V
             self.drafter.prefill(rows, captured, torch.zeros(0, dtype=torch.int64, device=self.device))
             return done, None, None
-        lens = [len(p.req.prompt_ids) + len(p.req.output_ids) for p in done]
+        lens = [p.req.context_len for p in done]
         lengths = to_device(lens, torch.int64, self.device)
         first, lps = self._first_tokens(done, rows, hidden, lengths)
         self.drafter.prefill(rows, captured, first)
@@ -261,7 +261,7 @@ class Prefiller:
         finished: Slotted = []
         for i, (p, tok) in enumerate(zip(done, first.tolist())):
             req = p.req
-            self.state.seq_lens[p.slot] = len(req.prompt_ids) + len(req.output_ids)
+            self.state.seq_lens[p.slot] = req.context_len
             if not req.output_ids:
                 req.histogram = [0] * (self.drafter.max_depth + 1)
             req.verify_steps += 1                # the prefill: a forward that verified no drafts
@@ -292,18 +292,17 @@ class Prefiller:
             vocab = self.model.cfg.vocab_size
             prompts = [p.req.prompt_ids for p in done]
             outputs = [p.req.output_ids for p in done]
-            proc = Processors.build(list(zip(params, map(len, prompts))), self.stops.eos_ids, vocab, dev)
+            prompt_lens = [len(q) for q in prompts]
+            generated = to_device([len(o) for o in outputs], torch.int64, dev)
+            proc = Processors.build(list(zip(params, prompt_lens)), self.stops.eos_ids, vocab, dev)
             pm = None
             if proc.penalties:
                 counts, prompt_mask = st.penalty_state(vocab)
-                reset_slots(counts, prompt_mask, slots, _padded(prompts, dev), to_device(list(map(len, prompts)),
-                                                                                         torch.int64, dev))
+                reset_slots(counts, prompt_mask, slots, _padded(prompts, dev), to_device(prompt_lens, torch.int64, dev))
                 if any(outputs):
-                    count_tokens(counts, slots, _padded(outputs, dev), to_device(list(map(len, outputs)),
-                                                                                 torch.int64, dev))
+                    count_tokens(counts, slots, _padded(outputs, dev), generated)
                 pm = prompt_mask[slots]
             zero = torch.zeros(B, 1, dtype=torch.int64, device=dev)
-            generated = to_device(list(map(len, outputs)), torch.int64, dev)
             logits = proc.apply(logits[:, None, :], zero, generated, zero, None,
                                 None if counts is None else counts[slots], pm)[:, 0]
         first = sample(logits, sp, lengths)
@@ -315,7 +314,6 @@ class Prefiller:
         zero = torch.zeros(B, 1, dtype=torch.int64, device=dev)
         return first, emitted_logprobs(raw[:, None, :], logits[:, None, :], zero, first[:, None], sp, max(asked),
                                        self.logprobs_mode)
-
 
 
 def _padded(seqs: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from . import INTERPRET, libm
 from .top1 import plan
 
@@ -75,9 +76,8 @@ def draw_race(probs: torch.Tensor, keys: torch.Tensor, num_splits: int | None = 
     if probs.dim() != 2 or probs.stride(1) != 1:
         probs = probs.reshape(probs.shape[0], -1).contiguous()
     R, V = probs.shape
-    out_shape = (R,)
     if R == 0:
-        return torch.empty(out_shape, dtype=torch.int64, device=probs.device)
+        return torch.empty(0, dtype=torch.int64, device=probs.device)
     block, splits, tiles = plan(R, V, probs.device, num_splits, BLOCK)
     tiles *= 2                                  # plan counts iterations of 2 x block; this kernel reads one
     val = torch.empty(R, splits, dtype=torch.float32, device=probs.device)
