@@ -2,12 +2,27 @@
 min_tokens) and seeded sampled rows: Llama-3.1-8B shapes, random weights, vanilla, 512 slots.
 
     python benchmarks/host_probe.py [greedy] [procs] [sampled]
+    SAMPLER=sort python benchmarks/host_probe.py sampled    # filter by the torch sort, then softmax and draw
+    SAMPLER=radix python benchmarks/host_probe.py sampled   # filter by kernels/top_k_top_p.py, then the same
+(default: kernels/filtered_draw.py, the filters and the draw in one kernel)
 """
-import collections, sys, time, torch
+import collections, os, sys, time, torch
 from specbatch.bench.sources import BenchOptions, load_source, build_engine
 from specbatch.engine import EngineOptions
 from specbatch.data import RowRequest
 from specbatch.recipe import SamplingDefaults
+
+if os.environ.get("SAMPLER", "fused") != "fused":
+    import specbatch.kernels as kernels, specbatch.kernels.top_k_top_p as tkp, specbatch.kernels.filtered_draw as fd
+    from specbatch.kernels.draw import draw_race
+    from specbatch.sampling import apply_top_k_top_p
+
+    def sort_filter(x, k, p):
+        with kernels.torch_only():
+            return apply_top_k_top_p(x, k, p)
+    if os.environ["SAMPLER"] == "sort":
+        tkp.top_k_top_p = sort_filter
+    fd.draw_filtered = lambda x, k, p, keys: draw_race(apply_top_k_top_p(x, k, p).softmax(dim=-1), keys)
 
 src = load_source(BenchOptions(random_weights="llama-3.1-8b", device="cuda"), torch.device("cuda"))
 eng = build_engine(EngineOptions(device="cuda", max_model_len=2048, profile=True), src, None)

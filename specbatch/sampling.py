@@ -67,9 +67,14 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] with per-row top_k [R] (0 = off) then top_p [R] (1 = off) -> masked logits."""
+    """logits [R, V] with per-row top_k [R] (0 = off) then top_p [R] (1 = off) -> masked logits.
+    Ties are ordered by index (a stable sort), so which of equal logits a filter keeps is fixed."""
+    if kernels.active(logits):                  # the same prefixes without a sort (kernels/top_k_top_p.py)
+        from .kernels.top_k_top_p import top_k_top_p
+
+        return top_k_top_p(logits, top_k, top_p)
     V = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(V, device=logits.device)
     drop = (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -116,13 +121,18 @@ class BatchSampling:
         return BatchSampling(r(self.temperature), r(self.top_k), r(self.top_p), r(self.seed_lo),
                              r(self.seed_hi), self.all_greedy, self.any_filter, r(self.min_p))
 
-    def _filtered(self, logits: torch.Tensor) -> torch.Tensor:
-        """Temperature (greedy rows: 1), then min-p, top-k, top-p: vLLM's order."""
+    def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        """Temperature (greedy rows: 1), then min-p: what top-k and top-p filter."""
         t = torch.where(self.temperature > 0, self.temperature, torch.ones_like(self.temperature))
         scaled = logits / t[:, None]
+        if self.any_filter and self.min_p is not None:
+            scaled = apply_min_p(scaled, self.min_p)
+        return scaled
+
+    def _filtered(self, logits: torch.Tensor) -> torch.Tensor:
+        """Temperature (greedy rows: 1), then min-p, top-k, top-p: vLLM's order."""
+        scaled = self._scaled(logits)
         if self.any_filter:
-            if self.min_p is not None:
-                scaled = apply_min_p(scaled, self.min_p)
             scaled = apply_top_k_top_p(scaled, self.top_k, self.top_p)
         return scaled
 
@@ -154,8 +164,21 @@ def sample(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> 
     greedy = logits.argmax(dim=-1)
     if sp.all_greedy:
         return greedy
-    drawn = draw(sp.target_probs(logits), sp, positions)
-    return torch.where(sp.temperature > 0, drawn, greedy)
+    return torch.where(sp.temperature > 0, draw_target(logits, sp, positions), greedy)
+
+
+def draw_target(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] float32 -> one token per row drawn from its target distribution (temperature,
+    min-p, top-k, top-p), seeded by (seed, position); greedy rows' tokens are meaningless.
+    On GPU the filters and the race are one kernel that never builds the filtered distribution."""
+    if kernels.active(logits):
+        from .kernels.filtered_draw import draw_filtered
+
+        on = sp.any_filter & (sp.temperature > 0)            # greedy rows: no filtering work
+        top_k = torch.where(on, sp.top_k, 0)
+        top_p = torch.where(on, sp.top_p, 1.0)
+        return draw_filtered(sp._scaled(logits), top_k, top_p, row_keys(sp.seed_lo, sp.seed_hi, positions))
+    return draw(sp.target_probs(logits), sp, positions)
 
 
 def draw(probs: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> torch.Tensor:

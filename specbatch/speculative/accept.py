@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from .. import kernels
-from ..sampling import BatchSampling, draw, row_keys, uniforms
+from ..sampling import BatchSampling, draw, row_keys, sample, uniforms
 from .topk import top1
 
 _ACCEPT_SALT = 1      # the acceptance uniform; salt 0 is the per-vocabulary race of `draw`
@@ -40,6 +40,11 @@ def accept(node_tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tenso
     dev = logits.device
     if sp.all_greedy:
         return greedy_walk(node_tokens, parents, greedy_targets(logits), max_depth)
+    if N == 1 and kernels.active(logits):
+        # nothing to accept (plain sampling): the token alone, without the filtered distribution
+        tokens = torch.zeros(B, max_depth + 1, dtype=torch.int64, device=dev)
+        tokens[:, 0] = sample(logits[:, 0].float(), sp, start + 1)
+        return Acceptance(tokens=tokens, num=torch.ones(B, dtype=torch.int64, device=dev), path=torch.zeros_like(tokens))
     rows = torch.arange(B, device=dev)
     kids_of = _kids_of(parents)
     argmax = logits.argmax(dim=-1)                                           # [B, N]

@@ -1,0 +1,128 @@
+"""A seeded draw from the top-k / top-p filtered distribution without building it: the token of
+`draw(softmax(apply_top_k_top_p(x, top_k, top_p)))` (specbatch.sampling), for rows that need
+only the token (plain sampling: no drafts to accept, no logprobs).
+
+The race draws argmax e_v / E_v over the kept entries (e_v = exp(x_v - max), E_v the seeded
+exponential of kernels/draw.py). Both filters keep a prefix of the order (logit desc, index asc),
+so a token is kept iff the mass of the entries before it is below top_p times the mass of the
+top-k set (the top entry always stays). Hence: race over the top-k set; if the winner is not
+kept, every entry after it is dropped too, so race again over the entries before it; repeat.
+A winner is kept with probability about top_p, and each rejection leaves a random share of the
+entries, so a row takes about two reads of its logits more than the plain draw. The top-k set,
+where a row has one, comes from the radix descent of kernels/top_k_top_p.py.
+
+Differences from the reference are rounding only: the mass comparison at the top-p boundary (as
+in kernels/top_k_top_p.py), and the race compares e_v / E_v where the reference divides the
+normalised probability, so two entries within an ulp of each other may trade places.
+
+Layout: one program a row (the rejections are data-dependent), reading it in blocks of BLOCK.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import INTERPRET, libm
+from .draw import _mix32
+from .top_k_top_p import _descend, _keys
+
+BLOCK = 1024
+NUM_WARPS = 8
+
+
+@triton.jit
+def _race(base, V, M, rkey, bound_key, bound_ties, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+    """The race winner among the allowed entries (key > bound_key, or key == bound_key among the
+    first bound_ties in index order) and the allowed entries' mass."""
+    lane = tl.arange(0, BLOCK)
+    golden = tl.full([1], 0x9E3779B9, tl.int64).to(tl.uint32)
+    best = tl.full([BLOCK], -1.0, tl.float32)
+    at = tl.zeros([BLOCK], tl.int32)
+    z = tl.zeros([BLOCK], tl.float32)
+    seen = tl.full([], 0, tl.int32)
+    for start in range(0, V, BLOCK):
+        o = start + lane
+        m = o < V
+        x = tl.load(base + o, mask=m, other=float("-inf"))
+        key = _keys(x)
+        tie = (m & (key == bound_key)).to(tl.int32)
+        rank = seen + tl.cumsum(tie, axis=0) - tie
+        seen += tl.sum(tie, axis=0)
+        ok = m & ((key > bound_key) | ((tie == 1) & (rank < bound_ties)))
+        e = libm.exp(x - M, PRECISE)
+        z += tl.where(ok, e, 0.0)
+        h = _mix32(rkey ^ _mix32(o.to(tl.uint32) ^ golden))
+        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        w = tl.where(ok, tl.math.div_rn(e, -libm.log(u, PRECISE)), -1.0)
+        gt = w > best                                   # strict: a lane keeps its first max
+        best = tl.where(gt, w, best)
+        at = tl.where(gt, o, at)
+    top = tl.max(best, axis=0)
+    return tl.min(tl.where(best == top, at, 2147483647), axis=0), tl.sum(z, axis=0)
+
+
+@triton.jit
+def _before(base, V, M, c, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+    """Entry c's key, the mass and count of the entries before it (logit desc, index asc) and
+    its rank among the entries of its key."""
+    lane = tl.arange(0, BLOCK)
+    kc = _keys(tl.load(base + c))
+    a = tl.zeros([BLOCK], tl.float32)
+    n = tl.zeros([BLOCK], tl.int32)
+    r = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, V, BLOCK):
+        o = start + lane
+        m = o < V
+        x = tl.load(base + o, mask=m, other=float("-inf"))
+        key = _keys(x)
+        tie_before = m & (key == kc) & (o < c)
+        pre = (m & (key > kc)) | tie_before
+        a += tl.where(pre, libm.exp(x - M, PRECISE), 0.0)
+        n += pre.to(tl.int32)
+        r += tie_before.to(tl.int32)
+    return kc, tl.sum(a, axis=0), tl.sum(n, axis=0), tl.sum(r, axis=0)
+
+
+@triton.jit
+def _filtered_draw_kernel(x_ptr, stride_x, top_k_ptr, top_p_ptr, keys_ptr, out_ptr, V,
+                          BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+    row = tl.program_id(0)
+    base = x_ptr + row.to(tl.int64) * stride_x
+    lane = tl.arange(0, BLOCK)
+    k = tl.load(top_k_ptr + row).to(tl.int32)
+    p = tl.load(top_p_ptr + row).to(tl.float32)
+    rkey = tl.load(keys_ptr + row).to(tl.uint32)       # the row key's low 32 bits (all it holds)
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        o = start + lane
+        mx = tl.maximum(mx, tl.load(base + o, mask=o < V, other=float("-inf")))
+    M = tl.max(mx, axis=0)
+    # allowed: key > bound_key, or key == bound_key among the first bound_ties (every key is > 0)
+    bound_key = tl.full([], 0, tl.uint32)
+    bound_ties = tl.full([], 2147483647, tl.int32)
+    if (k > 0) & (k < V):
+        bound_key, above, _, _ = _descend(base, V, M, k.to(tl.float32), False, PRECISE, BLOCK)
+        bound_ties = k - above
+    c, Z = _race(base, V, M, rkey, bound_key, bound_ties, PRECISE, BLOCK)
+    if p < 1.0:
+        kc, a, n, r = _before(base, V, M, c, PRECISE, BLOCK)
+        while (a >= p * Z) & (n > 0):                   # c dropped, and so is every entry after it
+            c, _ = _race(base, V, M, rkey, kc, r, PRECISE, BLOCK)
+            kc, a, n, r = _before(base, V, M, c, PRECISE, BLOCK)
+    tl.store(out_ptr + row, c.to(tl.int64))
+
+
+def draw_filtered(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] (after temperature and min-p), per-row top_k [R] (0 = off) and top_p [R]
+    (1 = off), keys [R] int64 row keys (sampling.row_keys) -> tokens [R] int64: the race over
+    the filtered distribution. Graph-capturable."""
+    x = logits.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    R, V = x.shape
+    out = torch.empty(R, dtype=torch.int64, device=x.device)
+    if R:
+        _filtered_draw_kernel[(R,)](x, x.stride(0), top_k.contiguous(), top_p.contiguous(), keys.contiguous(),
+                                    out, V, BLOCK=BLOCK, PRECISE=not INTERPRET, num_warps=NUM_WARPS)
+    return out

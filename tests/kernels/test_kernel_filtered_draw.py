@@ -1,0 +1,102 @@
+"""The filtered draw (kernels/filtered_draw.py) against its reference, the torch race over the
+softmax of the stable-sort top-k / top-p filter: the same token for every row, with ties at either
+threshold, -inf entries, rows with one, both or neither filter and top_p small enough to reject
+the first winners. CPU runs go through the Triton interpreter at small sizes; `-m gpu` runs real
+vocabularies and a CUDA graph, where a differing token must be explained by rounding: an entry
+whose exclusive mass is within 1e-5 of top_p, or two race scores within 1e-5 of each other."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specbatch.kernels as kernels
+from specbatch.kernels.filtered_draw import draw_filtered
+from specbatch.params import SamplingParams
+from specbatch.sampling import BatchSampling, apply_top_k_top_p, draw, draw_target, row_keys, uniforms
+
+NEG = float("-inf")
+
+
+def _case(R: int, V: int, seed: int, device, scale: float = 3.0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(R, V, generator=g) * scale).to(torch.bfloat16).float()     # bf16 values: many ties
+    if R > 2:
+        x[2, : V // 3] = NEG                                                   # min-p masked entries
+    if R > 3:
+        x[3] = 0.25                                                           # one value: ties everywhere
+    ks = ([0, 1, 5, 40, 0, 7, 3, V + 5] + torch.randint(0, 60, (R,), generator=g).tolist())[:R]
+    ps = ([0.9, 1.0, 0.5, 0.3, 0.05, 0.999, 1.0, 0.02] + torch.rand(R, generator=g).clamp(min=0.01).tolist())[:R]
+    sp = BatchSampling.build([SamplingParams(temperature=1.0, top_k=k, top_p=p, seed=seed * 1000 + i)
+                              for i, (k, p) in enumerate(zip(ks, ps))], torch.device(device))
+    pos = torch.arange(R, device=device) * 7 + 3
+    return x.to(device), sp, pos
+
+
+def _reference(x, sp, pos):
+    with kernels.torch_only():
+        return draw(apply_top_k_top_p(x, sp.top_k, sp.top_p).softmax(dim=-1), sp, pos)
+
+
+def _explained(x, sp, pos, r: int, a: int, b: int, tol: float = 1e-5) -> bool:
+    """Whether tokens a and b of row r may differ by rounding alone (float64 reference)."""
+    xs, order = x[r].double().sort(descending=True, stable=True)
+    k, p = int(sp.top_k[r]), float(sp.top_p[r])
+    if 0 < k < xs.numel():
+        xs[k:] = NEG
+    probs = xs.softmax(dim=0)
+    excl = torch.empty_like(probs)
+    excl[order] = probs.cumsum(0) - probs
+    if any(abs(float(excl[t]) - p) < tol for t in (a, b)):
+        return True
+    u = uniforms(row_keys(sp.seed_lo, sp.seed_hi, pos)[r: r + 1].cpu(), x.shape[1])[0].double()
+    e = (x[r].double() - x[r].max().double()).exp().cpu()
+    score = e / -u.log()
+    return abs(float(score[a] / score[b]) - 1.0) < tol
+
+
+@pytest.mark.parametrize("R, V, seed", [(12, 700, 0), (12, 1024, 1), (9, 257, 2), (2, 33, 3)])
+def test_interpreted_filtered_draw_equals_the_reference(R, V, seed):
+    for scale in (0.3, 3.0):
+        x, sp, pos = _case(R, V, seed, "cpu", scale)
+        keys = row_keys(sp.seed_lo, sp.seed_hi, pos)
+        assert draw_filtered(x, sp.top_k, sp.top_p, keys).tolist() == _reference(x, sp, pos).tolist()
+
+
+def test_draw_target_uses_the_kernel_only_on_cuda():
+    x, sp, pos = _case(6, 300, 4, "cpu")
+    assert not kernels.active(x)
+    assert draw_target(x, sp, pos).tolist() == _reference(x, sp, pos).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R, V", [(1, 128256), (64, 128256), (512, 128256), (9, 32000), (300, 151936)])
+def test_cuda_filtered_draw_equals_the_reference(R, V):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    unexplained, differ = [], 0
+    for seed in range(3):
+        for scale in (0.5, 3.0, 12.0):
+            x, sp, pos = _case(R, V, seed, "cuda", scale)
+            got = draw_filtered(x, sp.top_k, sp.top_p, row_keys(sp.seed_lo, sp.seed_hi, pos))
+            ref = _reference(x, sp, pos)
+            for r in (got != ref).nonzero()[:, 0].tolist():
+                differ += 1
+                if not _explained(x, sp, pos, r, int(got[r]), int(ref[r])):
+                    unexplained.append((seed, scale, r, int(got[r]), int(ref[r])))
+    assert not unexplained and differ <= max(1, R // 32), (differ, unexplained)
+
+
+@pytest.mark.gpu
+def test_cuda_filtered_draw_replays_in_a_graph():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    x, sp, pos = _case(64, 128256, 7, "cuda")
+    keys = row_keys(sp.seed_lo, sp.seed_hi, pos)
+    first = draw_filtered(x, sp.top_k, sp.top_p, keys)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = draw_filtered(x, sp.top_k, sp.top_p, keys)
+    x.copy_(_case(64, 128256, 8, "cuda")[0])
+    g.replay()
+    assert torch.equal(got, draw_filtered(x, sp.top_k, sp.top_p, keys))
+    assert not torch.equal(got, first)
