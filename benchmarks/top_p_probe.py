@@ -59,11 +59,11 @@ for R in (64, 256, 512):
     pos = torch.arange(R, device="cuda")
     a, b = sort_filter(x, k, p), top_p_bisect(x, p)
     kk = torch.where(torch.arange(R, device="cuda") % 2 == 0, 50, 0)
-    shapes = []
+    shapes, default = [], (tkp.BLOCK, tkp.NUM_WARPS)
     for block, warps in ((128, 4), (256, 4), (512, 4), (512, 8), (1024, 8)):
         tkp.BLOCK, tkp.NUM_WARPS = block, warps
         shapes.append(f"{block}/{warps}w {ms(lambda: tkp.top_k_top_p(x, k, p)):.3f}")
-    tkp.BLOCK, tkp.NUM_WARPS = 256, 4
+    tkp.BLOCK, tkp.NUM_WARPS = default
     c = tkp.top_k_top_p(x, kk, p)
     print(f"R={R}: kernel top-p ms by block/warps: {', '.join(shapes)}; with top-k 50 on half the rows: kernel "
           f"{ms(lambda: tkp.top_k_top_p(x, kk, p)):.3f} ms, sort {ms(lambda: sort_filter(x, kk, p)):.3f} ms; "

@@ -11,12 +11,14 @@ Keys: float32 bits mapped to uint32 so that unsigned order is float order (-0.0 
 T is found by a radix descent, 4 bits a read: per digit of the current bucket, the count and the
 weight (1 for top-k, exp(x - max) for top-p) of its entries; the bucket where the cumulative
 weight from the top crosses the limit (top_k, or top_p times the mass of the top-k set) is the
-next prefix. Eight reads fix all 32 bits. Masses are summed in a different order from the
+next prefix. Eight reads fix all 32 bits; a bucket down to one key value (one entry, or ties)
+ends the descent early, and blocks holding no entry of the bucket skip the digit work. Masses are summed in a different order from the
 reference's cumsum, so an entry whose exclusive mass lies within float32 rounding of top_p may
 be kept by one and dropped by the other (as between torch's CPU and CUDA cumsums).
 
 Layout: one program a row, reading it in blocks of BLOCK; per-lane [BLOCK, 16] accumulators,
-reduced once a read. Rows with neither filter on copy their logits.
+reduced once a read. Rows with neither filter on copy their logits. BLOCK is fixed (not chosen by
+the batch's size): the masses' summation order, and so a row's result, must not depend on it.
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ import triton.language as tl
 
 from . import INTERPRET, libm
 
-BLOCK = 256
-NUM_WARPS = 4
+BLOCK = 1024
+NUM_WARPS = 8
 DIGITS = 16               # 4 bits a read
 
 
@@ -42,18 +44,23 @@ def _keys(x):
 def _descend(base, V, M, limit, BY_MASS: tl.constexpr, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
     """The largest-first prefix threshold: T with weight(key > T) < limit <= weight(key >= T),
     weight the count (BY_MASS false) or exp(x - M). -> (T, count(key > T), weight(key > T),
-    count(key == T)). If the whole row weighs less than limit (rounding), T is the row's least key."""
+    count(key == T)). If the whole row weighs less than limit (rounding), T is the row's least key;
+    if limit <= 0, its greatest."""
     lane = tl.arange(0, BLOCK)
     piv = tl.arange(0, 16)
     prefix = tl.full([], 0, tl.uint32)                 # bits above the current digit, fixed
     above_w = tl.full([], 0.0, tl.float32)              # weight of the keys above the bucket
     above_c = tl.full([], 0, tl.int32)
     tie_c = tl.full([], 0, tl.int32)
-    for step in range(8):
+    step = tl.full([], 0, tl.int32)
+    several = tl.full([], 1, tl.int32)                  # the bucket holds more than one key value
+    while (step < 8) & (several == 1):
         shift = 28 - 4 * step
         # per lane and digit d: the weight and count of the bucket's entries whose digit is >= d
         acc_w = tl.zeros([BLOCK, 16], tl.float32)
         acc_c = tl.zeros([BLOCK, 16], tl.int32)
+        kmax = tl.zeros([BLOCK], tl.uint32)
+        kmin = ~tl.zeros([BLOCK], tl.uint32)
         for start in range(0, V, BLOCK):
             o = start + lane
             m = o < V
@@ -69,21 +76,35 @@ def _descend(base, V, M, limit, BY_MASS: tl.constexpr, PRECISE: tl.constexpr, BL
                 else:
                     acc_w += ge.to(tl.float32)
                 acc_c += ge.to(tl.int32)
+                kmax = tl.maximum(kmax, tl.where(inb, key, 0))
+                kmin = tl.minimum(kmin, tl.where(inb, key, ~tl.zeros([BLOCK], tl.uint32)))
         ge_w = tl.sum(acc_w, axis=0)                   # [16]: digit >= d
         ge_c = tl.sum(acc_c, axis=0)
         # above digit d's bucket: the keys above the bucket and the bucket's digits > d
         nxt_w = tl.sum(tl.where(piv[None, :] == piv[:, None] + 1, ge_w[None, :], 0.0), axis=1)
         nxt_c = tl.sum(tl.where(piv[None, :] == piv[:, None] + 1, ge_c[None, :], 0), axis=1)
         excl_w = above_w + nxt_w
-        # the lowest nonempty digit whose largest entry still sits above the limit (the top one always does)
-        ok = (ge_c > nxt_c) & (excl_w < limit)
+        # the lowest nonempty digit whose largest entry still sits above the limit (the top one does
+        # while limit > 0). None at limit <= 0 (top_p 0: a row's top_p below float32's least rounds
+        # to it): the top one, as the reference keeps rank 0 alone; none at a NaN limit: the least.
+        nonempty = ge_c > nxt_c
+        ok = nonempty & (excl_w < limit)
         d = tl.min(tl.where(ok, piv, 16), axis=0)
-        d = tl.where(d == 16, tl.min(tl.where(ge_c > nxt_c, piv, 16), axis=0), d)
+        none = tl.where(limit <= 0.0, tl.max(tl.where(nonempty, piv, -1), axis=0),
+                        tl.min(tl.where(nonempty, piv, 16), axis=0))
+        d = tl.where(d == 16, none, d)
         sel = piv == d
-        prefix = prefix | (d.to(tl.uint32) << shift)
-        above_w = tl.sum(tl.where(sel, excl_w, 0.0), axis=0)
-        above_c = above_c + tl.sum(tl.where(sel, nxt_c, 0), axis=0)
-        tie_c = tl.sum(tl.where(sel, ge_c - nxt_c, 0), axis=0)
+        # one key value left in the bucket (one entry, or ties): it is T, its top entry being above
+        # the limit as every chosen bucket's is; the remaining digits need no more reads
+        hi = tl.max(kmax, axis=0)
+        single = hi == tl.min(kmin, axis=0)
+        prefix = tl.where(single, hi, prefix | (d.to(tl.uint32) << shift))
+        above_w = tl.where(single, above_w, tl.sum(tl.where(sel, excl_w, 0.0), axis=0))
+        above_c = tl.where(single, above_c, above_c + tl.sum(tl.where(sel, nxt_c, 0), axis=0))
+        tie_c = tl.where(single, tl.sum(tl.where(piv == 0, ge_c, 0), axis=0),
+                         tl.sum(tl.where(sel, ge_c - nxt_c, 0), axis=0))
+        several = tl.where(single, 0, 1)
+        step += 1
     return prefix, above_c, above_w, tie_c
 
 

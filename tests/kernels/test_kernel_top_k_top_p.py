@@ -87,6 +87,18 @@ def test_rows_without_a_filter_are_copied_and_the_top_entry_always_stays():
     assert (got[1] > NEG).tolist() == [False, True, False, False, False]
 
 
+def test_top_p_zero_keeps_the_first_top_entry_alone():
+    # a top_p below float32's least denormal (1e-46 passes `0 < top_p`) is 0 on the device: the
+    # reference keeps rank 0 alone (exclusive mass 0 >= 0 drops the rest); the descent's limit is 0
+    x = torch.tensor([[0.0, 9.0, 1.0, 2.0, 9.0], [0.5] * 5, [NEG, 1.0, 3.0, NEG, 2.0]])
+    k = torch.tensor([0, 0, 2])
+    p = torch.tensor([1e-46, 0.0, 0.0], dtype=torch.float32)
+    got = top_k_top_p(x, k, p)
+    assert (got > NEG).tolist() == [[False, True, False, False, False], [True, False, False, False, False],
+                                    [False, False, True, False, False]]
+    assert torch.equal(got, _reference(x, k, p))
+
+
 def test_the_batch_sampling_filter_uses_the_kernel_only_on_cuda():
     x = _logits(4, 300, 5, "cpu")
     sp = BatchSampling.build([SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=i) for i in range(4)],
