@@ -25,7 +25,7 @@ import triton.language as tl
 
 from . import INTERPRET, libm
 from .draw import _mix32
-from .top_k_top_p import _descend, _keys
+from .top_k_top_p import _descend, _in_prefix, _keys, _row_max
 
 BLOCK = 1024
 NUM_WARPS = 8
@@ -45,11 +45,7 @@ def _race(base, V, M, rkey, bound_key, bound_ties, PRECISE: tl.constexpr, BLOCK:
         o = start + lane
         m = o < V
         x = tl.load(base + o, mask=m, other=float("-inf"))
-        key = _keys(x)
-        tie = (m & (key == bound_key)).to(tl.int32)
-        rank = seen + tl.cumsum(tie, axis=0) - tie
-        seen += tl.sum(tie, axis=0)
-        ok = m & ((key > bound_key) | ((tie == 1) & (rank < bound_ties)))
+        ok, seen = _in_prefix(_keys(x), m, bound_key, bound_ties, seen)
         e = libm.exp(x - M, PRECISE)
         z += tl.where(ok, e, 0.0)
         h = _mix32(rkey ^ _mix32(o.to(tl.uint32) ^ golden))
@@ -89,15 +85,10 @@ def _filtered_draw_kernel(x_ptr, stride_x, top_k_ptr, top_p_ptr, keys_ptr, out_p
                           BLOCK: tl.constexpr, PRECISE: tl.constexpr):
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride_x
-    lane = tl.arange(0, BLOCK)
     k = tl.load(top_k_ptr + row).to(tl.int32)
     p = tl.load(top_p_ptr + row).to(tl.float32)
     rkey = tl.load(keys_ptr + row).to(tl.uint32)       # the row key's low 32 bits (all it holds)
-    mx = tl.full([BLOCK], float("-inf"), tl.float32)
-    for start in range(0, V, BLOCK):
-        o = start + lane
-        mx = tl.maximum(mx, tl.load(base + o, mask=o < V, other=float("-inf")))
-    M = tl.max(mx, axis=0)
+    M = _row_max(base, V, BLOCK)
     # allowed: key > bound_key, or key == bound_key among the first bound_ties (every key is > 0)
     bound_key = tl.full([], 0, tl.uint32)
     bound_ties = tl.full([], 2147483647, tl.int32)

@@ -116,6 +116,25 @@ def _value(key):
 
 
 @triton.jit
+def _row_max(base, V, BLOCK: tl.constexpr):
+    lane = tl.arange(0, BLOCK)
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        o = start + lane
+        mx = tl.maximum(mx, tl.load(base + o, mask=o < V, other=float("-inf")))
+    return tl.max(mx, axis=0)
+
+
+@triton.jit
+def _in_prefix(key, m, thr, ties, seen):
+    """A block's entries in the prefix {key > thr} + the first `ties` entries of key thr (index
+    order), `seen` such entries being in earlier blocks -> (mask, seen after this block)."""
+    tie = (m & (key == thr)).to(tl.int32)
+    rank = seen + tl.cumsum(tie, axis=0) - tie
+    return m & ((key > thr) | ((tie == 1) & (rank < ties))), seen + tl.sum(tie, axis=0)
+
+
+@triton.jit
 def _filter_kernel(x_ptr, stride_x, out_ptr, stride_o, top_k_ptr, top_p_ptr, V,
                    BLOCK: tl.constexpr, PRECISE: tl.constexpr):
     row = tl.program_id(0)
@@ -130,11 +149,7 @@ def _filter_kernel(x_ptr, stride_x, out_ptr, stride_o, top_k_ptr, top_p_ptr, V,
     thr = tl.full([], 0, tl.uint32)
     ties = tl.full([], 2147483647, tl.int32)
     if use_k | use_p:
-        mx = tl.full([BLOCK], float("-inf"), tl.float32)
-        for start in range(0, V, BLOCK):
-            o = start + lane
-            mx = tl.maximum(mx, tl.load(base + o, mask=o < V, other=float("-inf")))
-        M = tl.max(mx, axis=0)
+        M = _row_max(base, V, BLOCK)
         z = tl.zeros([BLOCK], tl.float32)
         # the kept set's mass: all of it, or the top-k's once that is known
         if use_k:
@@ -166,12 +181,8 @@ def _filter_kernel(x_ptr, stride_x, out_ptr, stride_o, top_k_ptr, top_p_ptr, V,
         o = start + lane
         m = o < V
         x = tl.load(base + o, mask=m, other=float("-inf"))
-        key = _keys(x)
-        tie = (key == thr).to(tl.int32)
-        rank = seen + tl.cumsum(tie, axis=0) - tie
-        keep = (key > thr) | ((tie == 1) & (rank < ties))
+        keep, seen = _in_prefix(_keys(x), m, thr, ties, seen)
         tl.store(obase + o, tl.where(keep, x, float("-inf")), mask=m)
-        seen += tl.sum(tie, axis=0)
 
 
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
