@@ -5,6 +5,8 @@ min_tokens) and seeded sampled rows: Llama-3.1-8B shapes, random weights, vanill
     SAMPLER=sort python benchmarks/host_probe.py sampled    # filter by the torch sort, then softmax and draw
     SAMPLER=radix python benchmarks/host_probe.py sampled   # filter by kernels/top_k_top_p.py, then the same
 (default: kernels/filtered_draw.py, the filters and the draw in one kernel)
+    MIDJOB_COLLECT=1 python benchmarks/host_probe.py sampled  # collect garbage before mid-job captures too
+(the first run of a kind captures its graph variant size by size as occupancy falls)
 """
 import collections, os, sys, time, torch
 from specbatch.bench.sources import BenchOptions, load_source, build_engine
@@ -23,6 +25,11 @@ if os.environ.get("SAMPLER", "fused") != "fused":
     if os.environ["SAMPLER"] == "sort":
         tkp.top_k_top_p = sort_filter
     fd.draw_filtered = lambda x, k, p, keys: draw_race(apply_top_k_top_p(x, k, p).softmax(dim=-1), keys)
+
+if os.environ.get("MIDJOB_COLLECT") == "1":
+    import specbatch.engine.graphs as graphs
+    always = graphs._no_collection
+    graphs._no_collection = lambda collect=True: always(True)
 
 src = load_source(BenchOptions(random_weights="llama-3.1-8b", device="cuda"), torch.device("cuda"))
 eng = build_engine(EngineOptions(device="cuda", max_model_len=2048, profile=True), src, None)
