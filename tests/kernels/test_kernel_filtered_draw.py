@@ -13,6 +13,7 @@ import specbatch.kernels as kernels
 from specbatch.kernels.filtered_draw import draw_filtered
 from specbatch.params import SamplingParams
 from specbatch.sampling import BatchSampling, apply_top_k_top_p, draw, draw_target, row_keys, uniforms
+from specbatch.speculative.accept import accept
 
 NEG = float("-inf")
 
@@ -66,6 +67,23 @@ def test_draw_target_uses_the_kernel_only_on_cuda():
     x, sp, pos = _case(6, 300, 4, "cpu")
     assert not kernels.active(x)
     assert draw_target(x, sp, pos).tolist() == _reference(x, sp, pos).tolist()
+
+
+def test_plain_sampling_acceptance_takes_the_fused_draw(monkeypatch):
+    # accept's N == 1 path (vanilla decode: nothing to accept) on the kernel, which the interpreter
+    # runs on CPU tensors once `active` says so: the same tokens, counts and path as the walk
+    x, _, _ = _case(6, 300, 9, "cpu")
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=50 + i) for i, (t, k, p, m) in
+              enumerate([(0.8, 0, 0.9, 0.0), (0.0, 5, 0.5, 0.0), (1.3, 7, 1.0, 0.0), (0.5, 0, 0.3, 0.1),
+                         (1.0, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0)])]
+    sp = BatchSampling.build(params, torch.device("cpu"))
+    node_tokens, parents = torch.randint(0, 300, (6, 1)), torch.full((6, 1), -1)
+    start = torch.arange(6) * 11 + 4
+    want = accept(node_tokens, parents, x[:, None, :], sp, start, 2)
+    monkeypatch.setattr(kernels, "active", lambda t: True)
+    got = accept(node_tokens, parents, x[:, None, :], sp, start, 2)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num, want.num)
+    assert torch.equal(got.path, want.path)
 
 
 @pytest.mark.gpu
