@@ -97,10 +97,16 @@ class BatchSampling:
     all_greedy: bool
     any_filter: bool            # some row uses min-p, top-k or top-p
     min_p: torch.Tensor | None = None   # [R] float32 (None: no sampled row uses min-p: no pass for it)
+    # [R] bool: rows that draw from the distribution as built, because they report its logprobs
+    # (a processed logprobs mode; draw_target). None: no such row.
+    built: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, params: list[SamplingParams], device: torch.device) -> "BatchSampling":
+    def build(cls, params: list[SamplingParams], device: torch.device,
+              processed_logprobs: bool = False) -> "BatchSampling":
+        """`processed_logprobs`: the engine reports logprobs of the processed distribution."""
         params = [p.resolved() for p in params]          # unset fields: their defaults
+        asked = [p.logprobs is not None for p in params]
         lo, hi = zip(*(split_seed(p.seed or 0) for p in params)) if params else ((), ())
         return cls(
             # a temperature past float32's range would be inf, and -inf / inf (a masked token) NaN
@@ -113,13 +119,14 @@ class BatchSampling:
             any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params),
             min_p=to_device([float(p.min_p) for p in params], torch.float32, device)
             if any(not p.greedy and p.min_p > 0 for p in params) else None,
+            built=to_device(asked, torch.bool, device) if processed_logprobs and any(asked) else None,
         )
 
     def repeat_rows(self, n: int) -> "BatchSampling":
         """Each row repeated n times (row-major), for n tokens per sequence."""
         r = lambda t: None if t is None else t.repeat_interleave(n)
         return BatchSampling(r(self.temperature), r(self.top_k), r(self.top_p), r(self.seed_lo),
-                             r(self.seed_hi), self.all_greedy, self.any_filter, r(self.min_p))
+                             r(self.seed_hi), self.all_greedy, self.any_filter, r(self.min_p), r(self.built))
 
     def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
         """Temperature (greedy rows: 1), then min-p: what top-k and top-p filter."""
@@ -177,7 +184,12 @@ def draw_target(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor
         on = sp.any_filter & (sp.temperature > 0)            # greedy rows: no filtering work
         top_k = torch.where(on, sp.top_k, 0)
         top_p = torch.where(on, sp.top_p, 1.0)
-        return draw_filtered(sp._scaled(logits), top_k, top_p, row_keys(sp.seed_lo, sp.seed_hi, positions))
+        tokens = draw_filtered(sp._scaled(logits), top_k, top_p, row_keys(sp.seed_lo, sp.seed_hi, positions))
+        if sp.built is None:
+            return tokens
+        # rows reporting processed logprobs: a token at the top_p boundary, where the kernels' float32
+        # masses may round apart, must be one the distribution they report keeps
+        return torch.where(sp.built, draw(sp.target_probs(logits), sp, positions), tokens)
     return draw(sp.target_probs(logits), sp, positions)
 
 

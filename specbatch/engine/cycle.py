@@ -126,6 +126,7 @@ class SpecCycle:
         self.vocab = model.cfg.vocab_size
         self.max_len = max_len
         self.logprobs_mode = logprobs_mode
+        self._processed_logprobs = logprobs_mode.startswith("processed")
         self.page_table = getattr(cache, "page_table", None)
         self.timer = StageTimer(profile, self.device)
         self.tokens_emitted = 0
@@ -254,7 +255,7 @@ class SpecCycle:
         pkey = processors_key(rows, self.stops.eos_ids, self.vocab)
         asked = [p.logprobs for p in params if p.logprobs is not None]
         b = Batch(slots=to_device(slots, torch.int64, self.device),
-                  sp=BatchSampling.build(params, self.device),
+                  sp=BatchSampling.build(params, self.device, self._processed_logprobs),
                   # host lengths may lag the device by the cycle in flight (launch / finish)
                   kv_bound=min(self.max_len, max(self.state.seq_lens[s] for s in slots) + self.drafter.num_draft_tokens),
                   width=self.policy.choose(bucket, all(p.greedy for p in params)),
@@ -324,6 +325,8 @@ class SpecCycle:
         b = Batch(slots=torch.full((size,), self.state.dummy, dtype=torch.int64, device=self.device),
                   sp=BatchSampling.build(pad, self.device), kv_bound=self.max_len, width=width, lp_k=lp_k)
         b.sp.all_greedy, b.sp.any_filter = greedy, any_filter
+        if lp_k is not None and self._processed_logprobs:
+            b.sp.built = torch.zeros(size, dtype=torch.bool, device=self.device)
         if any_min_p:
             b.sp.min_p = torch.zeros(size, dtype=torch.float32, device=self.device)
         if pkey is not None:
@@ -338,10 +341,13 @@ class SpecCycle:
         and it runs before them (a pageable source is staged before the call returns)."""
         pad = b.slots.shape[0] - len(active)
         params = [r.params for _, r in active] + [SamplingParams()] * pad
-        src = BatchSampling.build(params, torch.device("cpu"))
+        src = BatchSampling.build(params, torch.device("cpu"), self._processed_logprobs)
         b.slots.copy_(torch.tensor([s for s, _ in active] + [self.state.dummy] * pad), non_blocking=True)
         for name in ("temperature", "top_k", "top_p", "seed_lo", "seed_hi"):
             getattr(b.sp, name).copy_(getattr(src, name), non_blocking=True)
+        if b.sp.built is not None:
+            b.sp.built.copy_(src.built if src.built is not None else torch.zeros(len(params), dtype=torch.bool),
+                             non_blocking=True)
         if b.sp.min_p is not None:
             b.sp.min_p.copy_(src.min_p if src.min_p is not None else torch.zeros(len(params)), non_blocking=True)
         if b.proc is not None:

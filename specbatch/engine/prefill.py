@@ -282,7 +282,7 @@ class Prefiller:
         dev = self.device
         slots = rows.slots
         params = [p.req.params for p in done]
-        sp = BatchSampling.build(params, dev)
+        sp = BatchSampling.build(params, dev, self.logprobs_mode.startswith("processed"))
         logits = raw = self.model.logits(hidden.view(-1, hidden.shape[-1])[rows.last])   # [B, V]
         counts = None
         if any(q.uses_processors for q in params):
