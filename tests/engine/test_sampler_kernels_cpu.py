@@ -86,3 +86,18 @@ def test_rows_reporting_processed_logprobs_draw_from_the_distribution_they_repor
     monkeypatch.setattr(filtered_draw, "draw_filtered", lambda x, k, p, keys: torch.full_like(keys, 49))
     got = draw_target(logits, sp, pos)
     assert got.tolist() == [49, int(reference[1]), 49, int(reference[3])]
+
+
+def test_graph_rows_reporting_processed_logprobs_never_take_the_fused_draw(target_dir, monkeypatch):
+    """The fused draw shifted by one token: sampled rows that report processed logprobs must still
+    draw the torch path's tokens (eager prefill, then the graph variant's `built` buffer, laid out
+    by _static_batch and refilled by _fill as the active set changes); the other sampled rows move."""
+    want = _gen(target_dir, graphs=False, mode="processed_logprobs")
+    _sampler_kernels_on(monkeypatch)
+    fused = filtered_draw.draw_filtered
+    monkeypatch.setattr(filtered_draw, "draw_filtered", lambda x, k, p, keys: (fused(x, k, p, keys) + 1) % x.shape[-1])
+    got = _gen(target_dir, graphs=True, mode="processed_logprobs")
+    sampled = [i for i, r in enumerate(ROWS) if r.get("temperature", 0) > 0]
+    reporting = [i for i in sampled if "logprobs" in ROWS[i]]
+    assert reporting and [ids(got)[i] for i in reporting] == [ids(want)[i] for i in reporting]
+    assert all(ids(got)[i] != ids(want)[i] for i in sampled if i not in reporting)      # the shift is live
