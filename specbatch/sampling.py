@@ -128,7 +128,7 @@ class BatchSampling:
         return BatchSampling(r(self.temperature), r(self.top_k), r(self.top_p), r(self.seed_lo),
                              r(self.seed_hi), self.all_greedy, self.any_filter, r(self.min_p), r(self.built))
 
-    def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
+    def scaled(self, logits: torch.Tensor) -> torch.Tensor:
         """Temperature (greedy rows: 1), then min-p: what top-k and top-p filter."""
         t = torch.where(self.temperature > 0, self.temperature, torch.ones_like(self.temperature))
         scaled = logits / t[:, None]
@@ -138,7 +138,7 @@ class BatchSampling:
 
     def _filtered(self, logits: torch.Tensor) -> torch.Tensor:
         """Temperature (greedy rows: 1), then min-p, top-k, top-p: vLLM's order."""
-        scaled = self._scaled(logits)
+        scaled = self.scaled(logits)
         if self.any_filter:
             scaled = apply_top_k_top_p(scaled, self.top_k, self.top_p)
         return scaled
@@ -184,7 +184,7 @@ def draw_target(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor
         on = sp.any_filter & (sp.temperature > 0)            # greedy rows: no filtering work
         top_k = torch.where(on, sp.top_k, 0)
         top_p = torch.where(on, sp.top_p, 1.0)
-        tokens = draw_filtered(sp._scaled(logits), top_k, top_p, row_keys(sp.seed_lo, sp.seed_hi, positions))
+        tokens = draw_filtered(sp.scaled(logits), top_k, top_p, row_keys(sp.seed_lo, sp.seed_hi, positions))
         if sp.built is None:
             return tokens
         # rows reporting processed logprobs: a token at the top_p boundary, where the kernels' float32
