@@ -39,6 +39,30 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
+@triton.jit
+def race_weight(p, rkey, o, PRECISE: tl.constexpr):
+    """p / E for vocabulary indices o of the row with key rkey: E = -log(u), u the row's seeded
+    uniform for o (sampling.uniforms: a 32-bit hash, 23 bits into (0, 1))."""
+    golden = tl.full([1], 0x9E3779B9, tl.int64).to(tl.uint32)
+    x = _mix32(rkey ^ _mix32(o.to(tl.uint32) ^ golden))
+    u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)      # exact: 23 bits + 1/2, times 2**-23
+    return tl.math.div_rn(p, -libm.log(u, PRECISE))
+
+
+@triton.jit
+def keep_first_max(best, at, w, o):
+    """A lane's running (max weight, its first index) with block values w at indices o."""
+    gt = w > best                                                # strict: a lane keeps its first max
+    return tl.where(gt, w, best), tl.where(gt, o, at)
+
+
+@triton.jit
+def first_max(best, at):
+    """The lanes' (max, lowest index holding it)."""
+    top = tl.max(best, axis=0)
+    return top, tl.min(tl.where(best == top, at, 2147483647), axis=0)
+
+
 @triton.jit(do_not_specialize=["tiles"])
 def _draw_kernel(p_ptr, stride_r, keys_ptr, V, tiles, val_ptr, idx_ptr,
                  BLOCK: tl.constexpr, PRECISE: tl.constexpr):
@@ -50,21 +74,14 @@ def _draw_kernel(p_ptr, stride_r, keys_ptr, V, tiles, val_ptr, idx_ptr,
     end = tl.minimum(begin + tiles * BLOCK, V)
     base = p_ptr + row.to(tl.int64) * stride_r
     key = tl.load(keys_ptr + row).to(tl.uint32)          # the row key's low 32 bits (all it holds)
-    golden = tl.full([1], 0x9E3779B9, tl.int64).to(tl.uint32)
     best = tl.full([BLOCK], -1.0, tl.float32)
     at = tl.zeros([BLOCK], tl.int32)
     for t in range(tiles):
         o = begin + t * BLOCK + lane
         m = o < end
         p = tl.load(base + o, mask=m, other=0.0).to(tl.float32)
-        x = _mix32(key ^ _mix32(o.to(tl.uint32) ^ golden))
-        u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)      # exact: 23 bits + 1/2, times 2**-23
-        w = tl.where(m, tl.math.div_rn(p, -libm.log(u, PRECISE)), -1.0)
-        gt = w > best                                                # strict: a lane keeps its first max
-        best = tl.where(gt, w, best)
-        at = tl.where(gt, o, at)
-    top = tl.max(best, axis=0)
-    first = tl.min(tl.where(best == top, at, 2147483647), axis=0)
+        best, at = keep_first_max(best, at, tl.where(m, race_weight(p, key, o, PRECISE), -1.0), o)
+    top, first = first_max(best, at)
     k = row * splits + split
     tl.store(val_ptr + k, top)
     tl.store(idx_ptr + k, first.to(tl.int64))

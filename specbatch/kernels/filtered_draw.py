@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import INTERPRET, libm
-from .draw import _mix32
+from .draw import first_max, keep_first_max, race_weight
 from .top_k_top_p import _descend, _in_prefix, _keys, _row_max
 
 BLOCK = 1024
@@ -36,7 +36,6 @@ def _race(base, V, M, rkey, bound_key, bound_ties, PRECISE: tl.constexpr, BLOCK:
     """The race winner among the allowed entries (key > bound_key, or key == bound_key among the
     first bound_ties in index order) and the allowed entries' mass."""
     lane = tl.arange(0, BLOCK)
-    golden = tl.full([1], 0x9E3779B9, tl.int64).to(tl.uint32)
     best = tl.full([BLOCK], -1.0, tl.float32)
     at = tl.zeros([BLOCK], tl.int32)
     z = tl.zeros([BLOCK], tl.float32)
@@ -48,14 +47,8 @@ def _race(base, V, M, rkey, bound_key, bound_ties, PRECISE: tl.constexpr, BLOCK:
         ok, seen = _in_prefix(_keys(x), m, bound_key, bound_ties, seen)
         e = libm.exp(x - M, PRECISE)
         z += tl.where(ok, e, 0.0)
-        h = _mix32(rkey ^ _mix32(o.to(tl.uint32) ^ golden))
-        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        w = tl.where(ok, tl.math.div_rn(e, -libm.log(u, PRECISE)), -1.0)
-        gt = w > best                                   # strict: a lane keeps its first max
-        best = tl.where(gt, w, best)
-        at = tl.where(gt, o, at)
-    top = tl.max(best, axis=0)
-    return tl.min(tl.where(best == top, at, 2147483647), axis=0), tl.sum(z, axis=0)
+        best, at = keep_first_max(best, at, tl.where(ok, race_weight(e, rkey, o, PRECISE), -1.0), o)
+    return first_max(best, at)[1], tl.sum(z, axis=0)
 
 
 @triton.jit
