@@ -43,8 +43,6 @@ def round_to(x, DT: tl.constexpr, PRECISE: tl.constexpr):
     return r
 
 
-
-
 @triton.jit
 def _rms_norm_kernel(x_ptr, sx, r_ptr, sr, w_ptr, y_ptr, sy, s_ptr, ss, eps, inv_h,
                      H: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
