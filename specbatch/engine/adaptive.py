@@ -8,11 +8,11 @@ whole tree pays; at hundreds of rows verify is compute-bound and every node cost
 narrower prefix wins (w = 1 is a plain decoding step; the drafter still catches up on the emitted
 token, so it can draft again next cycle).
 
-Only all-greedy batches adapt. With sampling, which width a cycle verified decides which uniform
-draws a row consumes, and a row's sample must not depend on the rows it ran with (a resumed job
-or a Ray retry writes the same bytes), so sampled batches verify the full width.
+Every batch adapts, sampled rows included: acceptance emits at each position the very token plain
+decoding draws there (its seeded race, speculative/accept.py), so the width decides how many tokens
+a cycle emits, never which (a row's sample does not depend on the rows it ran with).
 
-    choose(bucket, greedy) -> width       bucket: the padded batch size (a captured graph size)
+    choose(bucket) -> width               bucket: the padded batch size (a captured graph size)
     record(bucket, width, emitted, seconds)    emitted: the tokens each row emitted
 
 Per width w, the tokens a row emits per cycle: every cycle also says what each narrower width
@@ -100,8 +100,8 @@ class WidthPolicy:
             beaten.discard(max(own, key=lambda w: self.rate(bucket, w)))
         return [w for w in self.widths if w not in beaten]
 
-    def choose(self, bucket: int, greedy: bool) -> int:
-        if not greedy or not self.adaptive:
+    def choose(self, bucket: int) -> int:
+        if not self.adaptive:
             return self.full
         live = self.candidates(bucket)
         for w in reversed(live):                               # untried first, widest first

@@ -52,7 +52,7 @@ _GREEDY = (True, False, False, None, None)
 def exact_acceptance(prop: Proposal, logits: torch.Tensor, sp: BatchSampling, lens: torch.Tensor,
                      max_depth: int) -> Acceptance:
     """The lossless acceptance walk (spec/accept.py): what every run uses."""
-    return accept(prop.tokens, prop.parents, logits, sp, lens, max_depth)
+    return accept(prop.tokens, prop.parents, logits, sp, lens, max_depth, prop.depths)
 
 
 @dataclass
@@ -238,8 +238,8 @@ class SpecCycle:
         if self.graphs is not None:
             if not _same_layout(self._variant_of, active):      # the variant changes with the active set only
                 self._variant_of, self._variant = list(active), self._graph_variant(active)
-            width = self.policy.choose(bucket, self._variant[0])
-            if self.policy.adaptive and self._variant[0]:
+            width = self.policy.choose(bucket)
+            if self.policy.adaptive:
                 # a variant captured on first use (processors, logprobs) gets every width of this size
                 # at once: later widths would otherwise be captured mid-job, one stall at a time
                 for w in self.policy.widths:
@@ -258,7 +258,7 @@ class SpecCycle:
                   sp=BatchSampling.build(params, self.device, self._processed_logprobs),
                   # host lengths may lag the device by the cycle in flight (launch / finish)
                   kv_bound=min(self.max_len, max(self.state.seq_lens[s] for s in slots) + self.drafter.num_draft_tokens),
-                  width=self.policy.choose(bucket, all(p.greedy for p in params)),
+                  width=self.policy.choose(bucket),
                   proc=None if pkey is None else Processors.build(rows, self.stops.eos_ids, self.vocab, self.device),
                   lp_k=max(asked) if asked else None)
         return b, [lambda: self._propose(b), lambda: self._verify(b), lambda: self._extend(b)]

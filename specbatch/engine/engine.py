@@ -61,7 +61,7 @@ class EngineOptions:
     time_graph_sizes: bool = True        # a batch replays the fastest captured size that holds it (graphs.py)
     fused: bool | None = None            # the cycle as ONE graph (None: the recipe's choice, naive_2token)
     profile: bool = False                # record per-cycle stage timings and prefill time
-    adaptive: bool | None = None         # greedy batches verify the proposal prefix that pays best
+    adaptive: bool | None = None         # cycles verify the proposal prefix that pays best
                                          # (adaptive.py; None: on CUDA; off: every cycle verifies it all)
     simulate_acceptance: tuple[float, ...] | None = None   # bench only: per-position acceptance
     overlap: bool = True                 # launch cycle k + 1 before the host commits cycle k

@@ -6,18 +6,19 @@ deepest node of the tree (the first such child in node order when several subtre
 deep; for a chain, the next node; siblings holding that child's token: the first of them, as greedy
 acceptance takes it). That child, the d-th draft of the walk, is accepted with
 probability probs[d-1] given that the drafts before it were; the token after the last accepted
-draft is the target's greedy choice at that node. So for a tree whose deepest node is at depth D
-the mean number of emitted tokens is exactly 1 + P1 + P1 P2 + ... + P1...PD: the chain formula
+draft is the target's own token at that node (its argmax, or a sampled row's seeded draw). So for
+a tree whose deepest node is at depth D the mean number of emitted tokens is exactly 1 + P1 + P1 P2 + ... + P1...PD: the chain formula
 truncated at D. Positions past D cannot be accepted because the tree verified no draft there: an
 honest property of the proposal, not of the profile. (Random-weight EAGLE3 heads draft near-uniform
 distributions, so their top-N trees favour width: eagle3_tree (k 4, S 5, N 8) proposes 4 nodes at
 depth 1 and 3 at depth 2, D = 2, and a profile's P3 never applies there.)
 
 How: every node's verdict is drawn up front (the uniform of its depth against that depth's
-probability) and becomes a planted argmax, its deepest child's token when accepted and a token no
-node holds when not; the real greedy walk (`accept.greedy_walk`, one launch on GPU) then runs on
-the planted argmaxes and the emitted correction is replaced by the target's argmax at the node
-where the walk stopped. The cycle's acceptance thus costs what a real greedy run's does, plus a
+probability) and becomes a planted target token, its deepest child's token when accepted and a
+token no node holds when not; the real walk (`accept.walk`, one launch on GPU) then runs on the
+planted tokens and the emitted correction is replaced by the target's token at the node where the
+walk stopped (`accept.target_tokens`: greedy rows' argmax, sampled rows' seeded draw, as a real run
+computes them). The cycle's acceptance thus costs what a real run's does, plus a
 few whole-tensor ops (a walk of small torch ops per level cost ~0.2 ms a cycle on an H100).
 
 Following the deepest path (not the first child) matters for trees whose deep branch is not the
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .accept import Acceptance, greedy_targets, greedy_walk
+from .accept import Acceptance, target_tokens, walk
 from .drafter import Drafter, Proposal, takes_width
 from .tree import ancestor_mask
 
@@ -52,9 +53,9 @@ def deepest_child(parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -
     return score.argmax(dim=2), kids_of.any(dim=2)     # argmax: the first of equal maxima
 
 
-def simulate_acceptance(prop: Proposal, target_argmax: torch.Tensor, probs: torch.Tensor,
+def simulate_acceptance(prop: Proposal, targets: torch.Tensor, probs: torch.Tensor,
                         max_depth: int, generator: torch.Generator | None = None) -> Acceptance:
-    """target_argmax [B, N], probs [<= max_depth] float32 (conditional per-position acceptance;
+    """targets [B, N] (the target's token after each node), probs [<= max_depth] float32 (conditional per-position acceptance;
     positions past the list: 0); `generator`: where the acceptance uniforms come from (None: torch's default generator)."""
     B, N = prop.tokens.shape
     dev = prop.tokens.device
@@ -70,10 +71,10 @@ def simulate_acceptance(prop: Proposal, target_argmax: torch.Tensor, probs: torc
     depth = prop.depths.clamp(max=max_depth)
     ok = has_child & (u.gather(1, depth) < accept_p[depth])
     planted = torch.where(ok, prop.tokens.gather(1, child_of), -1)       # -1: no node's token
-    acc = greedy_walk(prop.tokens, prop.parents, planted, max_depth)
+    acc = walk(prop.tokens, prop.parents, planted, max_depth)
     # the last emitted token is always a correction (nothing is accepted at depth max_depth)
     last = (acc.num - 1)[:, None]
-    acc.tokens.scatter_(1, last, target_argmax.gather(1, acc.path.gather(1, last)))
+    acc.tokens.scatter_(1, last, targets.gather(1, acc.path.gather(1, last)))
     return acc
 
 
@@ -85,9 +86,9 @@ def simulated_acceptor(probs: tuple[float, ...], max_depth: int, device: torch.d
     table = torch.tensor(p, dtype=torch.float32, device=device)
 
     def acceptor(prop: Proposal, logits: torch.Tensor, sp, lens: torch.Tensor, depth: int) -> Acceptance:
-        # the greedy acceptance's own argmax (one fused pass on GPU): the verify costs what a real
-        # greedy run's does
-        return simulate_acceptance(prop, greedy_targets(logits), table, depth)
+        # the target's own tokens (greedy: one fused top-1 pass on GPU; sampled: the filtered draws),
+        # so the verify costs what a real run's does
+        return simulate_acceptance(prop, target_tokens(logits, sp, lens, prop.parents, prop.depths), table, depth)
 
     return acceptor
 

@@ -1,5 +1,5 @@
-"""Adaptive verify width (engine/adaptive.py): greedy cycles verify the prefix of the proposal that
-emits the most tokens per second at the batch size. The policy against synthetic costs; the
+"""Adaptive verify width (engine/adaptive.py): cycles, greedy or sampled, verify the prefix of the
+proposal that emits the most tokens per second at the batch size. The policy against synthetic costs; the
 engine (eager, and the graph path emulated on the CPU) with every recipe shape: outputs identical
 to vanilla whatever widths were chosen, every candidate width used, and with an oracle draft every
 verified draft accepted (so a width-w cycle emits exactly w tokens)."""
@@ -19,7 +19,7 @@ from specbatch.speculative.factory import SpecConfig
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _drive(policy: WidthPolicy, bucket: int, cost, accepted, cycles: int, greedy: bool = True) -> list[int]:
+def _drive(policy: WidthPolicy, bucket: int, cost, accepted, cycles: int) -> list[int]:
     """Run `cycles` choices against cost(w) seconds; rows accept drafts in a chain with the
     per-position probabilities `accepted` (a fixed pattern of rows, so estimates are exact)."""
     # 20 rows: row r accepts its first d drafts where d follows the conditional probabilities
@@ -34,7 +34,7 @@ def _drive(policy: WidthPolicy, bucket: int, cost, accepted, cycles: int, greedy
         drafts.append(d)
     chosen = []
     for _ in range(cycles):
-        w = policy.choose(bucket, greedy)
+        w = policy.choose(bucket)
         policy.record(bucket, w, [min(d + 1, w) for d in drafts], seconds=cost(w))
         chosen.append(w)
     return chosen
@@ -71,12 +71,11 @@ def test_explores_every_width_widest_first_then_picks_the_best_rate():
     assert set(chosen[6:]) == {1, 2, 4}        # refresh cycles rotate through the other widths
 
 
-def test_buckets_are_separate_and_sampling_keeps_the_full_width():
+def test_buckets_are_separate():
     p = WidthPolicy(4)
     _drive(p, 1, lambda w: 0.010, ACCEPT, 20)
-    assert p.choose(256, True) == 4            # a new bucket explores afresh
-    assert all(p.choose(1, False) == 4 for _ in range(10))
-    assert WidthPolicy(4, enabled=False).choose(1, True) == 4
+    assert p.choose(256) == 4                  # a new bucket explores afresh
+    assert WidthPolicy(4, enabled=False).choose(1) == 4
 
 
 FLAT = lambda w: 0.010                 # noqa: E731  (a few rows: verify costs the same at any width)
@@ -130,31 +129,33 @@ def test_buckets_that_disagree_cannot_lock_each_other_onto_a_slower_width():
     assert chosen128.count(4) >= 4 * REFRESH - 8
 
 
-def _rows(n=7, seed=0):
+def _rows(n=7, seed=0, sampled=False):
     g = torch.Generator().manual_seed(seed)
+    extra = lambda i: dict(temperature=0.9, top_p=0.9, seed=i) if sampled else {}      # noqa: E731
     return [RowRequest(row=i, id=str(i), prompt_token_ids=torch.randint(1, 300, (4 + 5 * i,), generator=g).tolist(),
-                       overrides={"max_tokens": 24 + 3 * i}) for i in range(n)]
+                       overrides={"max_tokens": 24 + 3 * i, **extra(i)}) for i in range(n)]
 
 
-def _run(model, spec, adaptive, graphs=False, drafter=None, bs=3):
+def _run(model, spec, adaptive, graphs=False, drafter=None, bs=3, sampled=False):
     eng = Engine(model, EngineOptions(batch_size=bs, device="cpu", dtype="float32", spec=spec, adaptive=adaptive),
                  drafter=drafter)
     if graphs:
         eng.cycle.graphs = EmulatedGraphs(eng.cycle, eng.fused)
-    recs = sorted(eng.generate(_rows(), SamplingDefaults(ignore_eos=True)), key=lambda r: r["row"])
+    recs = sorted(eng.generate(_rows(sampled=sampled), SamplingDefaults(ignore_eos=True)), key=lambda r: r["row"])
     assert all(r["error"] is None for r in recs)
     return [r["output_token_ids"] for r in recs], recs, eng
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree", "naive_2token"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
-def test_adaptive_greedy_equals_vanilla(shape, graphs, target_dir, eagle3_dir):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_adaptive_equals_vanilla(shape, graphs, sampled, target_dir, eagle3_dir):
     spec = {"chain": SpecConfig("eagle3", 3, 1, 4, str(eagle3_dir)),
             "tree": SpecConfig("eagle3", 3, 3, 6, str(eagle3_dir)),
             "naive_2token": SpecConfig("naive_2token", 1, 1, 2, str(eagle3_dir), "eagle3")}[shape]
-    want, _, _ = _run(target_dir, SpecConfig(), False)
-    got, recs, eng = _run(target_dir, spec, True, graphs=graphs)
-    assert got == want
+    want, _, _ = _run(target_dir, SpecConfig(), False, sampled=sampled)
+    got, recs, eng = _run(target_dir, spec, True, graphs=graphs, sampled=sampled)
+    assert got == want                                             # seeded rows: plain sampling's tokens
     used = eng.cycle.policy.used
     assert set(used) == set(eng.cycle.policy.widths), used       # each width ran (exploration)
     if graphs:

@@ -1,4 +1,4 @@
-"""Greedy tree acceptance kernel against specbatch.speculative.accept.accept (all-greedy sampling),
+"""The tree acceptance kernel against specbatch.speculative.accept.accept (all-greedy sampling),
 element for element: random depth-ordered trees and chains, targets that stop the walk at every
 depth, duplicate tokens among siblings, `out=` and CUDA graphs."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbatch.kernels.accept import greedy_accept
+from specbatch.kernels.accept import walk_targets
 from specbatch.sampling import BatchSampling, SamplingParams
 from specbatch.speculative.accept import accept
 
@@ -69,7 +69,7 @@ def _depth(parents: torch.Tensor) -> int:
 
 def _check(tokens, parents, am, max_depth, V, device=torch.device("cpu")):
     ref = _reference(tokens, parents, am, max_depth, V)
-    got = greedy_accept(tokens.to(device), parents.to(device), am.to(device), max_depth)
+    got = walk_targets(tokens.to(device), parents.to(device), am.to(device), max_depth)
     for r, x in zip(ref, got):
         assert torch.equal(x.cpu(), r)
     return ref
@@ -118,7 +118,7 @@ def test_out_is_fully_written_and_strided_inputs():
            torch.full((5, D + 1), -99, dtype=torch.int64))
     wide = torch.zeros(5, 20, dtype=torch.int64)
     wide[:, :9] = am
-    res = greedy_accept(tokens, parents, wide[:, :9], D, out=out)
+    res = walk_targets(tokens, parents, wide[:, :9], D, out=out)
     assert all(r is o for r, o in zip(res, out))
     for r, x in zip(_reference(tokens, parents, am, D, 3), out):
         assert torch.equal(x, r)
@@ -147,11 +147,11 @@ def test_gpu_cuda_graph_replay():
     args = [t.to(CUDA) for t in (tokens, parents, _targets_stopping_everywhere(tokens, parents, g, V))]
     out = (torch.empty(B, D + 1, dtype=torch.int64, device=CUDA), torch.empty(B, dtype=torch.int64, device=CUDA),
            torch.empty(B, D + 1, dtype=torch.int64, device=CUDA))
-    greedy_accept(*args, D, out=out)                       # compile outside capture
+    walk_targets(*args, D, out=out)                       # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        greedy_accept(*args, D, out=out)
+        walk_targets(*args, D, out=out)
     for _ in range(3):
         am = _targets_stopping_everywhere(tokens, parents, g, V)
         args[2].copy_(am)

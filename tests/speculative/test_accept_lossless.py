@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specbatch.sampling import SamplingParams, sample
-from specbatch.speculative.accept import _sample_level, accept
+from specbatch.speculative.accept import accept
 
 from accept_helpers import (P, ROWS, TREE_DEPTH, TREE_PARENTS, TREE_TOKENS, _assert_distribution, _check_tree_law,
                             _reference_probs, _run_many, _sp, _t, _tree_run)
@@ -119,42 +119,52 @@ def test_candidates_holding_all_the_mass():
     assert (acc.num[at_n1] >= 3).all() and torch.isin(acc.tokens[at_n1, 1], _t([1, 7])).all()
 
 
-def test_sample_level_rounding_fallback_takes_a_candidate():
-    # Candidates hold all the mass, but their float sum is below 1 (here grossly: 0.6), and u can
-    # fall above it: the walk must still accept a candidate (the last one with mass), since the
-    # residual is empty.
-    B, V = 4000, 5
-    p = torch.zeros(B, V)
-    p[:, 2] = 0.35
-    p[:, 4] = 0.25
-    node_tokens = _t([[0, 2, 4, 3]]).expand(B, -1)
-    kids = torch.tensor([[False, True, True, True]]).expand(B, -1)    # 3 has no mass
-    sp = _sp([SamplingParams(temperature=1.0, seed=i) for i in range(B)])
-    tok, hit = _sample_level(p, node_tokens, kids, sp, torch.full((B,), 9, dtype=torch.int64))
-    assert hit.any(dim=1).all()
-    first = hit.to(torch.int8).argmax(dim=1)
-    frac_last = float((first == 2).double().mean())                  # node 2 holds token 4
-    assert 0.55 < frac_last < 0.71                                    # 1 - 0.35 of the uniforms
-    assert not hit[:, 3].any() and not hit[:, 0].any()                # no mass / the root: never
-    # the residual is empty, so whatever token the race returns is never used; the accepted
-    # candidate alone decides the emitted token
+def test_candidates_holding_all_the_mass_with_a_rounded_sum():
+    # The candidates hold all the mass but their float sum is well below 1 (here 0.6, as rounding
+    # could make it): the emitted token is still always a candidate, in proportion to its mass.
+    B, V = ROWS, 5
+    p = torch.zeros(V, dtype=torch.float64)
+    p[2], p[4] = 0.35, 0.25
+    logits = torch.stack([p.log(), torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64),
+                          torch.zeros(V, dtype=torch.float64)])
+    acc = _run_many([0, 2, 4, 3], [-1, 0, 0, 0], logits, 1, B, temperature=1.0)
+    assert (acc.num == 2).all()
+    assert torch.isin(acc.path[:, 1], _t([1, 2])).all()               # never node 3 (no mass) or the root
+    _assert_distribution(acc.tokens[:, 0], p / p.sum(), "candidates")
 
 
 def test_acceptance_uses_the_depth_position_counter():
-    # Depth 0 of a walk at committed length `start` draws for position start + 1 with the same
-    # per-vocabulary race as plain sampling there (salt 0), the rejected drafts removed.
+    # Depth d of a walk at committed length `start` draws for position start + 1 + d with the same
+    # race as plain sampling there: accepted or not, the token emitted at depth 0 is vanilla's.
     V, B = 8, 2000
     logits = P[0].log().float()
     sp = _sp([SamplingParams(temperature=1.0, seed=i) for i in range(B)])
     lg = logits[None, None].expand(B, 2, V).contiguous()
     lg[:, 1] = P[2].log().float()
-    # chain root -> draft 2: when the draft is rejected the token comes from the residual at
-    # position start + 1; a vanilla step at the same start draws the same token when it is not 2
+    # chain root -> draft 2: the token at position start + 1 is vanilla's there, the draft
+    # accepted exactly when vanilla drew 2, and then the bonus is vanilla's at start + 2
     acc = accept(_t([[0, 2]]).expand(B, -1), _t([[-1, 0]]).expand(B, -1), lg, sp,
                  torch.full((B,), 50, dtype=torch.int64), 1)
     van = sample(lg[:, 0], sp, torch.full((B,), 51, dtype=torch.int64))
-    rej = acc.num == 1
-    # the residual race is the vanilla race with token 2 removed: equal wherever vanilla did not pick 2
-    same = rej & (van != 2)
-    assert same.sum() > 100
-    assert torch.equal(acc.tokens[same, 0], van[same])
+    nxt = sample(lg[:, 1], sp, torch.full((B,), 52, dtype=torch.int64))
+    assert torch.equal(acc.tokens[:, 0], van)
+    assert torch.equal(acc.num == 2, van == 2) and 100 < int((van == 2).sum()) < B - 100
+    assert torch.equal(acc.tokens[van == 2, 1], nxt[van == 2])
+
+
+def test_tree_walk_emits_what_vanilla_sampling_would():
+    # A seeded row emits, position by position, plain sampling's token from the same prefix,
+    # whatever the tree: here the fixed tree of accept_helpers, its node logits standing in for the
+    # target's conditionals along each path (vanilla at depth d reads the node the walk reached).
+    B, N, V = 3000, len(TREE_TOKENS), P.shape[1]
+    kw = dict(temperature=0.9, top_p=0.9, top_k=6)
+    sp = _sp([SamplingParams(seed=i, **kw) for i in range(B)])
+    logits = P.log().float()[None].expand(B, N, V).contiguous()
+    start = torch.randint(0, 1000, (B,))
+    acc = accept(_t([TREE_TOKENS]).expand(B, -1), _t([TREE_PARENTS]).expand(B, -1), logits, sp, start, TREE_DEPTH)
+    for d in range(TREE_DEPTH + 1):
+        on = acc.num > d
+        node = acc.path[:, d]
+        want = sample(logits[torch.arange(B), node], sp, start + 1 + d)
+        assert torch.equal(acc.tokens[on, d], want[on]), d
+    assert int(acc.num.max()) == TREE_DEPTH + 1

@@ -81,18 +81,23 @@ def test_plain_sample_never_emits_a_masked_token():
     assert tok.item() != _WITNESS_TOKEN
 
 
-def test_rejected_draft_never_comes_back_from_the_residual():
-    x = _witness_logits()                                        # p(3303) ~ 2e-4: almost surely rejected
+def test_rejected_draft_never_comes_back_as_the_correction():
+    # At the witness the race's uniform for 3303 is its largest, so plain sampling draws 3303 there
+    # (p ~ 2e-4): a draft of 3303 is accepted, any other draft is rejected and 3303 emitted instead.
+    x = _witness_logits()
     g = torch.Generator().manual_seed(1)
     lg = torch.stack([x, torch.randn(_WV, generator=g)])[None]
-    acc = accept(_t([[5, _WITNESS_TOKEN]]), _t([[-1, 0]]), lg,
-                 _sp([SamplingParams(temperature=1.0, seed=_WITNESS_SEED)]), _t([_WITNESS_POS - 1]), 1)
-    assert int(acc.num[0]) == 1                                  # rejected (u_accept = 0.17 > 2e-4)
-    assert acc.tokens[0, 0].item() != _WITNESS_TOKEN             # got 3303, the rejected draft
+    sp = _sp([SamplingParams(temperature=1.0, seed=_WITNESS_SEED)])
+    assert int(sample(x[None], sp, _t([_WITNESS_POS]))[0]) == _WITNESS_TOKEN
+    acc = accept(_t([[5, _WITNESS_TOKEN]]), _t([[-1, 0]]), lg, sp, _t([_WITNESS_POS - 1]), 1)
+    assert int(acc.num[0]) == 2 and int(acc.tokens[0, 0]) == _WITNESS_TOKEN
+    for draft in (17, 5, 3302):
+        acc = accept(_t([[5, draft]]), _t([[-1, 0]]), lg, sp, _t([_WITNESS_POS - 1]), 1)
+        assert int(acc.num[0]) == 1 and int(acc.tokens[0, 0]) == _WITNESS_TOKEN, draft
 
 
 def test_unfiltered_row_keeps_its_distribution_next_to_a_filtering_row():
-    # accept builds p at every node with sp.repeat_rows(N).target_probs: check that p directly
+    # rows' distributions are built with sp.repeat_rows(N).target_probs (the CPU draw): check that p directly
     V = 32000
     x = torch.full((1, V), -17.0)
     x[0, 0] = 0.0                               # p0 ~ 0.9988, 31999 tokens of ~4e-8 each
