@@ -4,6 +4,7 @@ min_tokens) and seeded sampled rows: Llama-3.1-8B shapes, random weights, vanill
     python benchmarks/host_probe.py [greedy] [procs] [sampled]
     SAMPLER=sort python benchmarks/host_probe.py sampled    # filter by the torch sort, then softmax and draw
     SAMPLER=radix python benchmarks/host_probe.py sampled   # filter by kernels/top_k_top_p.py, then the same
+    SAMPLER=prescaled python benchmarks/host_probe.py sampled   # the fused draw on float32 logits / t made first
 (default: kernels/filtered_draw.py, the filters and the draw in one kernel)
     MIDJOB_COLLECT=1 python benchmarks/host_probe.py sampled  # collect garbage before mid-job captures too
 (the first run of a kind captures its graph variant size by size as occupancy falls)
@@ -14,7 +15,11 @@ from specbatch.engine import EngineOptions
 from specbatch.data import RowRequest
 from specbatch.recipe import SamplingDefaults
 
-if os.environ.get("SAMPLER", "fused") != "fused":
+if os.environ.get("SAMPLER") == "prescaled":
+    import specbatch.kernels.filtered_draw as fd
+    fused = fd.draw_filtered
+    fd.draw_filtered = lambda x, k, p, keys, t=None: fused(x.float() / (1.0 if t is None else t[:, None]), k, p, keys)
+elif os.environ.get("SAMPLER", "fused") != "fused":
     import specbatch.kernels as kernels, specbatch.kernels.top_k_top_p as tkp, specbatch.kernels.filtered_draw as fd
     from specbatch.kernels.draw import draw_race
     from specbatch.sampling import apply_top_k_top_p
@@ -24,7 +29,8 @@ if os.environ.get("SAMPLER", "fused") != "fused":
             return apply_top_k_top_p(x, k, p)
     if os.environ["SAMPLER"] == "sort":
         tkp.top_k_top_p = sort_filter
-    fd.draw_filtered = lambda x, k, p, keys: draw_race(apply_top_k_top_p(x, k, p).softmax(dim=-1), keys)
+    fd.draw_filtered = lambda x, k, p, keys, t=None: draw_race(
+        apply_top_k_top_p(x.float() / (1.0 if t is None else t[:, None]), k, p).softmax(dim=-1), keys)
 
 if os.environ.get("MIDJOB_COLLECT") == "1":
     import specbatch.engine.graphs as graphs

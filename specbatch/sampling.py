@@ -128,10 +128,13 @@ class BatchSampling:
         return BatchSampling(r(self.temperature), r(self.top_k), r(self.top_p), r(self.seed_lo),
                              r(self.seed_hi), self.all_greedy, self.any_filter, r(self.min_p), r(self.built))
 
+    def temperature_or_1(self) -> torch.Tensor:
+        """[R] float32: the temperature logits are divided by (greedy rows: 1)."""
+        return torch.where(self.temperature > 0, self.temperature, torch.ones_like(self.temperature))
+
     def scaled(self, logits: torch.Tensor) -> torch.Tensor:
         """Temperature (greedy rows: 1), then min-p: what top-k and top-p filter."""
-        t = torch.where(self.temperature > 0, self.temperature, torch.ones_like(self.temperature))
-        scaled = logits / t[:, None]
+        scaled = logits / self.temperature_or_1()[:, None]
         if self.any_filter and self.min_p is not None:
             scaled = apply_min_p(scaled, self.min_p)
         return scaled
@@ -164,7 +167,8 @@ class BatchSampling:
 
 
 def sample(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] float32 -> tokens [R]: argmax for greedy rows, seeded draws for the others.
+    """logits [R, V] (any float dtype: sampling works in float32) -> tokens [R]: argmax for greedy
+    rows, seeded draws for the others.
 
     `positions` [R] is the sequence position the sampled token will occupy (its RNG counter).
     """
@@ -175,7 +179,7 @@ def sample(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> 
 
 
 def draw_target(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] float32 -> one token per row drawn from its target distribution (temperature,
+    """logits [R, V] (any float dtype) -> one token per row drawn from its target distribution (temperature,
     min-p, top-k, top-p), seeded by (seed, position); greedy rows' tokens are meaningless.
     On GPU the filters and the race are one kernel that never builds the filtered distribution."""
     if kernels.active(logits):
@@ -184,13 +188,17 @@ def draw_target(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor
         on = sp.any_filter & (sp.temperature > 0)            # greedy rows: no filtering work
         top_k = torch.where(on, sp.top_k, 0)
         top_p = torch.where(on, sp.top_p, 1.0)
-        tokens = draw_filtered(sp.scaled(logits), top_k, top_p, row_keys(sp.seed_lo, sp.seed_hi, positions))
+        keys = row_keys(sp.seed_lo, sp.seed_hi, positions)
+        if sp.min_p is None:            # the kernel scales the logits as it reads them (bf16 as they are)
+            tokens = draw_filtered(logits, top_k, top_p, keys, sp.temperature_or_1())
+        else:                           # min-p needs the whole scaled row first
+            tokens = draw_filtered(sp.scaled(logits.float()), top_k, top_p, keys)
         if sp.built is None:
             return tokens
         # rows reporting processed logprobs: a token at the top_p boundary, where the kernels' float32
         # masses may round apart, must be one the distribution they report keeps
-        return torch.where(sp.built, draw(sp.target_probs(logits), sp, positions), tokens)
-    return draw(sp.target_probs(logits), sp, positions)
+        return torch.where(sp.built, draw(sp.target_probs(logits.float()), sp, positions), tokens)
+    return draw(sp.target_probs(logits.float()), sp, positions)
 
 
 def draw(probs: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,9 @@ Differences from the reference are rounding only: the mass comparison at the top
 in kernels/top_k_top_p.py), and the race compares e_v / E_v where the reference divides the
 normalised probability, so two entries within an ulp of each other may trade places.
 
+The logits are read in their own dtype and divided by the row's temperature as they load (IEEE
+division: the floats of torch's `logits.float() / t`), so no scaled float32 copy is made.
+
 Layout: one program a row (the rejections are data-dependent), reading it in blocks of BLOCK.
 """
 from __future__ import annotations
@@ -25,14 +28,14 @@ import triton.language as tl
 
 from . import INTERPRET, libm
 from .draw import first_max, keep_first_max, race_weight
-from .top_k_top_p import _descend, _in_prefix, _keys, _row_max
+from .top_k_top_p import _descend, _in_prefix, _keys, _load, _row_max
 
 BLOCK = 1024
 NUM_WARPS = 8
 
 
 @triton.jit
-def _race(base, V, M, rkey, bound_key, bound_ties, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+def _race(base, V, t, M, rkey, bound_key, bound_ties, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
     """The race winner among the allowed entries (key > bound_key, or key == bound_key among the
     first bound_ties in index order) and the allowed entries' mass."""
     lane = tl.arange(0, BLOCK)
@@ -43,7 +46,7 @@ def _race(base, V, M, rkey, bound_key, bound_ties, PRECISE: tl.constexpr, BLOCK:
     for start in range(0, V, BLOCK):
         o = start + lane
         m = o < V
-        x = tl.load(base + o, mask=m, other=float("-inf"))
+        x = _load(base, o, m, t)
         ok, seen = _in_prefix(_keys(x), m, bound_key, bound_ties, seen)
         e = libm.exp(x - M, PRECISE)
         z += tl.where(ok, e, 0.0)
@@ -52,18 +55,18 @@ def _race(base, V, M, rkey, bound_key, bound_ties, PRECISE: tl.constexpr, BLOCK:
 
 
 @triton.jit
-def _before(base, V, M, c, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+def _before(base, V, t, M, c, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
     """Entry c's key, the mass and count of the entries before it (logit desc, index asc) and
     its rank among the entries of its key."""
     lane = tl.arange(0, BLOCK)
-    kc = _keys(tl.load(base + c))
+    kc = _keys(_load(base, c, True, t))
     a = tl.zeros([BLOCK], tl.float32)
     n = tl.zeros([BLOCK], tl.int32)
     r = tl.zeros([BLOCK], tl.int32)
     for start in range(0, V, BLOCK):
         o = start + lane
         m = o < V
-        x = tl.load(base + o, mask=m, other=float("-inf"))
+        x = _load(base, o, m, t)
         key = _keys(x)
         tie_before = m & (key == kc) & (o < c)
         pre = (m & (key > kc)) | tie_before
@@ -74,39 +77,42 @@ def _before(base, V, M, c, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _filtered_draw_kernel(x_ptr, stride_x, top_k_ptr, top_p_ptr, keys_ptr, out_ptr, V,
+def _filtered_draw_kernel(x_ptr, stride_x, t_ptr, top_k_ptr, top_p_ptr, keys_ptr, out_ptr, V,
                           BLOCK: tl.constexpr, PRECISE: tl.constexpr):
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride_x
+    t = tl.load(t_ptr + row).to(tl.float32)
     k = tl.load(top_k_ptr + row).to(tl.int32)
     p = tl.load(top_p_ptr + row).to(tl.float32)
     rkey = tl.load(keys_ptr + row).to(tl.uint32)       # the row key's low 32 bits (all it holds)
-    M = _row_max(base, V, BLOCK)
+    M = _row_max(base, V, t, BLOCK)
     # allowed: key > bound_key, or key == bound_key among the first bound_ties (every key is > 0)
     bound_key = tl.full([], 0, tl.uint32)
     bound_ties = tl.full([], 2147483647, tl.int32)
     if (k > 0) & (k < V):
-        bound_key, above, _, _ = _descend(base, V, M, k.to(tl.float32), False, PRECISE, BLOCK)
+        bound_key, above, _, _ = _descend(base, V, t, M, k.to(tl.float32), False, PRECISE, BLOCK)
         bound_ties = k - above
-    c, Z = _race(base, V, M, rkey, bound_key, bound_ties, PRECISE, BLOCK)
+    c, Z = _race(base, V, t, M, rkey, bound_key, bound_ties, PRECISE, BLOCK)
     if p < 1.0:
-        kc, a, n, r = _before(base, V, M, c, PRECISE, BLOCK)
+        kc, a, n, r = _before(base, V, t, M, c, PRECISE, BLOCK)
         while (a >= p * Z) & (n > 0):                   # c dropped, and so is every entry after it
-            c, _ = _race(base, V, M, rkey, kc, r, PRECISE, BLOCK)
-            kc, a, n, r = _before(base, V, M, c, PRECISE, BLOCK)
+            c, _ = _race(base, V, t, M, rkey, kc, r, PRECISE, BLOCK)
+            kc, a, n, r = _before(base, V, t, M, c, PRECISE, BLOCK)
     tl.store(out_ptr + row, c.to(tl.int64))
 
 
-def draw_filtered(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] (after temperature and min-p), per-row top_k [R] (0 = off) and top_p [R]
-    (1 = off), keys [R] int64 row keys (sampling.row_keys) -> tokens [R] int64: the race over
-    the filtered distribution. Graph-capturable."""
-    x = logits.float()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+def draw_filtered(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, keys: torch.Tensor,
+                  temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [R, V] (any float dtype; after min-p, if a row uses it), per-row top_k [R] (0 =
+    off) and top_p [R] (1 = off), keys [R] int64 row keys (sampling.row_keys), temperature [R]
+    (> 0; None: the logits are already scaled) -> tokens [R] int64: the race over the filtered
+    distribution of logits.float() / temperature, read in place. Graph-capturable."""
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
     R, V = x.shape
+    t = torch.ones(R, dtype=torch.float32, device=x.device) if temperature is None else temperature.float()
     out = torch.empty(R, dtype=torch.int64, device=x.device)
     if R:
-        _filtered_draw_kernel[(R,)](x, x.stride(0), top_k.contiguous(), top_p.contiguous(), keys.contiguous(),
-                                    out, V, BLOCK=BLOCK, PRECISE=not INTERPRET, num_warps=NUM_WARPS)
+        _filtered_draw_kernel[(R,)](x, x.stride(0), t.contiguous(), top_k.contiguous(), top_p.contiguous(),
+                                    keys.contiguous(), out, V, BLOCK=BLOCK, PRECISE=not INTERPRET,
+                                    num_warps=NUM_WARPS)
     return out

@@ -41,9 +41,16 @@ def _keys(x):
 
 
 @triton.jit
-def _descend(base, V, M, limit, BY_MASS: tl.constexpr, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+def _load(base, o, m, t):
+    """A block of a row as float32 divided by its temperature t (IEEE division, as torch's
+    `logits.float() / t`; masked entries -inf). The row may be bf16, fp16 or float32."""
+    return tl.math.div_rn(tl.load(base + o, mask=m, other=float("-inf")).to(tl.float32), t)
+
+
+@triton.jit
+def _descend(base, V, t, M, limit, BY_MASS: tl.constexpr, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
     """The largest-first prefix threshold: T with weight(key > T) < limit <= weight(key >= T),
-    weight the count (BY_MASS false) or exp(x - M). -> (T, count(key > T), weight(key > T),
+    weight the count (BY_MASS false) or exp(x - M), x the row over t. -> (T, count(key > T), weight(key > T),
     count(key == T)). If the whole row weighs less than limit (rounding), T is the row's least key;
     if limit <= 0, its greatest."""
     lane = tl.arange(0, BLOCK)
@@ -64,7 +71,7 @@ def _descend(base, V, M, limit, BY_MASS: tl.constexpr, PRECISE: tl.constexpr, BL
         for start in range(0, V, BLOCK):
             o = start + lane
             m = o < V
-            x = tl.load(base + o, mask=m, other=float("-inf"))
+            x = _load(base, o, m, t)
             key = _keys(x)
             # in the bucket: the bits above this digit equal the prefix's (two shifts: >> 32 is undefined)
             inb = m & (((key >> shift) >> 4) == ((prefix >> shift) >> 4))
@@ -116,12 +123,12 @@ def _value(key):
 
 
 @triton.jit
-def _row_max(base, V, BLOCK: tl.constexpr):
+def _row_max(base, V, t, BLOCK: tl.constexpr):
     lane = tl.arange(0, BLOCK)
     mx = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in range(0, V, BLOCK):
         o = start + lane
-        mx = tl.maximum(mx, tl.load(base + o, mask=o < V, other=float("-inf")))
+        mx = tl.maximum(mx, _load(base, o, o < V, t))
     return tl.max(mx, axis=0)
 
 
@@ -149,11 +156,11 @@ def _filter_kernel(x_ptr, stride_x, out_ptr, stride_o, top_k_ptr, top_p_ptr, V,
     thr = tl.full([], 0, tl.uint32)
     ties = tl.full([], 2147483647, tl.int32)
     if use_k | use_p:
-        M = _row_max(base, V, BLOCK)
+        M = _row_max(base, V, 1.0, BLOCK)
         z = tl.zeros([BLOCK], tl.float32)
         # the kept set's mass: all of it, or the top-k's once that is known
         if use_k:
-            tk, ck, _, _ = _descend(base, V, M, k.to(tl.float32), False, PRECISE, BLOCK)
+            tk, ck, _, _ = _descend(base, V, 1.0, M, k.to(tl.float32), False, PRECISE, BLOCK)
             thr = tk
             ties = k - ck
         for start in range(0, V, BLOCK):
@@ -167,7 +174,7 @@ def _filter_kernel(x_ptr, stride_x, out_ptr, stride_o, top_k_ptr, top_p_ptr, V,
         if use_k:
             Z += ties.to(tl.float32) * libm.exp(_value(thr) - M, PRECISE)
         if use_p:
-            tp, _, wp, cp = _descend(base, V, M, p * Z, True, PRECISE, BLOCK)
+            tp, _, wp, cp = _descend(base, V, 1.0, M, p * Z, True, PRECISE, BLOCK)
             ep = libm.exp(_value(tp) - M, PRECISE)
             # ties at tp: the j-th (from 0) stays while mass above + j * its weight < top_p * Z
             need = tl.where(ep > 0.0, tl.ceil((p * Z - wp) / tl.where(ep > 0.0, ep, 1.0)), 1e9)

@@ -51,7 +51,7 @@ def target_tokens(logits: torch.Tensor, sp: BatchSampling, start: torch.Tensor, 
     if depths is None:
         depths = node_depths(parents)
     pos = (start[:, None] + 1 + depths).reshape(B * N)
-    return sample(logits.reshape(B * N, V).float(), sp.repeat_rows(N) if N > 1 else sp, pos).view(B, N)
+    return sample(logits.reshape(B * N, V), sp.repeat_rows(N) if N > 1 else sp, pos).view(B, N)
 
 
 def node_depths(parents: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,7 @@ def test_rows_reporting_processed_logprobs_draw_from_the_distribution_they_repor
     sp = BatchSampling.build(params, torch.device("cpu"), processed_logprobs=True)
     assert sp.built.tolist() == [False, True, False, True]
     _sampler_kernels_on(monkeypatch)
-    monkeypatch.setattr(filtered_draw, "draw_filtered", lambda x, k, p, keys: torch.full_like(keys, 49))
+    monkeypatch.setattr(filtered_draw, "draw_filtered", lambda x, k, p, keys, t=None: torch.full_like(keys, 49))
     got = draw_target(logits, sp, pos)
     assert got.tolist() == [49, int(reference[1]), 49, int(reference[3])]
 
@@ -95,7 +95,8 @@ def test_graph_rows_reporting_processed_logprobs_never_take_the_fused_draw(targe
     want = _gen(target_dir, graphs=False, mode="processed_logprobs")
     _sampler_kernels_on(monkeypatch)
     fused = filtered_draw.draw_filtered
-    monkeypatch.setattr(filtered_draw, "draw_filtered", lambda x, k, p, keys: (fused(x, k, p, keys) + 1) % x.shape[-1])
+    monkeypatch.setattr(filtered_draw, "draw_filtered",
+                        lambda x, k, p, keys, t=None: (fused(x, k, p, keys, t) + 1) % x.shape[-1])
     got = _gen(target_dir, graphs=True, mode="processed_logprobs")
     sampled = [i for i, r in enumerate(ROWS) if r.get("temperature", 0) > 0]
     reporting = [i for i in sampled if "logprobs" in ROWS[i]]

@@ -63,6 +63,18 @@ def test_interpreted_filtered_draw_equals_the_reference(R, V, seed):
         assert draw_filtered(x, sp.top_k, sp.top_p, keys).tolist() == _reference(x, sp, pos).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_interpreted_filtered_draw_scales_as_it_reads(dtype):
+    # the kernel reads the logits in their own dtype and divides by the temperature as it goes:
+    # the same tokens as on logits.float() / t computed first (what sampling.scaled does)
+    x, sp, pos = _case(12, 500, 5, "cpu")
+    x = x.to(dtype)
+    t = torch.tensor([0.3, 0.7, 1.0, 1.9, 0.05, 3.0, 1.0, 0.5, 1.1, 2.5, 0.9, 0.01])
+    keys = row_keys(sp.seed_lo, sp.seed_hi, pos)
+    want = draw_filtered(x.float() / t[:, None], sp.top_k, sp.top_p, keys)
+    assert draw_filtered(x, sp.top_k, sp.top_p, keys, t).tolist() == want.tolist()
+
+
 def test_draw_target_uses_the_kernel_only_on_cuda():
     x, sp, pos = _case(6, 300, 4, "cpu")
     assert not kernels.active(x)
@@ -133,6 +145,20 @@ def test_cuda_filtered_draw_equals_the_reference(R, V):
                 if not _explained(x, sp, pos, r, int(got[r]), int(ref[r])):
                     unexplained.append((seed, scale, r, int(got[r]), int(ref[r])))
     assert not unexplained and differ <= max(1, R // 32), (differ, unexplained)
+
+
+@pytest.mark.gpu
+def test_cuda_filtered_draw_scales_as_it_reads():
+    # bf16 logits read in place and divided by the temperature in the kernel (div.rn): the tokens
+    # of the same kernel on logits.float() / t computed by torch first, bit for bit
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    x, sp, pos = _case(256, 128256, 4, "cuda")
+    x = x.to(torch.bfloat16)
+    t = torch.rand(256, generator=torch.Generator().manual_seed(1)).mul(2.0).add(0.05).cuda()
+    keys = row_keys(sp.seed_lo, sp.seed_hi, pos)
+    want = draw_filtered(x.float() / t[:, None], sp.top_k, sp.top_p, keys)
+    assert torch.equal(draw_filtered(x, sp.top_k, sp.top_p, keys, t), want)
 
 
 @pytest.mark.gpu
