@@ -305,7 +305,7 @@ def bench(
     out_dir: str = typer.Option("bench", "--out", help="Directory for bench.json, bench.md, bench.png."),
     max_model_len: Optional[int] = typer.Option(None, help="Context per slot (default: longest prompt + --max-tokens)."),
     job: bool = typer.Option(False, "--job", help="Whole-job mode: every recipe runs one length mix end to end, against the job's floor."),
-    fixed_width: bool = typer.Option(False, "--fixed-width", help="--job: every cycle verifies the recipe's whole proposal (default: greedy cycles verify the prefix that pays best, as runs do; steady state always verifies it all)."),
+    fixed_width: bool = typer.Option(False, "--fixed-width", help="--job: every cycle verifies the recipe's whole proposal (default: cycles verify the prefix that pays best, as runs do; steady state always verifies it all)."),
     arrival_order_too: bool = typer.Option(False, "--arrival-order-too", help="--job: also run each recipe admitting rows in input order (default admission: longest max_tokens first, as runs do), on the same engine."),
     every_size_too: bool = typer.Option(False, "--every-size-too", help="--job: also run each recipe replaying the smallest captured graph size that holds the batch (default: the fastest size that holds it, timed at capture), on the same engine."),
     requests: int = typer.Option(1024, min=1, help="--job: rows in the mix."),

@@ -6,7 +6,7 @@ Exact under speculation: the logits at tree node n of row b are processed with t
 decoding would have at that point, i.e. with the draft tokens on the path from the root to n
 counted as generated: the generated length (for min_tokens) is the committed count plus n's
 depth, and the token counts (for the penalties) are the slot's committed counts plus the tokens
-of n's ancestors below the root and n itself. The acceptance walk, the residual draws, greedy
+of n's ancestors below the root and n itself. The acceptance walk, the seeded draws, greedy
 argmaxes and logprobs then all see what vanilla decoding would see.
 
 Per-slot device state (cycle.SlotState, allocated when the first request with a penalty

@@ -119,9 +119,9 @@ def test_candidates_holding_all_the_mass():
     assert (acc.num[at_n1] >= 3).all() and torch.isin(acc.tokens[at_n1, 1], _t([1, 7])).all()
 
 
-def test_candidates_holding_all_the_mass_with_a_rounded_sum():
-    # The candidates hold all the mass but their float sum is well below 1 (here 0.6, as rounding
-    # could make it): the emitted token is still always a candidate, in proportion to its mass.
+def test_candidates_holding_all_the_mass_of_an_unnormalised_row():
+    # The candidates hold all the mass of logits whose exp sums to 0.6, not 1 (the draw normalises):
+    # the emitted token is always a candidate, in proportion to its mass.
     B, V = ROWS, 5
     p = torch.zeros(V, dtype=torch.float64)
     p[2], p[4] = 0.35, 0.25
