@@ -1,7 +1,7 @@
 """Admission without reserving max_tokens: a request holds pages for what it has written and the
 next cycles', grows as it runs, and when the pool runs short the request admitted last gives its
 pages back and resumes by recompute. Every row comes out as on a pool that holds everything
-(greedy: the same tokens; seeded vanilla sampling, penalties, logprobs: the same draws)."""
+(greedy: the same tokens; seeded sampling under every recipe, penalties, logprobs: the same draws)."""
 from __future__ import annotations
 
 import pytest
@@ -67,16 +67,18 @@ def test_reserving_max_tokens_never_preempts_and_holds_fewer_rows(tiny_model):
     assert max(grown.occupancy) > max(reserved.occupancy)
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("recipe", [("eagle3", 3, 1, 4), ("eagle3", 5, 4, 8), ("nextn_mtp", 3, 1, 4),
                                     ("naive_2token", 1, 1, 2)])
-def test_speculative_recipes_preempted_are_lossless(recipe):
+def test_speculative_recipes_preempted_are_lossless(recipe, sampled):
     """The drafter's own state is rebuilt by the recompute's prefill (the draft layer's K/V over
-    prompt and output; a tree's compaction rows inside the pages it holds)."""
+    prompt and output; a tree's compaction rows inside the pages it holds). Seeded sampled rows
+    write plain sampling's tokens under a draft, preempted or not: vanilla's on a big pool."""
     from specbatch.resolve import DEMO_DIR
 
     algo, S, k, N = recipe
     target = DEMO_DIR / "target"
-    rows = _rows(10, draw=1)
+    rows = _rows(10, draw=1, **(dict(temperature=0.8, top_p=0.95, seed=3) if sampled else {}))
     _, want = _run(target, rows, batch_size=10)
     drafter = "eagle3" if algo == "naive_2token" else algo
     spec = SpecConfig(algo, S, k, N, draft=str(DEMO_DIR / drafter), drafter=drafter)
