@@ -247,7 +247,8 @@ class Prefiller:
             return done, None, None
         lens = [p.req.context_len for p in done]
         lengths = to_device(lens, torch.int64, self.device)
-        first, lps = self._first_tokens(done, rows, hidden, lengths)
+        first, lps, sp = self._first_tokens(done, rows, hidden, lengths)
+        self.drafter.sample_as(rows.slots, sp)
         self.drafter.prefill(rows, captured, first)
         st = self.state
         st.lens[rows.slots], st.last[rows.slots] = lengths, first
@@ -275,9 +276,10 @@ class Prefiller:
 
     def _first_tokens(self, done: list[Part], rows: PromptRows, hidden: torch.Tensor,
                       lengths: torch.Tensor) -> tuple:
-        """The finished prompts' first tokens [B] (processed, sampled), and when a row asked for
-        them, (their logprobs, top ids) on the device (else None). lengths [B]: the rows each
-        prefilled (prompt, and a resumed request's output), the position its token is drawn at."""
+        """The finished prompts' first tokens [B] (processed, sampled), when a row asked for them
+        (their logprobs, top ids) on the device (else None), and the rows' sampling. lengths [B]:
+        the rows each prefilled (prompt, and a resumed request's output), the position its token
+        is drawn at."""
         B = len(done)
         dev = self.device
         slots = rows.slots
@@ -310,10 +312,10 @@ class Prefiller:
             count_tokens(counts, slots, first[:, None], torch.ones_like(first))
         asked = [q.logprobs for q in params if q.logprobs is not None]
         if not asked:
-            return first, None
+            return first, None, sp
         zero = torch.zeros(B, 1, dtype=torch.int64, device=dev)
         return first, emitted_logprobs(raw[:, None, :], logits[:, None, :], zero, first[:, None], sp, max(asked),
-                                       self.logprobs_mode)
+                                       self.logprobs_mode), sp
 
 
 def _padded(seqs: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from ..models.attention import AttnMetadata
+from ..sampling import BatchSampling
 from .accept import Acceptance
 from .tree import chain
 
@@ -105,6 +106,11 @@ class Drafter:
     def prefill(self, rows: PromptRows, captured: list[torch.Tensor], first_tokens: torch.Tensor) -> None:
         """Catch up on the prompt tokens the target just prefilled (captured: its states, [R, T, H]),
         and on the first tokens [B] of the prompts that finished."""
+
+    def sample_as(self, slots: torch.Tensor, sp: BatchSampling) -> None:
+        """The sampling of the requests now in `slots` (called at their prefill, before `prefill`):
+        a drafter may draft what the target's seeded draw is likely to pick (the emitted tokens do
+        not depend on the drafts, only how many are accepted). This base ignores it."""
 
     def propose(self, slots: torch.Tensor, last_tokens: torch.Tensor, lens: torch.Tensor,
                 kv_bound: int | None = None, width: int | None = None) -> Proposal:

@@ -6,6 +6,14 @@ Draft row i of a slot holds (token at position i+1, feature at position i): the 
 for committed positions, the module's own output for drafted ones (EAGLE3: pre-norm; MTP: normed,
 as engines feed it back). After each catch-up the slot keeps the output at its last committed
 row and that row's top-k, the first level of the next tree.
+
+Chains (k = 1) draft for a sampled row what the target's seeded draw will likely pick: the race of
+`sampling.sample` over the draft's own distribution (the row's temperature, top-k and top-p), with
+the uniforms of the very position and seed the target draws with, indexed by target token id. The
+target's token is its own race winner whatever was drafted (acceptance keeps the tokens plain
+sampling's), so this changes only how often a draft is accepted: with shared uniforms two close
+distributions pick the same token about 1 - TV(p, q) of the time (a Gumbel-max coupling), where
+the draft's argmax is the target's draw with probability p(argmax q). Greedy rows draft the argmax.
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ from ..models.eagle3 import Eagle3Head
 from ..models.mtp import MTPLayer
 from ..models.llama import fuse_projections
 from ..runtime.kv_cache import KVCache, PagedKVCache, PageLayout
+from ..sampling import BatchSampling, sample
 from .accept import Acceptance
 from .drafter import Drafter, PromptRows, Proposal
 from .topk import topk_logprobs
@@ -56,6 +65,18 @@ class LayerDrafter(Drafter):
         self.hidden = torch.zeros(num_slots + 1, H, dtype=dtype, device=dev)
         self.first_tokens = torch.zeros(num_slots + 1, topk, dtype=torch.int64, device=dev)
         self.first_logp = torch.zeros(num_slots + 1, topk, dtype=torch.float32, device=dev)
+        # per slot: the sampling chains draft with (sample_as); temperature 0: the argmax
+        self.draw = BatchSampling(temperature=torch.zeros(num_slots + 1, device=dev),
+                                  top_k=torch.zeros(num_slots + 1, dtype=torch.int64, device=dev),
+                                  top_p=torch.ones(num_slots + 1, device=dev),
+                                  seed_lo=torch.zeros(num_slots + 1, dtype=torch.int64, device=dev),
+                                  seed_hi=torch.zeros(num_slots + 1, dtype=torch.int64, device=dev),
+                                  all_greedy=False, any_filter=True)
+        self.coupled = False              # some slot has sampled: chains run the race (host flag)
+        ids = head.to_target(torch.arange(head.lm_head.weight.shape[0], device=dev))
+        # draft id -> target id, None where they are the same (the race's uniforms go by target id)
+        self.target_ids = None if torch.equal(ids, torch.arange(ids.numel(), device=dev)) else ids
+        self.target_vocab = head.t2d.numel() if isinstance(head, Eagle3Head) else ids.numel()
         k = topk
         self.cand_depths = torch.tensor([1] * k + [d for d in range(2, num_steps + 1) for _ in range(k * k)],
                                         dtype=torch.int64, device=dev)
@@ -65,12 +86,22 @@ class LayerDrafter(Drafter):
     def copy_page(self, src: int, dst: int) -> None:
         self.cache.copy_page(src, dst)
 
+    def sample_as(self, slots: torch.Tensor, sp: BatchSampling) -> None:
+        if self.k != 1 or sp.all_greedy:
+            self.draw.temperature[slots] = 0.0
+            return
+        for name in ("temperature", "top_k", "top_p", "seed_lo", "seed_hi"):
+            getattr(self.draw, name)[slots] = getattr(sp, name)
+        self.coupled = True
+
     def prefill(self, rows: PromptRows, captured, first_tokens):
         meta = dataclasses.replace(rows.meta, page_table=self.page_table)    # the draft layer's pages
         h = self.head(rows.next_tokens(first_tokens), torch.cat(captured, dim=-1), meta, self.cache.layers[0],
                       features=True, out_tokens=rows.last)
         if rows.slots.numel():
-            self._keep(rows.slots, h[:, 0])
+            # the first draft is the token after the first generated one: position L + 1, the
+            # prompt's (or a resumed request's) last token sitting at L - 1
+            self._keep(rows.slots, h[:, 0], rows.meta.positions.reshape(-1)[rows.last] + 2)
 
     def extend(self, slots, lens, acc: Acceptance, captured, kv_bound=None):
         # Row lens+j: (emitted token j, target state at the node that emitted it). Rows past
@@ -82,13 +113,30 @@ class LayerDrafter(Drafter):
                             prefix_lens=lens, kv_len=_bound(lens, kv_bound) + W, page_table=self.page_table)
         last = torch.arange(slots.shape[0], device=slots.device) * W + acc.num - 1
         h = self.head(acc.tokens, feats, meta, self.cache.layers[0], features=True, out_tokens=last)
-        self._keep(slots, h[:, 0])
+        self._keep(slots, h[:, 0], lens + acc.num + 1)         # the next root sits at lens + num
 
-    def _keep(self, slots: torch.Tensor, h: torch.Tensor) -> None:
-        tok, logp = topk_logprobs(self.head.logits(h), self.k)
+    def _keep(self, slots: torch.Tensor, h: torch.Tensor, pos: torch.Tensor) -> None:
+        """h [B, H]: each slot's output at its last committed row; pos [B]: the position of the
+        token it drafts (the next cycle's first draft)."""
+        logits = self.head.logits(h)
+        tok, logp = topk_logprobs(logits, self.k)
         self.hidden[slots] = h
-        self.first_tokens[slots] = self.head.to_target(tok)
+        self.first_tokens[slots] = self._drafts(slots, logits, self.head.to_target(tok), pos)
         self.first_logp[slots] = logp
+
+    def _drafts(self, slots: torch.Tensor, logits: torch.Tensor, top: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Chains: a sampled slot's draft for position pos [B] is the race over its draft logits
+        [B, Vd] (or [B, 1, Vd]) at its sampling, on the target's uniforms; others keep top [B, k]
+        (target ids, the argmax first)."""
+        if not self.coupled or self.k != 1:
+            return top
+        x = logits.reshape(top.shape[0], -1)
+        if self.target_ids is not None:           # laid out by target id: -inf where no draft id maps
+            x = x.new_full((x.shape[0], self.target_vocab), float("-inf")).index_copy_(1, self.target_ids, x)
+        sp = BatchSampling(*(getattr(self.draw, n)[slots] for n in ("temperature", "top_k", "top_p", "seed_lo",
+                                                                    "seed_hi")), all_greedy=False, any_filter=True)
+        drawn = sample(x, sp, pos)
+        return torch.where(sp.temperature[:, None] > 0, drawn[:, None], top)
 
     # ---- the draft loop ------------------------------------------------------------------------
 
@@ -145,7 +193,9 @@ class LayerDrafter(Drafter):
             meta = AttnMetadata(slots=slots, positions=(lens + s - 1)[:, None], prefix_lens=lens,
                                 kv_len=kv_base + s, write_offset=s - 1, page_table=self.page_table)
             h = self.head(tok, h, meta, self.cache.layers[0], features=False)          # [B, 1, H]
-            tok = self.head.to_target(topk_logprobs(self.head.logits(h), 1)[0][..., 0])   # [B, 1]: top-1
+            logits = self.head.logits(h)
+            tok = self.head.to_target(topk_logprobs(logits, 1)[0][..., 0])             # [B, 1]: top-1
+            tok = self._drafts(slots, logits, tok, lens + s + 1)                       # depth s + 1
             toks.append(tok)
         p, d = chain(B, steps + 1, slots.device)
         return Proposal(tokens=torch.cat([last_tokens[:, None], *toks], dim=1), parents=p, depths=d, tree_mask=None)

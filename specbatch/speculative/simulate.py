@@ -7,9 +7,10 @@ deep; for a chain, the next node; siblings holding that child's token: the first
 acceptance takes it). That child, the d-th draft of the walk, is accepted with
 probability probs[d-1] given that the drafts before it were; the token after the last accepted
 draft is the target's own token at that node (its argmax, or a sampled row's seeded draw). So for
-a tree whose deepest node is at depth D the mean number of emitted tokens is exactly 1 + P1 + P1 P2 + ... + P1...PD: the chain formula
-truncated at D. Positions past D cannot be accepted because the tree verified no draft there: an
-honest property of the proposal, not of the profile. (Random-weight EAGLE3 heads draft near-uniform
+a tree whose deepest node is at depth D the mean number of emitted tokens is exactly
+1 + P1 + P1 P2 + ... + P1...PD: the chain formula truncated at D. Positions past D cannot be
+accepted because the tree verified no draft there: an honest property of the proposal, not of
+the profile. (Random-weight EAGLE3 heads draft near-uniform
 distributions, so their top-N trees favour width: eagle3_tree (k 4, S 5, N 8) proposes 4 nodes at
 depth 1 and 3 at depth 2, D = 2, and a profile's P3 never applies there.)
 
@@ -55,8 +56,9 @@ def deepest_child(parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -
 
 def simulate_acceptance(prop: Proposal, targets: torch.Tensor, probs: torch.Tensor,
                         max_depth: int, generator: torch.Generator | None = None) -> Acceptance:
-    """targets [B, N] (the target's token after each node), probs [<= max_depth] float32 (conditional per-position acceptance;
-    positions past the list: 0); `generator`: where the acceptance uniforms come from (None: torch's default generator)."""
+    """targets [B, N] (the target's token after each node), probs [<= max_depth] float32
+    (conditional per-position acceptance; positions past the list: 0); `generator`: where the
+    acceptance uniforms come from (None: torch's default generator)."""
     B, N = prop.tokens.shape
     dev = prop.tokens.device
     if prop.tree_mask is None:                          # a chain: node n's child is n + 1
@@ -119,6 +121,9 @@ class PlantedChain(Drafter):
 
     def prefill(self, *args, **kw):
         return self.inner.prefill(*args, **kw)
+
+    def sample_as(self, *args, **kw):
+        return self.inner.sample_as(*args, **kw)
 
     def extend(self, *args, **kw):
         return self.inner.extend(*args, **kw)

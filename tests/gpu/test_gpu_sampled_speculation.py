@@ -45,3 +45,21 @@ def test_cuda_seeded_sampling_under_speculation_is_vanillas(name, adaptive):
     if not adaptive:                 # (adaptive widths may pick plain steps on a model this small)
         # drafts are accepted while sampling: they bring a good share of the tokens
         assert sum(x["spec"]["accepted_tokens"] for x in recs) > 0.25 * sum(len(o) for o in got), name
+
+
+def test_cuda_sampled_chain_drafts_race_on_the_targets_uniforms(monkeypatch):
+    # the draft's race (its logits laid out by target id, the filtered-draw kernel) inside the
+    # sampled variant's graphs: accepted more often than the argmax, the tokens unchanged
+    from specbatch.speculative.layer_drafter import LayerDrafter
+
+    r = load_recipe("eagle3_topk1")
+    spec = SpecConfig(r.algorithm, r.num_steps, r.topk, r.num_draft_tokens, str(DEMO_DIR / "eagle3"), r.drafter)
+    want, _ = _run(SpecConfig())
+    coupled, recs = _run(spec)
+    monkeypatch.setattr(LayerDrafter, "sample_as", lambda self, slots, sp: None)
+    argmax, recs_argmax = _run(spec)
+    def length(rr):
+        return sum(len(x["output_token_ids"]) for x in rr) / sum(x["spec"]["verify_steps"] for x in rr)
+
+    assert coupled == argmax == want
+    assert length(recs) > length(recs_argmax) + 0.1, (length(recs), length(recs_argmax))

@@ -112,12 +112,16 @@ def _exact(model, prompt, T, g1):
     return p1.double(), p2.double(), p3.double()
 
 
-@pytest.mark.parametrize("mode", ["eagle3", "nextn_mtp", "oracle", "exact_mtp"])
-def test_sampling_is_lossless_statistically(mode, target_dir, mtp_target_dir, eagle3_dir, bigram):
+@pytest.mark.parametrize("mode", ["eagle3", "nextn_mtp", "oracle", "exact_mtp", "exact_mtp_argmax"])
+def test_sampling_is_lossless_statistically(mode, target_dir, mtp_target_dir, eagle3_dir, bigram, monkeypatch):
     """Many seeds of one prompt: the first two tokens follow the target's joint distribution,
     and the next two after the most likely first token too (the bonus tokens among them)."""
     T, n = 0.6, 3000
-    model = {"eagle3": target_dir, "nextn_mtp": mtp_target_dir, "oracle": target_dir, "exact_mtp": bigram}[mode]
+    model = {"eagle3": target_dir, "nextn_mtp": mtp_target_dir, "oracle": target_dir, "exact_mtp": bigram,
+             "exact_mtp_argmax": bigram}[mode]
+    if mode == "exact_mtp_argmax":            # the draft's argmax, not its race on the target's uniforms
+        from specbatch.speculative.layer_drafter import LayerDrafter
+        monkeypatch.setattr(LayerDrafter, "sample_as", lambda self, slots, sp: None)
     prompt = n2_rows(n=3)[2].prompt_token_ids       # p(greedy 2 tokens) ~ 0.6 at T = 0.6: drafts accepted
     rows = [RowRequest(row=i, id=str(i), prompt_token_ids=prompt, overrides={"seed": i}) for i in range(n)]
     if mode == "oracle":
@@ -140,6 +144,10 @@ def test_sampling_is_lossless_statistically(mode, target_dir, mtp_target_dir, ea
         assert torch.equal(first_accepted[on], toks[on, 1] == g2)
         assert accepted > n // 10
     elif mode == "exact_mtp":
+        # the draft draws the target's own distribution on the target's uniforms for that position:
+        # the very token the target draws, every time
+        assert first_accepted.all() and accepted == n
+    elif mode == "exact_mtp_argmax":
         # the draft after any first token t is the target's argmax there: accepted iff emitted
         best = p2.argmax(-1)                 # a bigram: the argmax after t is best[t] wherever t is
         assert torch.equal(first_accepted, toks[:, 1] == best[toks[:, 0]])
