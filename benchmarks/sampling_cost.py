@@ -31,7 +31,7 @@ FEATURES = {
 SLOTS = {1: 3, 64: 128, 512: 1024}       # slots -> requests (batch 1: a few rows; 64, 512: two rounds)
 
 
-def built_walk(logits, sp, lens, parents, depths):
+def built_walk(logits, sp, lens, depths):
     """The acceptance sampled rows had before 2026-11-27, for its cost only (the bench's simulated
     walk decides the outcome): the filtered distribution built at every node, then per tree level
     the children's mass against a uniform, the residual and a draw from it. Returns the argmax."""
@@ -43,6 +43,7 @@ def built_walk(logits, sp, lens, parents, depths):
     B, N, V = logits.shape
     node_tokens = depths                         # any in-vocabulary tokens: the walk's cost, not its result
     rows = torch.arange(B, device=logits.device)
+    parents = depths - 1                         # a chain's (the A/B runs eagle3_topk1)
     kids_of = parents[:, None, :] == torch.arange(N, device=parents.device)[None, :, None]
     argmax = logits.argmax(dim=-1)
     probs = sp.repeat_rows(N).target_probs(logits.float().reshape(B * N, V)).view(B, N, V)

@@ -101,6 +101,8 @@ class BatchSampling:
     # (a processed logprobs mode; draw_target). None: no such row.
     built: torch.Tensor | None = None
 
+    ROWS = ("temperature", "top_k", "top_p", "seed_lo", "seed_hi")      # the [R] tensors every batch has
+
     @classmethod
     def build(cls, params: list[SamplingParams], device: torch.device,
               processed_logprobs: bool = False) -> "BatchSampling":

@@ -240,7 +240,7 @@ class SpecCycle:
                 self._variant_of, self._variant = list(active), self._graph_variant(active)
             width = self.policy.choose(bucket)
             if self.policy.adaptive:
-                # a variant captured on first use (processors, logprobs) gets every width of this size
+                # a variant captured on first use (sampled, processors, logprobs) gets every width of this size
                 # at once: later widths would otherwise be captured mid-job, one stall at a time
                 for w in self.policy.widths:
                     self.graphs.get(len(active), (self._variant, w))
@@ -343,7 +343,7 @@ class SpecCycle:
         params = [r.params for _, r in active] + [SamplingParams()] * pad
         src = BatchSampling.build(params, torch.device("cpu"), self._processed_logprobs)
         b.slots.copy_(torch.tensor([s for s, _ in active] + [self.state.dummy] * pad), non_blocking=True)
-        for name in ("temperature", "top_k", "top_p", "seed_lo", "seed_hi"):
+        for name in BatchSampling.ROWS:
             getattr(b.sp, name).copy_(getattr(src, name), non_blocking=True)
         if b.sp.built is not None:
             b.sp.built.copy_(src.built if src.built is not None else torch.zeros(len(params), dtype=torch.bool),

@@ -16,7 +16,7 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["N", "max_depth"])
 def _walk_kernel(tok_ptr, par_ptr, tgt_ptr, s_tok, s_par, s_tgt, N, max_depth,
-                          out_tok, out_num, out_path, s_otok, s_opath, NB: tl.constexpr):
+                 out_tok, out_num, out_path, s_otok, s_opath, NB: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     lane = tl.arange(0, NB)
     valid = lane < N
@@ -27,7 +27,7 @@ def _walk_kernel(tok_ptr, par_ptr, tgt_ptr, s_tok, s_par, s_tgt, N, max_depth,
     num = tl.zeros([], tl.int64)
     tl.store(out_path + b * s_opath, 0)
     for d in range(max_depth + 1):
-        tok = tl.load(tgt_ptr + b * s_tgt + cur)                          # the target's token at cur
+        tok = tl.load(tgt_ptr + b * s_tgt + cur)                        # the target's token at cur
         hit = (pars == cur) & (toks == tok) & valid
         nxt = tl.min(tl.where(hit, lane, NB), axis=0)                   # first matching child
         # accepted child or correction: either way the emitted token is the target's
@@ -63,8 +63,7 @@ def walk_targets(node_tokens: torch.Tensor, parents: torch.Tensor, targets: torc
         raise ValueError("walk_targets out= wants int64 ([B, D+1], [B], [B, D+1]) with contiguous rows")
     if B == 0:
         return tokens, num, path
-    _walk_kernel[(B,)](node_tokens, parents, targets, node_tokens.stride(0),
-                                parents.stride(0), targets.stride(0), N, max_depth,
-                                tokens, num, path, tokens.stride(0), path.stride(0),
-                                NB=triton.next_power_of_2(N), num_warps=1)
+    _walk_kernel[(B,)](node_tokens, parents, targets, node_tokens.stride(0), parents.stride(0), targets.stride(0),
+                       N, max_depth, tokens, num, path, tokens.stride(0), path.stride(0),
+                       NB=triton.next_power_of_2(N), num_warps=1)
     return tokens, num, path

@@ -23,6 +23,7 @@ import torch
 from .. import kernels
 from ..sampling import BatchSampling, sample
 from .topk import top1
+from .tree import ancestor_mask
 
 
 @dataclass
@@ -38,29 +39,19 @@ def accept(node_tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tenso
     """node_tokens / parents [B, N] (node 0 the root), logits [B, N, V] from the target at every
     node (any float dtype; sampling works in float32), start [B] the committed length (node
     depth d decides position start+1+d); depths [B, N] the nodes' depths (None: from parents)."""
-    return walk(node_tokens, parents, target_tokens(logits, sp, start, parents, depths), max_depth)
+    if depths is None:
+        depths = ancestor_mask(parents, max_depth).sum(dim=2) - 1      # ancestors, itself included
+    return walk(node_tokens, parents, target_tokens(logits, sp, start, depths), max_depth)
 
 
-def target_tokens(logits: torch.Tensor, sp: BatchSampling, start: torch.Tensor, parents: torch.Tensor,
-                  depths: torch.Tensor | None = None) -> torch.Tensor:
+def target_tokens(logits: torch.Tensor, sp: BatchSampling, start: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
     """logits [B, N, V] -> [B, N] int64, the token the target emits after each node: greedy rows'
     argmax (the first of equal maxima), sampled rows' seeded draw for position start + 1 + depth."""
     if sp.all_greedy:
         return greedy_targets(logits)
     B, N, V = logits.shape
-    if depths is None:
-        depths = node_depths(parents)
     pos = (start[:, None] + 1 + depths).reshape(B * N)
     return sample(logits.reshape(B * N, V), sp.repeat_rows(N) if N > 1 else sp, pos).view(B, N)
-
-
-def node_depths(parents: torch.Tensor) -> torch.Tensor:
-    """parents [B, N] (parents precede children; -1 the root) -> depths [B, N] int64."""
-    depths = torch.zeros_like(parents)
-    up = parents.clamp(min=0)
-    for _ in range(parents.shape[1] - 1):        # one level a pass; graph-safe fixed count
-        depths = torch.where(parents >= 0, depths.gather(1, up) + 1, 0)
-    return depths
 
 
 def greedy_targets(logits: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,7 @@ class LayerDrafter(Drafter):
         if self.k != 1 or sp.all_greedy:
             self.draw.temperature[slots] = 0.0
             return
-        for name in ("temperature", "top_k", "top_p", "seed_lo", "seed_hi"):
+        for name in BatchSampling.ROWS:
             getattr(self.draw, name)[slots] = getattr(sp, name)
         self.coupled = True
 
@@ -133,8 +133,8 @@ class LayerDrafter(Drafter):
         x = logits.reshape(top.shape[0], -1)
         if self.target_ids is not None:           # laid out by target id: -inf where no draft id maps
             x = x.new_full((x.shape[0], self.target_vocab), float("-inf")).index_copy_(1, self.target_ids, x)
-        sp = BatchSampling(*(getattr(self.draw, n)[slots] for n in ("temperature", "top_k", "top_p", "seed_lo",
-                                                                    "seed_hi")), all_greedy=False, any_filter=True)
+        sp = BatchSampling(*(getattr(self.draw, n)[slots] for n in BatchSampling.ROWS), all_greedy=False,
+                           any_filter=True)
         drawn = sample(x, sp, pos)
         return torch.where(sp.temperature[:, None] > 0, drawn[:, None], top)
 

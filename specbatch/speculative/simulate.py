@@ -90,7 +90,7 @@ def simulated_acceptor(probs: tuple[float, ...], max_depth: int, device: torch.d
     def acceptor(prop: Proposal, logits: torch.Tensor, sp, lens: torch.Tensor, depth: int) -> Acceptance:
         # the target's own tokens (greedy: one fused top-1 pass on GPU; sampled: the filtered draws),
         # so the verify costs what a real run's does
-        return simulate_acceptance(prop, target_tokens(logits, sp, lens, prop.parents, prop.depths), table, depth)
+        return simulate_acceptance(prop, target_tokens(logits, sp, lens, prop.depths), table, depth)
 
     return acceptor
 

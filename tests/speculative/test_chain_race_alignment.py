@@ -37,22 +37,31 @@ def _go(model, rows, spec=SpecConfig(), **opts):
     return eng, recs
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_exact_chain_preempted_mixed_reused_slots(bigram, n):
-    g = torch.Generator().manual_seed(1)
+def _mixed_rows(count, seed, fields):
+    """count rows of random prompts (3-19 tokens) and max_tokens (20-39), with fields(i) of their own."""
+    g = torch.Generator().manual_seed(seed)
     rows = []
-    for i in range(14):
+    for i in range(count):
         L = int(torch.randint(3, 20, (1,), generator=g))
         m = int(torch.randint(20, 40, (1,), generator=g))
-        f = {"max_tokens": m, "n": n, "seed": 7 + i}
+        rows.append(RowRequest(row=i, id=str(i), prompt_token_ids=torch.randint(1, 300, (L,), generator=g).tolist(),
+                               overrides={"max_tokens": m, **fields(i)}))
+    return rows
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_exact_chain_preempted_mixed_reused_slots(bigram, n):
+    def fields(i):
+        f = {"n": n, "seed": 7 + i}
         if i % 3 == 0:
             f["temperature"] = 0.0          # greedy rows among sampled
         else:
             f["temperature"] = 0.9
             if i % 3 == 2:
                 f["top_p"] = 0.9
-        rows.append(RowRequest(row=i, id=str(i), prompt_token_ids=torch.randint(1, 300, (L,), generator=g).tolist(),
-                               overrides=f))
+        return f
+
+    rows = _mixed_rows(14, 1, fields)
     _, want = _go(bigram, rows, batch_size=4)
     spec = SpecConfig("nextn_mtp", 3, 1, 4, None, "nextn_mtp")
     eng, got = _go(bigram, rows, spec, batch_size=4, kv_rows=160, page_size=8)
@@ -68,16 +77,8 @@ def test_exact_chain_in_emulated_graphs_with_frozen_host_flag(bigram):
     from graph_emulation import EmulatedGraphs
     from specbatch.engine.cycle import _GREEDY
 
-    g = torch.Generator().manual_seed(3)
-    rows = []
-    for i in range(13):
-        L = int(torch.randint(3, 20, (1,), generator=g))
-        f = {"max_tokens": int(torch.randint(20, 40, (1,), generator=g)), "seed": 11 + i,
-             "temperature": 0.0 if i < 4 or i % 4 == 0 else 0.9}
-        if i % 4 == 3:
-            f["top_k"] = 30
-        rows.append(RowRequest(row=i, id=str(i), prompt_token_ids=torch.randint(1, 300, (L,), generator=g).tolist(),
-                               overrides=f))
+    rows = _mixed_rows(13, 3, lambda i: {"seed": 11 + i, "temperature": 0.0 if i < 4 or i % 4 == 0 else 0.9,
+                                         **({"top_k": 30} if i % 4 == 3 else {})})
     _, want = _go(bigram, rows, batch_size=4)
     spec = SpecConfig("nextn_mtp", 3, 1, 4, None, "nextn_mtp")
     eng = Engine(bigram, EngineOptions(spec=spec, device="cpu", dtype="float32", max_model_len=64, adaptive=False,
