@@ -27,6 +27,10 @@ FEATURES = {
     "logprobs top 5": {"logprobs": 5},
     "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
     "sampled": {"temperature": 0.8, "top_p": 0.95},
+    "bias": {"logit_bias": {"13": 2.0, "1000": -3.0}, "min_tokens": 8, "stop_token_ids": [2000]},
+    # Qwen2.5's generation_config.json (applied by default, as vLLM does), without and with its penalty
+    "qwen-sampling": {"temperature": 0.7, "top_p": 0.8, "top_k": 20},
+    "qwen-defaults": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05},
 }
 SLOTS = {1: 3, 64: 128, 512: 1024}       # slots -> requests (batch 1: a few rows; 64, 512: two rounds)
 
@@ -125,7 +129,7 @@ def main() -> None:
                 p = runs[len(runs) // 2]                                     # the median run
                 results.append({"features": feat, "slots": slots, "recipe": name, "tok_s": p["job_tokens_per_s"],
                                 "tok_s_runs": [r["job_tokens_per_s"] for r in runs],
-                                **{k: p[k] for k in ("prefill_s", "decode_s", "cycles", "capture_in_job_s",
+                                **{k: p[k] for k in ("prefill_s", "decode_s", "cycles", "capture_in_job_s", "cycles_gpu_s",
                                                      "accept_length", "verify_widths")}})
                 print(results[-1], flush=True)
             del engine

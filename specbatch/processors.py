@@ -22,6 +22,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from . import kernels
 from .params import SamplingParams
 from .sampling import FLOAT32_MAX
 
@@ -54,9 +55,11 @@ def processors_key(rows: Sequence[Row], eos_ids: Iterable[int], vocab: int) -> t
 
 @dataclass
 class Processors:
-    """Per-row processor parameters of a batch, as tensors on the device."""
+    """Per-row processor parameters of a batch, as tensors on the device. Id lists are sorted and
+    padded by repeating their last id (0 when empty), so each is both valid gather indices and a
+    table `searchsorted` finds an id's first (real) entry in."""
     stop_ids: torch.Tensor      # [R, KS] int64: tokens masked while fewer than min_tokens were generated
-    stop_on: torch.Tensor       # [R, KS] float32: 1 for a real entry, 0 for padding
+    stop_on: torch.Tensor       # [R, KS] bool: a real entry (padding: False)
     min_tokens: torch.Tensor    # [R] int64
     prompt_len: torch.Tensor    # [R] int64 (generated = committed length + 1 - prompt length)
     bias_ids: torch.Tensor      # [R, KB] int64
@@ -72,7 +75,12 @@ class Processors:
         """`key`: fixed widths and the penalty flag (a captured graph's); None: what the rows need."""
         eos = tuple(eos_ids)
         stops = [stop_set(p, eos, vocab) if p.min_tokens > 0 else [] for p, _ in rows]
-        biases = [list(p.logit_bias) for p, _ in rows]
+        biases = []
+        for p, _ in rows:
+            summed: dict[int, float] = {}
+            for t, v in p.logit_bias:                  # a repeated id adds up, as a scatter-add would
+                summed[t] = summed.get(t, 0.0) + v
+            biases.append(sorted(summed.items()))
         if key is None:
             key = (max(map(len, stops), default=0), max(map(len, biases), default=0),
                    any(p.uses_penalties for p, _ in rows))
@@ -81,12 +89,12 @@ class Processors:
             raise ValueError("processor widths too small for the batch")
 
         def pad(ids: list[int], width: int) -> list[int]:
-            return ids + [ids[0] if ids else 0] * (width - len(ids))   # duplicates of a real id: harmless
+            return ids + [ids[-1] if ids else 0] * (width - len(ids))
 
         f32 = dict(dtype=torch.float32)
         return cls(
             stop_ids=torch.tensor([pad(s, ks) for s in stops], dtype=torch.int64).view(len(rows), ks),
-            stop_on=torch.tensor([[1.0] * len(s) + [0.0] * (ks - len(s)) for s in stops], **f32).view(len(rows), ks),
+            stop_on=torch.tensor([[True] * len(s) + [False] * (ks - len(s)) for s in stops]).view(len(rows), ks),
             min_tokens=torch.tensor([p.min_tokens for p, _ in rows], dtype=torch.int64),
             prompt_len=torch.tensor([n for _, n in rows], dtype=torch.int64),
             bias_ids=torch.tensor([pad([t for t, _ in b], kb) for b in biases], dtype=torch.int64).view(len(rows), kb),
@@ -112,51 +120,82 @@ class Processors:
                 v.copy_(getattr(src, f.name), non_blocking=True)      # stream-ordered (cycle._fill)
 
     def apply(self, logits: torch.Tensor, depths: torch.Tensor, generated: torch.Tensor,
-              tokens: torch.Tensor, ancestors: torch.Tensor | None, counts: torch.Tensor | None,
-              prompt_mask: torch.Tensor | None) -> torch.Tensor:
-        """logits [B, N, V] at the nodes of a tree -> processed float32 logits [B, N, V].
+              tokens: torch.Tensor, ancestors: torch.Tensor | None,
+              state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """logits [B, N, V] at the nodes of a tree -> processed float32 logits [B, N, V] (a new tensor).
 
         depths [B, N] node depths; generated [B] tokens generated before the root's successor
         (the root included); tokens [B, N] node tokens (node 0 the root); ancestors [B, N, N]
-        (node i sees j: j is i or an ancestor of i; None: a chain); counts [B, V] int32 and
-        prompt_mask [B, V] bool: the slots' penalty state (needed when `penalties`)."""
-        B, N, V = logits.shape
-        dev = logits.device
-        x = logits.float()
-        if self.stop_ids.shape[1]:
-            stop = torch.zeros(B, V, device=dev).scatter_add_(1, self.stop_ids, self.stop_on) > 0
-            active = (generated[:, None] + depths) < self.min_tokens[:, None]                  # [B, N]
-            x = x.masked_fill(active[:, :, None] & stop[:, None, :], float("-inf"))
-        if self.bias_ids.shape[1]:
-            bias = torch.zeros(B, V, device=dev).scatter_add_(1, self.bias_ids, self.bias_vals)
-            x = x + bias[:, None, :]
-        if self.penalties:
-            x = self._penalise(x, tokens, ancestors, counts, prompt_mask)
-        return x
+        (node i sees j: j is i or an ancestor of i; None: a chain); state (needed when
+        `penalties`): counts [S, V] int32, prompt_mask [S, V] bool and the batch's slots [B].
 
-    def _penalise(self, x: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor | None,
-                  counts: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-        """Repetition, frequency, presence. Every vocabulary entry first with the slot's committed
-        counts; then the entries of the path tokens (at most N per node) again with the path
-        counted in, so no [B, N, V] count tensor is built."""
-        B, N, V = x.shape
+        Two passes. Every entry with what only its slot decides: the penalties with the committed
+        counts (one kernel on GPU), else a float32 copy. Then the entries a row names, recomputed
+        whole and written over: its stop ids, its biased ids and, under penalties, the ids of its
+        nodes' tokens (counted again with each node's path). A few dozen entries a row, so no
+        [B, N, V] mask, bias or count tensor is built."""
+        B, N, V = logits.shape
+        if self.penalties:
+            counts, prompt_mask, slots = state
+            out = dense_penalties(logits, counts, prompt_mask, slots, self.repetition, self.frequency, self.presence)
+        else:
+            out = logits.to(torch.float32, copy=True)
+        named = [self.stop_ids, self.bias_ids] + ([tokens] if self.penalties and N > 1 else [])
+        ids = torch.cat(named, dim=1)                                                  # [B, M]
+        if ids.shape[1] == 0:
+            return out
+        at = ids[:, None, :].expand(B, N, ids.shape[1])
+        x = logits.gather(2, at).float()                                               # [B, N, M]
+        if self.bias_ids.shape[1]:
+            x = x + _lookup(self.bias_ids, self.bias_vals, ids)[:, None, :]
+        if self.penalties:
+            x = self._penalise(x, ids, tokens, ancestors, counts, prompt_mask, slots)
+        if self.stop_ids.shape[1]:
+            stop = _lookup(self.stop_ids, self.stop_on, ids)                          # [B, M]
+            active = (generated[:, None] + depths) < self.min_tokens[:, None]          # [B, N]
+            x = x.masked_fill(active[:, :, None] & stop[:, None, :], float("-inf"))
+        # Entries of one id hold the same value (the same computation), so repeated ids agree.
+        return out.scatter_(2, at, x)
+
+    def _penalise(self, x: torch.Tensor, ids: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor | None,
+                  counts: torch.Tensor, prompt_mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Repetition, frequency, presence at the named ids [B, M], with each node's path
+        counted in: node n sees id q generated (committed count) + (times q is a token on n's
+        path below the root) times."""
+        B, N, M = x.shape
         r, f, p = (t[:, None, None] for t in (self.repetition, self.frequency, self.presence))
-        base = counts.float()                                                          # [B, V]
-        out = _penalty(x, base[:, None, :], (counts > 0)[:, None, :] | prompt_mask[:, None, :], r, f, p)
-        if N == 1:
-            return out                                  # the root alone: already counted
-        if ancestors is None:
-            ancestors = torch.ones(N, N, dtype=torch.bool, device=x.device).tril().expand(B, N, N)
-        path = ancestors.clone()
-        path[:, :, 0] = False                           # the root is in the committed counts
-        same = (tokens[:, :, None] == tokens[:, None, :]).float()                      # [B, N, N]
-        # count of node j's token as node n sees it: committed + its occurrences on n's path
-        cnt = base.gather(1, tokens)[:, None, :] + torch.bmm(path.float(), same)        # [B, n, j]
-        idx = tokens[:, None, :].expand(B, N, N)
-        present = prompt_mask.gather(1, tokens)[:, None, :] | (cnt > 0)
-        val = _penalty(x.gather(2, idx), cnt, present, r, f, p)
-        # Entries of one token id all hold the same value, so duplicate indices agree.
-        return out.scatter(2, idx, val)
+        committed = counts[slots[:, None], ids].float()                              # [B, M]
+        seen = prompt_mask[slots[:, None], ids]
+        cnt = committed[:, None, :].expand(B, N, M)
+        if N > 1:
+            if ancestors is None:
+                ancestors = torch.ones(N, N, dtype=torch.bool, device=x.device).tril().expand(B, N, N)
+            path = ancestors.clone()
+            path[:, :, 0] = False                       # the root is in the committed counts
+            same = (tokens[:, :, None] == ids[:, None, :]).float()                     # [B, N, M]
+            cnt = cnt + torch.bmm(path.float(), same)
+        return _penalty(x, cnt, seen[:, None, :] | (cnt > 0), r, f, p)
+
+
+def dense_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor, slots: torch.Tensor,
+                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """logits [B, N, V] -> float32 [B, N, V], every entry penalised with its slot's committed
+    counts: kernels/penalties.py on GPU (one pass, by slot), torch ops elsewhere."""
+    if kernels.active(logits) and logits.stride(2) == 1:
+        from .kernels.penalties import penalties
+        return penalties(logits, counts, prompt_mask, slots, repetition, frequency, presence)
+    c = counts[slots]                                                                  # [B, V]
+    r, f, p = (t[:, None, None] for t in (repetition, frequency, presence))
+    return _penalty(logits.float(), c.float()[:, None, :], ((c > 0) | prompt_mask[slots])[:, None, :], r, f, p)
+
+
+def _lookup(table: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """table [B, K] sorted ids (padding repeats the last), vals [B, K]: vals at each of ids [B, M]
+    found in its row's table, else zero (False for a bool vals)."""
+    at = torch.searchsorted(table, ids).clamp_(max=table.shape[1] - 1)
+    hit = table.gather(1, at) == ids
+    v = vals.gather(1, at)
+    return hit & v if v.dtype == torch.bool else torch.where(hit, v, 0.0)
 
 
 def _penalty(x: torch.Tensor, count: torch.Tensor, present: torch.Tensor, r: torch.Tensor,

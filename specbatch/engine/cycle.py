@@ -296,9 +296,8 @@ class SpecCycle:
         proc = b.proc
         if proc is not None:
             # every node with its own path's state: generated = committed + 1 (the root) - prompt, + depth
-            penal = proc.penalties
             logits = proc.apply(logits, prop.depths, lens + 1 - proc.prompt_len, prop.tokens, prop.tree_mask,
-                                st.counts[b.slots] if penal else None, st.prompt_mask[b.slots] if penal else None)
+                                (st.counts, st.prompt_mask, b.slots) if proc.penalties else None)
         acc = self.acceptor(prop, logits, b.sp, lens, self.drafter.max_depth)
         if prop.tree_mask is not None:
             compact_path(self.cache.data, b.slots, lens, acc.path, acc.num, page_table=self.page_table)

@@ -297,16 +297,15 @@ class Prefiller:
             prompt_lens = [len(q) for q in prompts]
             generated = to_device([len(o) for o in outputs], torch.int64, dev)
             proc = Processors.build(list(zip(params, prompt_lens)), self.stops.eos_ids, vocab, dev)
-            pm = None
+            state = None
             if proc.penalties:
                 counts, prompt_mask = st.penalty_state(vocab)
                 reset_slots(counts, prompt_mask, slots, _padded(prompts, dev), to_device(prompt_lens, torch.int64, dev))
                 if any(outputs):
                     count_tokens(counts, slots, _padded(outputs, dev), generated)
-                pm = prompt_mask[slots]
+                state = counts, prompt_mask, slots
             zero = torch.zeros(B, 1, dtype=torch.int64, device=dev)
-            logits = proc.apply(logits[:, None, :], zero, generated, zero, None,
-                                None if counts is None else counts[slots], pm)[:, 0]
+            logits = proc.apply(logits[:, None, :], zero, generated, zero, None, state)[:, 0]
         first = sample(logits, sp, lengths)
         if counts is not None:
             count_tokens(counts, slots, first[:, None], torch.ones_like(first))

@@ -26,6 +26,9 @@ PARAMS = [
     SamplingParams(min_tokens=4, ignore_eos=True, stop_token_ids=(5,), logit_bias=((5, 2.0),),
                    frequency_penalty=1.5),
     SamplingParams(),                                                 # nothing: logits unchanged
+    # stop, biased (an id twice: the biases add) and path ids all the same few: every entry recomputed once
+    SamplingParams(min_tokens=6, stop_token_ids=(1, 2), logit_bias=((1, 5.0), (2, -1.5), (4, 2.0), (4, 1.0)),
+                   repetition_penalty=1.3, presence_penalty=0.2),
 ]
 
 
@@ -42,8 +45,9 @@ def _tree(B: int, N: int, g: torch.Generator):
     return parents, depths, tokens
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_every_node_sees_its_own_path(shape):
+def _case(shape: str, dtype=torch.float32):
+    """PARAMS' rows at N = 7 nodes (a chain or random trees), each with a prompt and a generated
+    history: (proc, apply's arguments, prompts, histories, parents)."""
     g = torch.Generator().manual_seed(0)
     B, N = len(PARAMS), 7
     if shape == "tree":
@@ -57,20 +61,30 @@ def test_every_node_sees_its_own_path(shape):
     prompts = [torch.randint(0, V, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
                for _ in range(B)]
     history = [torch.randint(0, 6, (k,), generator=g).tolist() + [int(tokens[b, 0])]      # ends with the root
-               for b, k in enumerate([0, 3, 1, 2, 2, 4])]
+               for b, k in enumerate([0, 3, 1, 2, 2, 4, 3])]
     rows = [(p, len(pr)) for p, pr in zip(PARAMS, prompts)]
     proc = Processors.build(rows, EOS, V, torch.device("cpu"))
-    counts = torch.zeros(B + 1, V, dtype=torch.int32)
-    prompt_mask = torch.zeros(B + 1, V, dtype=torch.bool)
-    slots = torch.arange(B)
+    counts = torch.zeros(B + 2, V, dtype=torch.int32)
+    prompt_mask = torch.zeros(B + 2, V, dtype=torch.bool)
+    slots = torch.randperm(B + 2, generator=g)[:B]          # the batch's rows sit in other slots
     T = max(map(len, prompts))
     ids = torch.tensor([pr + [0] * (T - len(pr)) for pr in prompts])
     reset_slots(counts, prompt_mask, slots, ids, torch.tensor([len(pr) for pr in prompts]))
     for b, h in enumerate(history):
         count_tokens(counts, slots[b: b + 1], torch.tensor([h]), torch.tensor([len(h)]))
-    raw = torch.randn(B, N, V, generator=g) * 3
+    raw = (torch.randn(B, N, V, generator=g) * 3).to(dtype)
+    raw[0, 1, 5] = float("-inf")                              # a masked entry stays masked
     generated = torch.tensor([len(h) for h in history])
-    out = proc.apply(raw, depths, generated, tokens, mask, counts[slots], prompt_mask[slots])
+    args = (raw, depths, generated, tokens, mask, (counts, prompt_mask, slots))
+    return proc, args, prompts, history, parents
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_every_node_sees_its_own_path(shape):
+    proc, args, prompts, history, parents = _case(shape)
+    raw, tokens = args[0], args[3]
+    B, N, _ = raw.shape
+    out = proc.apply(*args)
     for b in range(B):
         for n in range(N):
             path, i = [], n
@@ -82,14 +96,28 @@ def test_every_node_sees_its_own_path(shape):
             assert torch.equal(torch.isinf(got), torch.isinf(want)), (b, n)
             fin = ~torch.isinf(want)
             assert torch.allclose(got[fin], want[fin], atol=1e-5), (b, n, got, want)
-    assert torch.equal(out[-1], raw[-1])      # a row with no processor is left exactly as it was
+    assert torch.equal(out[PARAMS.index(SamplingParams())], raw[PARAMS.index(SamplingParams())])  # no processor: as it was
+    assert out.data_ptr() != raw.data_ptr()                   # a new tensor: raw logits stay for logprobs
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_penalty_kernel_path_gives_the_same_floats(shape, dtype, monkeypatch):
+    """The GPU path (kernels/penalties.py, interpreted here) writes exactly the torch path's floats."""
+    from specbatch import kernels
+
+    proc, args, *_ = _case(shape, dtype)
+    want = proc.apply(*args)
+    monkeypatch.setattr(kernels, "active", lambda t: True)
+    got = proc.apply(*args)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
 
 
 def test_min_tokens_boundary_and_the_key():
     p = SamplingParams(min_tokens=3)
     proc = Processors.build([(p, 4)], EOS, V, torch.device("cpu"))
     raw = torch.zeros(1, 4, V)
-    out = proc.apply(raw, torch.arange(4)[None], torch.tensor([1]), torch.zeros(1, 4, dtype=torch.int64), None, None, None)
+    out = proc.apply(raw, torch.arange(4)[None], torch.tensor([1]), torch.zeros(1, 4, dtype=torch.int64), None, None)
     # generated before each node: 1, 2, 3, 4: EOS masked while < 3
     assert torch.isinf(out[0, :, 0]).tolist() == [True, True, False, False]
     assert processors_key([(SamplingParams(), 3)], EOS, V) is None
