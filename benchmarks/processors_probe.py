@@ -4,6 +4,7 @@ steps (nodes 1) and verify widths 2 and 4, under CUDA graphs.
 
     python benchmarks/processors_probe.py
     python benchmarks/processors_probe.py draws     # sample() at 512 rows by sampling kind
+    KCAP=0 python benchmarks/processors_probe.py draws      # top-k by the radix descent alone
 """
 import torch
 
@@ -70,13 +71,20 @@ def draws() -> None:
     gen = torch.Generator(device=dev).manual_seed(1)
     kinds = {"T0.8 p0.95": dict(temperature=0.8, top_p=0.95), "T0.7 p0.8": dict(temperature=0.7, top_p=0.8),
              "T0.7 k20": dict(temperature=0.7, top_k=20), "T0.7 p0.8 k20": dict(temperature=0.7, top_p=0.8, top_k=20)}
-    print("\n| sampling | 512 x bf16 ms | 1024 x f32 ms | draft race 512 (32k -> 128k) ms |")
-    print("|---|---|---|---|")
     x16 = (torch.randn(512, V, device=dev, generator=gen) * 3).bfloat16()
     x32 = torch.randn(1024, V, device=dev, generator=gen) * 3
     xd = torch.randn(512, 32000, device=dev, generator=gen) * 3
     ids = torch.randperm(V, device=dev, generator=gen)[:32000]
     pos = torch.arange(1024, device=dev)
+    import os
+    import specbatch.kernels.top_k_top_p as tkp
+    if os.environ.get("KCAP"):                    # KCAP=0: every top-k by the radix descent (as before)
+        tkp.KCAP = int(os.environ["KCAP"])
+    KCAP = tkp.KCAP or 64
+    print(f"torch.topk(x, {KCAP}) alone: 512 x bf16 {ms(lambda: torch.topk(x16, KCAP, dim=1)):.3f} ms, "
+          f"1024 x f32 {ms(lambda: torch.topk(x32, KCAP, dim=1)):.3f} ms\n")
+    print("| sampling | 512 x bf16 ms | 1024 x f32 ms | draft race 512 (32k -> 128k) ms |")
+    print("|---|---|---|---|")
     for name, kw in kinds.items():
         sp = BatchSampling.build([SamplingParams(seed=i, **kw) for i in range(512)], dev)
         sp2 = BatchSampling.build([SamplingParams(seed=i, **kw) for i in range(1024)], dev)

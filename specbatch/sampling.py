@@ -66,13 +66,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < keep_from, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      any_top_k: bool = True) -> torch.Tensor:
     """logits [R, V] with per-row top_k [R] (0 = off) then top_p [R] (1 = off) -> masked logits.
-    Ties are ordered by index (a stable sort), so which of equal logits a filter keeps is fixed."""
+    Ties are ordered by index (a stable sort), so which of equal logits a filter keeps is fixed.
+    `any_top_k` false: no row uses top-k (a host fact that spares the kernels a torch.topk)."""
     if kernels.active(logits):                  # the same prefixes without a sort (kernels/top_k_top_p.py)
         from .kernels.top_k_top_p import top_k_top_p
 
-        return top_k_top_p(logits, top_k, top_p)
+        return top_k_top_p(logits, top_k, top_p, find_kth=any_top_k)
     V = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(V, device=logits.device)
@@ -96,6 +98,7 @@ class BatchSampling:
     seed_hi: torch.Tensor       # [R] int64
     all_greedy: bool
     any_filter: bool            # some row uses min-p, top-k or top-p
+    any_top_k: bool = True      # some row may use top-k (False: none does; the draws skip finding the k-th logit)
     min_p: torch.Tensor | None = None   # [R] float32 (None: no sampled row uses min-p: no pass for it)
     # [R] bool: rows that draw from the distribution as built, because they report its logprobs
     # (a processed logprobs mode; draw_target). None: no such row.
@@ -119,6 +122,7 @@ class BatchSampling:
             seed_hi=to_device(hi, torch.int64, device),
             all_greedy=all(p.greedy for p in params),
             any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params),
+            any_top_k=any(not p.greedy and p.top_k > 0 for p in params),
             min_p=to_device([float(p.min_p) for p in params], torch.float32, device)
             if any(not p.greedy and p.min_p > 0 for p in params) else None,
             built=to_device(asked, torch.bool, device) if processed_logprobs and any(asked) else None,
@@ -128,7 +132,8 @@ class BatchSampling:
         """Each row repeated n times (row-major), for n tokens per sequence."""
         r = lambda t: None if t is None else t.repeat_interleave(n)
         return BatchSampling(r(self.temperature), r(self.top_k), r(self.top_p), r(self.seed_lo),
-                             r(self.seed_hi), self.all_greedy, self.any_filter, r(self.min_p), r(self.built))
+                             r(self.seed_hi), self.all_greedy, self.any_filter, self.any_top_k, r(self.min_p),
+                             r(self.built))
 
     def temperature_or_1(self) -> torch.Tensor:
         """[R] float32: the temperature logits are divided by (greedy rows: 1)."""
@@ -145,7 +150,7 @@ class BatchSampling:
         """Temperature (greedy rows: 1), then min-p, top-k, top-p: vLLM's order."""
         scaled = self.scaled(logits)
         if self.any_filter:
-            scaled = apply_top_k_top_p(scaled, self.top_k, self.top_p)
+            scaled = apply_top_k_top_p(scaled, self.top_k, self.top_p, self.any_top_k)
         return scaled
 
     def target_probs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -192,9 +197,9 @@ def draw_target(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor
         top_p = torch.where(on, sp.top_p, 1.0)
         keys = row_keys(sp.seed_lo, sp.seed_hi, positions)
         if sp.min_p is None:            # the kernel scales the logits as it reads them (bf16 as they are)
-            tokens = draw_filtered(logits, top_k, top_p, keys, sp.temperature_or_1())
+            tokens = draw_filtered(logits, top_k, top_p, keys, sp.temperature_or_1(), find_kth=sp.any_top_k)
         else:                           # min-p needs the whole scaled row first
-            tokens = draw_filtered(sp.scaled(logits.float()), top_k, top_p, keys)
+            tokens = draw_filtered(sp.scaled(logits.float()), top_k, top_p, keys, find_kth=sp.any_top_k)
         if sp.built is None:
             return tokens
         # rows reporting processed logprobs: a token at the top_p boundary, where the kernels' float32

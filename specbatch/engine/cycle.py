@@ -43,10 +43,10 @@ from ..speculative.drafter import Drafter, Proposal, takes_width
 Slotted = list[tuple[int, Request]]
 # (tokens [B, N], parents [B, N], logits [B, N, V], sampling, lengths [B], max depth) -> Acceptance
 Acceptor = Callable[[Proposal, torch.Tensor, BatchSampling, torch.Tensor, int], Acceptance]
-# Graph variant: (all rows greedy, some row filters (min-p / top-k / top-p), some row uses min-p,
-# processors key (processors.processors_key: None when no row uses them), logprobs width (None:
-# none asked)).
-_GREEDY = (True, False, False, None, None)
+# Graph variant: (all rows greedy, some row filters (min-p / top-k / top-p), some row uses top-k,
+# some row uses min-p, processors key (processors.processors_key: None when no row uses them),
+# logprobs width (None: none asked)).
+_GREEDY = (True, False, False, False, None, None)
 
 
 def exact_acceptance(prop: Proposal, logits: torch.Tensor, sp: BatchSampling, lens: torch.Tensor,
@@ -270,10 +270,11 @@ class SpecCycle:
         params = [r.params for _, r in active]
         greedy = all(p.greedy for p in params)
         any_filter = any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params)
+        any_top_k = any(not p.greedy and p.top_k > 0 for p in params)
         any_min_p = any(not p.greedy and p.min_p > 0 for p in params)
         pkey = processors_key([(r.params, len(r.prompt_ids)) for _, r in active], self.stops.eos_ids, self.vocab)
         asked = any(p.logprobs is not None for p in params)
-        return greedy, any_filter, any_min_p, pkey, LOGPROBS_MAX if asked else None
+        return greedy, any_filter, any_top_k, any_min_p, pkey, LOGPROBS_MAX if asked else None
 
     # Device stages: tensor work only, no host synchronisation (they are captured in graphs).
 
@@ -319,11 +320,11 @@ class SpecCycle:
     # ---- graph buffers and timing ---------------------------------------------------------------
 
     def _static_batch(self, size: int, key: tuple) -> Batch:
-        (greedy, any_filter, any_min_p, pkey, lp_k), width = key
+        (greedy, any_filter, any_top_k, any_min_p, pkey, lp_k), width = key
         pad = [SamplingParams()] * size
         b = Batch(slots=torch.full((size,), self.state.dummy, dtype=torch.int64, device=self.device),
                   sp=BatchSampling.build(pad, self.device), kv_bound=self.max_len, width=width, lp_k=lp_k)
-        b.sp.all_greedy, b.sp.any_filter = greedy, any_filter
+        b.sp.all_greedy, b.sp.any_filter, b.sp.any_top_k = greedy, any_filter, any_top_k
         if lp_k is not None and self._processed_logprobs:
             b.sp.built = torch.zeros(size, dtype=torch.bool, device=self.device)
         if any_min_p:

@@ -9,7 +9,8 @@ top-k set (the top entry always stays). Hence: race over the top-k set; if the w
 kept, every entry after it is dropped too, so race again over the entries before it; repeat.
 A winner is kept with probability about top_p, and each rejection leaves a random share of the
 entries, so a row takes about two reads of its logits more than the plain draw. The top-k set,
-where a row has one, comes from the radix descent of kernels/top_k_top_p.py.
+where a row has one, is bounded by its k-th largest logit from torch.topk (k up to KCAP), else by
+the radix descent of kernels/top_k_top_p.py.
 
 Differences from the reference are rounding only: the mass comparison at the top-p boundary (as
 in kernels/top_k_top_p.py), and the race compares e_v / E_v where the reference divides the
@@ -28,7 +29,7 @@ import triton.language as tl
 
 from . import INTERPRET, libm
 from .draw import first_max, keep_first_max, race_weight
-from .top_k_top_p import _descend, _in_prefix, _keys, _load, _row_max
+from .top_k_top_p import _in_prefix, _keys, _load, _top_k_bound, kth_largest
 
 BLOCK = 1024
 NUM_WARPS = 8
@@ -77,7 +78,7 @@ def _before(base, V, t, M, c, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _filtered_draw_kernel(x_ptr, stride_x, t_ptr, top_k_ptr, top_p_ptr, keys_ptr, out_ptr, V,
+def _filtered_draw_kernel(x_ptr, stride_x, t_ptr, top_k_ptr, top_p_ptr, kth_ptr, keys_ptr, out_ptr, V,
                           BLOCK: tl.constexpr, PRECISE: tl.constexpr):
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride_x
@@ -85,13 +86,8 @@ def _filtered_draw_kernel(x_ptr, stride_x, t_ptr, top_k_ptr, top_p_ptr, keys_ptr
     k = tl.load(top_k_ptr + row).to(tl.int32)
     p = tl.load(top_p_ptr + row).to(tl.float32)
     rkey = tl.load(keys_ptr + row).to(tl.uint32)       # the row key's low 32 bits (all it holds)
-    M = _row_max(base, V, t, BLOCK)
     # allowed: key > bound_key, or key == bound_key among the first bound_ties (every key is > 0)
-    bound_key = tl.full([], 0, tl.uint32)
-    bound_ties = tl.full([], 2147483647, tl.int32)
-    if (k > 0) & (k < V):
-        bound_key, above, _, _ = _descend(base, V, t, M, k.to(tl.float32), False, PRECISE, BLOCK)
-        bound_ties = k - above
+    M, bound_key, bound_ties = _top_k_bound(base, V, t, k, tl.load(kth_ptr + row), PRECISE, BLOCK)
     c, Z = _race(base, V, t, M, rkey, bound_key, bound_ties, PRECISE, BLOCK)
     if p < 1.0:
         kc, a, n, r = _before(base, V, t, M, c, PRECISE, BLOCK)
@@ -102,17 +98,18 @@ def _filtered_draw_kernel(x_ptr, stride_x, t_ptr, top_k_ptr, top_p_ptr, keys_ptr
 
 
 def draw_filtered(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, keys: torch.Tensor,
-                  temperature: torch.Tensor | None = None) -> torch.Tensor:
+                  temperature: torch.Tensor | None = None, find_kth: bool = True) -> torch.Tensor:
     """logits [R, V] (any float dtype; after min-p, if a row uses it), per-row top_k [R] (0 =
     off) and top_p [R] (1 = off), keys [R] int64 row keys (sampling.row_keys), temperature [R]
     (> 0; None: the logits are already scaled) -> tokens [R] int64: the race over the filtered
-    distribution of logits.float() / temperature, read in place. Graph-capturable."""
+    distribution of logits.float() / temperature, read in place. Graph-capturable. `find_kth`:
+    kth_largest's `find` (false when no row uses top-k)."""
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     R, V = x.shape
     t = torch.ones(R, dtype=torch.float32, device=x.device) if temperature is None else temperature.float()
     out = torch.empty(R, dtype=torch.int64, device=x.device)
     if R:
         _filtered_draw_kernel[(R,)](x, x.stride(0), t.contiguous(), top_k.contiguous(), top_p.contiguous(),
-                                    keys.contiguous(), out, V, BLOCK=BLOCK, PRECISE=not INTERPRET,
-                                    num_warps=NUM_WARPS)
+                                    kth_largest(x, top_k, find_kth), keys.contiguous(), out, V, BLOCK=BLOCK,
+                                    PRECISE=not INTERPRET, num_warps=NUM_WARPS)
     return out

@@ -31,6 +31,7 @@ from . import INTERPRET, libm
 BLOCK = 1024
 NUM_WARPS = 8
 DIGITS = 16               # 4 bits a read
+KCAP = 64                 # top_k up to this takes its bound from torch.topk (kth_largest), larger ones descend
 
 
 @triton.jit
@@ -123,13 +124,39 @@ def _value(key):
 
 
 @triton.jit
-def _row_max(base, V, t, BLOCK: tl.constexpr):
+def _max_above(base, V, t, thr, BLOCK: tl.constexpr):
+    """The row's max (of x / t) and how many of its entries have a key above thr, in one read."""
     lane = tl.arange(0, BLOCK)
     mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    n = tl.zeros([BLOCK], tl.int32)
     for start in range(0, V, BLOCK):
         o = start + lane
-        mx = tl.maximum(mx, _load(base, o, o < V, t))
-    return tl.max(mx, axis=0)
+        m = o < V
+        x = _load(base, o, m, t)
+        mx = tl.maximum(mx, x)
+        n += (m & (_keys(x) > thr)).to(tl.int32)
+    return tl.max(mx, axis=0), tl.sum(n, axis=0)
+
+
+@triton.jit
+def _top_k_bound(base, V, t, k, kth, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+    """A row's max M and its top-k set as (T, ties): key > T, or key == T among the first `ties`
+    (index order); k < 1 or k >= V: everything (T 0, ties unbounded). kth: the row's k-th largest
+    logit before the temperature (kth_largest), NaN where it was not taken: then the radix descent."""
+    T = tl.full([], 0, tl.uint32)
+    ties = tl.full([], 2147483647, tl.int32)
+    use_k = (k > 0) & (k < V)
+    given = use_k & (kth == kth)
+    if given:
+        # dividing by t > 0 keeps the order: the k-th largest of x / t is kth / t (ties included)
+        T = tl.max(_keys(tl.math.div_rn(kth, t)), axis=0)         # _keys gives shape [1]
+    M, above = _max_above(base, V, t, T, BLOCK)
+    if given:
+        ties = k - above
+    elif use_k:
+        T, above, _, _ = _descend(base, V, t, M, k.to(tl.float32), False, PRECISE, BLOCK)
+        ties = k - above
+    return M, T, ties
 
 
 @triton.jit
@@ -142,7 +169,7 @@ def _in_prefix(key, m, thr, ties, seen):
 
 
 @triton.jit
-def _filter_kernel(x_ptr, stride_x, out_ptr, stride_o, top_k_ptr, top_p_ptr, V,
+def _filter_kernel(x_ptr, stride_x, out_ptr, stride_o, top_k_ptr, top_p_ptr, kth_ptr, V,
                    BLOCK: tl.constexpr, PRECISE: tl.constexpr):
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride_x
@@ -156,13 +183,9 @@ def _filter_kernel(x_ptr, stride_x, out_ptr, stride_o, top_k_ptr, top_p_ptr, V,
     thr = tl.full([], 0, tl.uint32)
     ties = tl.full([], 2147483647, tl.int32)
     if use_k | use_p:
-        M = _row_max(base, V, 1.0, BLOCK)
+        M, thr, ties = _top_k_bound(base, V, 1.0, k, tl.load(kth_ptr + row), PRECISE, BLOCK)
         z = tl.zeros([BLOCK], tl.float32)
         # the kept set's mass: all of it, or the top-k's once that is known
-        if use_k:
-            tk, ck, _, _ = _descend(base, V, 1.0, M, k.to(tl.float32), False, PRECISE, BLOCK)
-            thr = tk
-            ties = k - ck
         for start in range(0, V, BLOCK):
             o = start + lane
             x = tl.load(base + o, mask=o < V, other=float("-inf"))
@@ -192,9 +215,25 @@ def _filter_kernel(x_ptr, stride_x, out_ptr, stride_o, top_k_ptr, top_p_ptr, V,
         tl.store(obase + o, tl.where(keep, x, float("-inf")), mask=m)
 
 
-def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def kth_largest(x: torch.Tensor, top_k: torch.Tensor, find: bool = True) -> torch.Tensor:
+    """x [R, V], top_k [R] -> [R] float32: each row's top_k-th largest entry where 0 < top_k <=
+    KCAP (and < V), else NaN (the kernels then descend). torch.topk of KCAP a row (a radix select
+    over all of the row's blocks at once) replaces the descent's eight reads of 16-digit counts
+    in one program a row; KCAP is fixed, so graphs capture one shape. `find` false (no row uses
+    top-k): all NaN, no topk."""
+    R, V = x.shape
+    k = min(KCAP, V)
+    if R == 0 or k == 0 or not find:
+        return torch.full((R,), float("nan"), device=x.device)
+    vals = torch.topk(x, k, dim=1, sorted=True).values
+    kth = vals.gather(1, (top_k.clamp(1, k) - 1)[:, None])[:, 0].float()
+    return torch.where((top_k > 0) & (top_k <= k) & (top_k < V), kth, float("nan"))
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, find_kth: bool = True) -> torch.Tensor:
     """logits [R, V] float32 with per-row top_k [R] (0 = off) and top_p [R] (1 = off) -> masked
-    logits (filtered entries -inf), as `sampling.apply_top_k_top_p`. Graph-capturable."""
+    logits (filtered entries -inf), as `sampling.apply_top_k_top_p`. Graph-capturable. `find_kth`:
+    kth_largest's `find`."""
     x = logits.float()
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -202,5 +241,6 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     out = torch.empty_like(x)
     if R:
         _filter_kernel[(R,)](x, x.stride(0), out, out.stride(0), top_k.contiguous(),
-                             top_p.contiguous(), V, BLOCK=BLOCK, PRECISE=not INTERPRET, num_warps=NUM_WARPS)
+                             top_p.contiguous(), kth_largest(x, top_k, find_kth), V, BLOCK=BLOCK, PRECISE=not INTERPRET,
+                             num_warps=NUM_WARPS)
     return out.to(logits.dtype)

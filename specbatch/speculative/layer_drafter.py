@@ -73,6 +73,7 @@ class LayerDrafter(Drafter):
                                   seed_hi=torch.zeros(num_slots + 1, dtype=torch.int64, device=dev),
                                   all_greedy=False, any_filter=True)
         self.coupled = False              # some slot has sampled: chains run the race (host flag)
+        self.any_top_k = False            # some such slot used top-k: the race finds k-th logits (host flag)
         ids = head.to_target(torch.arange(head.lm_head.weight.shape[0], device=dev))
         # draft id -> target id, None where they are the same (the race's uniforms go by target id)
         self.target_ids = None if torch.equal(ids, torch.arange(ids.numel(), device=dev)) else ids
@@ -93,6 +94,7 @@ class LayerDrafter(Drafter):
         for name in BatchSampling.ROWS:
             getattr(self.draw, name)[slots] = getattr(sp, name)
         self.coupled = True
+        self.any_top_k |= sp.any_top_k
 
     def prefill(self, rows: PromptRows, captured, first_tokens):
         meta = dataclasses.replace(rows.meta, page_table=self.page_table)    # the draft layer's pages
@@ -134,7 +136,7 @@ class LayerDrafter(Drafter):
         if self.target_ids is not None:           # laid out by target id: -inf where no draft id maps
             x = x.new_full((x.shape[0], self.target_vocab), float("-inf")).index_copy_(1, self.target_ids, x)
         sp = BatchSampling(*(getattr(self.draw, n)[slots] for n in BatchSampling.ROWS), all_greedy=False,
-                           any_filter=True)
+                           any_filter=True, any_top_k=self.any_top_k)
         drawn = sample(x, sp, pos)
         return torch.where(sp.temperature[:, None] > 0, drawn[:, None], top)
 

@@ -96,7 +96,8 @@ def test_every_node_sees_its_own_path(shape):
             assert torch.equal(torch.isinf(got), torch.isinf(want)), (b, n)
             fin = ~torch.isinf(want)
             assert torch.allclose(got[fin], want[fin], atol=1e-5), (b, n, got, want)
-    assert torch.equal(out[PARAMS.index(SamplingParams())], raw[PARAMS.index(SamplingParams())])  # no processor: as it was
+    plain = PARAMS.index(SamplingParams())
+    assert torch.equal(out[plain], raw[plain])                # a row with no processor is left exactly as it was
     assert out.data_ptr() != raw.data_ptr()                   # a new tensor: raw logits stay for logprobs
 
 

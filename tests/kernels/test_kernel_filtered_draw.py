@@ -11,6 +11,7 @@ import torch
 
 import specbatch.kernels as kernels
 from specbatch.kernels.filtered_draw import draw_filtered
+import specbatch.kernels.top_k_top_p as tkp
 from specbatch.params import SamplingParams
 from specbatch.sampling import BatchSampling, apply_top_k_top_p, draw, draw_target, row_keys, uniforms
 from specbatch.speculative.accept import accept
@@ -25,7 +26,7 @@ def _case(R: int, V: int, seed: int, device, scale: float = 3.0):
         x[2, : V // 3] = NEG                                                   # min-p masked entries
     if R > 3:
         x[3] = 0.25                                                           # one value: ties everywhere
-    ks = ([0, 1, 5, 40, 0, 7, 3, V + 5] + torch.randint(0, 60, (R,), generator=g).tolist())[:R]
+    ks = ([0, 1, 5, 40, 0, 7, 3, V + 5] + torch.randint(0, 90, (R,), generator=g).tolist())[:R]
     ps = ([0.9, 1.0, 0.5, 0.3, 0.05, 0.999, 1.0, 0.02] + torch.rand(R, generator=g).clamp(min=0.01).tolist())[:R]
     sp = BatchSampling.build([SamplingParams(temperature=1.0, top_k=k, top_p=p, seed=seed * 1000 + i)
                               for i, (k, p) in enumerate(zip(ks, ps))], torch.device(device))
@@ -55,8 +56,10 @@ def _explained(x, sp, pos, r: int, a: int, b: int, tol: float = 1e-5) -> bool:
     return abs(float(score[a] / score[b]) - 1.0) < tol
 
 
+@pytest.mark.parametrize("kcap", [0, tkp.KCAP])          # 0: every top-k by the radix descent
 @pytest.mark.parametrize("R, V, seed", [(12, 700, 0), (12, 1024, 1), (9, 257, 2), (2, 33, 3)])
-def test_interpreted_filtered_draw_equals_the_reference(R, V, seed):
+def test_interpreted_filtered_draw_equals_the_reference(R, V, seed, kcap, monkeypatch):
+    monkeypatch.setattr(tkp, "KCAP", kcap)
     for scale in (0.3, 3.0):
         x, sp, pos = _case(R, V, seed, "cpu", scale)
         keys = row_keys(sp.seed_lo, sp.seed_hi, pos)
@@ -79,6 +82,25 @@ def test_draw_target_uses_the_kernel_only_on_cuda():
     x, sp, pos = _case(6, 300, 4, "cpu")
     assert not kernels.active(x)
     assert draw_target(x, sp, pos).tolist() == _reference(x, sp, pos).tolist()
+
+
+def test_batches_without_top_k_skip_the_kth_search(monkeypatch):
+    """BatchSampling.any_top_k (a host fact) decides whether the draw asks torch.topk for k-th
+    logits; a batch flagged without top-k still filters a top-k row right (by the descent)."""
+    import specbatch.kernels.filtered_draw as fd
+
+    finds = []
+    real = fd.kth_largest
+    monkeypatch.setattr(fd, "kth_largest", lambda x, k, find=True: finds.append(find) or real(x, k, find))
+    monkeypatch.setattr(kernels, "active", lambda t: True)
+    x, sp, pos = _case(8, 300, 5, "cpu")
+    want = _reference(x, sp, pos)
+    assert sp.any_top_k and draw_target(x, sp, pos).tolist() == want.tolist() and finds == [True]
+    sp.any_top_k = False
+    assert draw_target(x, sp, pos).tolist() == want.tolist() and finds == [True, False]
+    no_k = BatchSampling.build([SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(top_k=20)],
+                               torch.device("cpu"))
+    assert not no_k.any_top_k and not no_k.repeat_rows(3).any_top_k         # a greedy row's top_k is moot
 
 
 def _tree_case(B: int, V: int, seed: int, device: str):
@@ -130,10 +152,12 @@ def test_cuda_sampled_tree_acceptance_equals_the_cpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kcap", [0, tkp.KCAP])
 @pytest.mark.parametrize("R, V", [(1, 128256), (64, 128256), (512, 128256), (9, 32000), (300, 151936)])
-def test_cuda_filtered_draw_equals_the_reference(R, V):
+def test_cuda_filtered_draw_equals_the_reference(R, V, kcap, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
+    monkeypatch.setattr(tkp, "KCAP", kcap)
     unexplained, differ = [], 0
     for seed in range(3):
         for scale in (0.5, 3.0, 12.0):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import specbatch.kernels as kernels
+import specbatch.kernels.top_k_top_p as tkp
 from specbatch.kernels.top_k_top_p import top_k_top_p
 from specbatch.params import SamplingParams
 from specbatch.sampling import BatchSampling, apply_top_k_top_p
@@ -54,20 +55,24 @@ def _logits(R: int, V: int, seed: int, device, scale: float = 3.0) -> torch.Tens
 
 def _params(R: int, seed: int, device):
     g = torch.Generator().manual_seed(seed)
-    ks = [0, 1, 5, 40, 0, 0, 3, 100000][: R] + torch.randint(0, 60, (max(0, R - 8),), generator=g).tolist()
+    ks = [0, 1, 5, 40, 0, 0, 3, 100000][: R] + torch.randint(0, 90, (max(0, R - 8),), generator=g).tolist()
     ps = [0.9, 1.0, 0.5, 0.3, 1.0, 0.999, 0.05, 0.95][: R] + torch.rand(max(0, R - 8), generator=g).tolist()
     return (torch.tensor(ks, dtype=torch.int64, device=device),
             torch.tensor(ps, dtype=torch.float32, device=device))
 
 
-@pytest.mark.parametrize("R, V, seed", [(8, 1000, 0), (8, 257, 1), (3, 40, 2), (1, 5, 3)])
-def test_interpreted_filter_keeps_the_reference_set(R, V, seed):
+@pytest.mark.parametrize("kcap", [0, tkp.KCAP])          # 0: every top-k by the radix descent
+@pytest.mark.parametrize("R, V, seed", [(8, 1000, 0), (8, 257, 1), (3, 40, 2), (1, 5, 3), (12, 300, 4)])
+def test_interpreted_filter_keeps_the_reference_set(R, V, seed, kcap, monkeypatch):
+    monkeypatch.setattr(tkp, "KCAP", kcap)
     x = _logits(R, V, seed, "cpu")
     k, p = _params(R, seed, "cpu")
     assert _same_kept_set(top_k_top_p(x, k, p), x, k, p) == 0
 
 
-def test_ties_at_either_threshold_are_kept_in_index_order():
+@pytest.mark.parametrize("kcap", [0, tkp.KCAP])
+def test_ties_at_either_threshold_are_kept_in_index_order(kcap, monkeypatch):
+    monkeypatch.setattr(tkp, "KCAP", kcap)
     # top-k 2 over [1, 2, 2, 2, 0]: the first two 2s; top-p 0.3 over 8 equal logits (mass j/8
     # exact): the first three; top-k 4 then top-p 0.5 over 8 equal: 4 kept, mass j/4 -> two
     x = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0, NEG, NEG, NEG]] + [[0.5] * 8] * 2)
@@ -109,10 +114,12 @@ def test_the_batch_sampling_filter_uses_the_kernel_only_on_cuda():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kcap", [0, tkp.KCAP])
 @pytest.mark.parametrize("R, V", [(1, 128256), (64, 128256), (512, 128256), (9, 32000), (300, 151936)])
-def test_cuda_filter_keeps_the_reference_set(R, V):
+def test_cuda_filter_keeps_the_reference_set(R, V, kcap, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
+    monkeypatch.setattr(tkp, "KCAP", kcap)
     for seed in range(3):
         for scale in (0.5, 3.0, 12.0):             # 0.5: near-uniform rows, ~1 entry within 1e-5 of top_p
             x = _logits(R, V, seed, "cuda", scale)
