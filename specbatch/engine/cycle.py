@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -43,10 +43,19 @@ from ..speculative.drafter import Drafter, Proposal, takes_width
 Slotted = list[tuple[int, Request]]
 # (tokens [B, N], parents [B, N], logits [B, N, V], sampling, lengths [B], max depth) -> Acceptance
 Acceptor = Callable[[Proposal, torch.Tensor, BatchSampling, torch.Tensor, int], Acceptance]
-# Graph variant: (all rows greedy, some row filters (min-p / top-k / top-p), some row uses top-k,
-# some row uses min-p, processors key (processors.processors_key: None when no row uses them),
-# logprobs width (None: none asked)).
-_GREEDY = (True, False, False, False, None, None)
+
+
+class Variant(NamedTuple):
+    """What a batch's rows ask of the device stages (a graph variant: each captures its own)."""
+    greedy: bool                             # all rows greedy
+    any_filter: bool                         # some row filters (min-p / top-k / top-p)
+    any_top_k: bool                          # some row uses top-k
+    any_min_p: bool                          # some row uses min-p
+    processors: tuple[int, int, bool] | None   # processors.processors_key (None: no row uses them)
+    logprobs: int | None                     # logprobs width (None: none asked)
+
+
+_GREEDY = Variant(True, False, False, False, None, None)
 
 
 def exact_acceptance(prop: Proposal, logits: torch.Tensor, sp: BatchSampling, lens: torch.Tensor,
@@ -264,9 +273,9 @@ class SpecCycle:
         return b, [lambda: self._propose(b), lambda: self._verify(b), lambda: self._extend(b)]
 
     _variant_of: Slotted | None = None
-    _variant: tuple = _GREEDY
+    _variant: Variant = _GREEDY
 
-    def _graph_variant(self, active: Slotted) -> tuple:
+    def _graph_variant(self, active: Slotted) -> Variant:
         params = [r.params for _, r in active]
         greedy = all(p.greedy for p in params)
         any_filter = any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params)
@@ -274,7 +283,7 @@ class SpecCycle:
         any_min_p = any(not p.greedy and p.min_p > 0 for p in params)
         pkey = processors_key([(r.params, len(r.prompt_ids)) for _, r in active], self.stops.eos_ids, self.vocab)
         asked = any(p.logprobs is not None for p in params)
-        return greedy, any_filter, any_top_k, any_min_p, pkey, LOGPROBS_MAX if asked else None
+        return Variant(greedy, any_filter, any_top_k, any_min_p, pkey, LOGPROBS_MAX if asked else None)
 
     # Device stages: tensor work only, no host synchronisation (they are captured in graphs).
 

@@ -56,8 +56,10 @@ def test_graph_variants_equal_eager(spec, target_dir, eagle3_dir):
                               torch.tensor([e["logprob"] for e in b["logprobs"]]), atol=1e-5)
         assert [len(e["top_logprobs"]) for e in a["logprobs"]] == [len(e["top_logprobs"]) for e in b["logprobs"]]
     variants = eng.cycle.graphs.variants
-    assert any(v[4] is not None and v[4][2] and v[5] == 20 for v in variants)    # penalties + logprobs variant
+    # a penalties + logprobs variant
+    assert any(v.processors is not None and v.processors[2] and v.logprobs == 20 for v in variants)
     # rows without any of these features run today's variants
     eng = _engine(target_dir, spec, True)
     _gen(eng, rows(prompts(6), [{}, {"temperature": 0.8, "seed": 1}, {"temperature": 0.7, "top_p": 0.9}] * 2))
-    assert {v[2:] for v in eng.cycle.graphs.variants} == {(False, False, None, None)}
+    assert {(v.any_top_k, v.any_min_p, v.processors, v.logprobs) for v in eng.cycle.graphs.variants} == \
+        {(False, False, None, None)}

@@ -11,6 +11,7 @@ import torch
 import specbatch.kernels as kernels
 from specbatch.data import RowRequest
 from specbatch.engine import Engine, EngineOptions
+from specbatch.engine.cycle import Variant
 from specbatch.recipe import SamplingDefaults
 from specbatch.speculative.factory import SpecConfig
 
@@ -90,8 +91,8 @@ def test_graph_replay_equals_eager_sampling(name, target_dir, mtp_target_dir, ea
     got, _, eng = _run(model, spec, 4, graphs=True, **defaults)
     assert got == ref
     # the sampling variant is captured on first use, next to the greedy one
-    assert {v for _, (v, _width) in eng.graphs._graphs} == {(True, False, False, None, None),
-                                                           (False, True, False, None, None)}
+    assert {v for _, (v, _width) in eng.graphs._graphs} == {Variant(True, False, False, False, None, None),
+                                                           Variant(False, True, False, False, None, None)}
 
 
 def test_graph_sizes_pad_to_the_next_capture(target_dir, eagle3_dir):

@@ -54,7 +54,7 @@ def test_processor_graphs_equal_eager(name, per_row, target_dir, eagle3_dir):
             assert torch.allclose(torch.tensor([e["logprob"] for e in a["logprobs"]]),
                                   torch.tensor([e["logprob"] for e in b["logprobs"]]), atol=1e-4)
     variants = {v for _, (v, _width) in eng.graphs._graphs}
-    assert any(v[3] is not None for v in variants)
+    assert any(v.processors is not None for v in variants)
 
 
 @pytest.mark.parametrize("name", ["eagle3_topk1", "naive_2token"])
@@ -73,4 +73,5 @@ def test_logprobs_modes_in_graphs_equal_eager(name, mode, target_dir, eagle3_dir
 
 def test_plain_batches_keep_the_plain_variants(target_dir, eagle3_dir):
     _, eng = _run(target_dir, _specs(eagle3_dir)["eagle3_tree"], True, [{}, {"temperature": 0.8, "seed": 1}] * 2)
-    assert {v[2:] for _, (v, _width) in eng.graphs._graphs} == {(False, None, None)}
+    variants = {v for _, (v, _width) in eng.graphs._graphs}
+    assert {(v.any_min_p, v.processors, v.logprobs) for v in variants} == {(False, None, None)}
