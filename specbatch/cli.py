@@ -318,6 +318,7 @@ def bench(
     slots: Optional[int] = typer.Option(None, min=1, help="--job: engine slots (default: the recipe's, else from memory)."),
     shared_prefix: int = typer.Option(0, min=0, help="--job: every prompt begins with the same N tokens (an instruction all rows share), before its own lognormal part."),
     max_tokens_factor: float = typer.Option(1.0, min=1.0, help="--job: rows ask for F x their output length as max_tokens and end at their length by EOS (min_tokens and an EOS logit bias: the processors' cost rides along), as generous max_tokens meet EOS in runs."),
+    sampling: Optional[str] = typer.Option(None, help="--job: sampling fields every row gets, as a JSON object of a row's fields (e.g. '{\"temperature\": 0.7, \"top_p\": 0.8, \"top_k\": 20}'; a --prompts file's rows keep their own); default greedy."),
     reserve_too: bool = typer.Option(False, "--reserve-too", help="--job: also run each recipe with admission reserving every row's prompt + max_tokens up front (no preemption; default: pages as rows write), on the same engine."),
 ) -> None:
     """Measure recipes over the same prompts at a sweep of batch sizes, against the memory-bandwidth
@@ -338,7 +339,7 @@ def bench(
         asked = [flag for flag, on in (("--fixed-width", fixed_width), ("--arrival-order-too", arrival_order_too),
                                        ("--every-size-too", every_size_too), ("--shared-prefix", shared_prefix > 0),
                                        ("--max-tokens-factor", max_tokens_factor != 1.0), ("--reserve-too", reserve_too),
-                                       ("--slots", slots is not None)) if on]
+                                       ("--slots", slots is not None), ("--sampling", sampling is not None)) if on]
         if asked:
             _fail(f"{asked[0]} applies to whole jobs only: add --job")
     else:
@@ -366,12 +367,12 @@ def bench(
             simulate_acceptance=parse_list(simulate_acceptance, float, "--simulate-acceptance")
             if simulate_acceptance else None)
         if job:
-            from .bench.job import JobMix, job_markdown, run_job_bench
+            from .bench.job import JobMix, job_markdown, parse_sampling, run_job_bench
 
             mix = JobMix(requests=requests, prompt_median=prompt_median, prompt_sigma=prompt_sigma,
                          prompt_max=prompt_max, output_median=output_median, output_sigma=output_sigma,
                          output_max=output_max, slots=slots, shared_prefix=shared_prefix,
-                         max_tokens_factor=max_tokens_factor)
+                         max_tokens_factor=max_tokens_factor, sampling=parse_sampling(sampling) if sampling else {})
             result = run_job_bench(opts, mix, log)
         else:
             result = run_bench(opts, log)

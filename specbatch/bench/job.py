@@ -19,7 +19,8 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -48,6 +49,37 @@ class JobMix:
     slots: int | None = None          # engine slots (None: the engine's default, from memory)
     shared_prefix: int = 0            # tokens every prompt begins with (an instruction all rows share)
     max_tokens_factor: float = 1.0    # > 1: rows ask for F x their output as max_tokens and end by EOS
+    # every row's sampling fields (--sampling; a prompts file's rows keep their own): {} greedy
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+# Row fields that end a row or set its length: the mix's lengths decide those (EOS ignored).
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "ignore_eos", "stop", "stop_token_ids")
+
+
+def parse_sampling(text: str) -> dict[str, Any]:
+    """--sampling: a JSON object of row sampling fields (a row's names and ranges), validated as a
+    row's are -> the overrides every row of the mix gets."""
+    from ..data.fields import OVERRIDE_KEYS, BadField, parse_overrides
+
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        obj = None
+    if not isinstance(obj, dict):
+        raise BenchError(f"--sampling: expected a JSON object of row sampling fields, e.g. "
+                         f"'{{\"temperature\": 0.7, \"top_p\": 0.8}}', got {text!r}")
+    for key in obj:
+        if key in LENGTH_FIELDS:
+            raise BenchError(f"--sampling: '{key}' is the mix's to set (--output-median / --output-sigma / "
+                             f"--output-max, EOS ignored; --max-tokens-factor)")
+        if key not in OVERRIDE_KEYS:
+            raise BenchError(f"--sampling: unknown field '{key}' (fields: "
+                             f"{', '.join(k for k in OVERRIDE_KEYS if k not in LENGTH_FIELDS)})")
+    try:
+        return parse_overrides(obj, "--sampling ")
+    except BadField as e:
+        raise BenchError(str(e)) from None
 
 
 def lognormal_lengths(n: int, median: int, sigma: float, most: int, gen: torch.Generator) -> list[int]:
@@ -71,11 +103,14 @@ def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> list[RowRequest]:
             except PromptError as e:
                 raise BenchError(str(e)) from None
             # the row's own sampling fields ride along (logprobs, penalties, ...): their cost is measured
-            overrides = {**item.overrides, "max_tokens": item.overrides.get("max_tokens", mix.output_median)}
+            overrides = {**mix.sampling, **item.overrides,
+                         "max_tokens": item.overrides.get("max_tokens", mix.output_median)}
             rows.append(RowRequest(row=len(rows), id=len(rows), prompt_token_ids=ids, overrides=overrides))
             if len(rows) == mix.requests:
                 break
         return rows
+    if mix.max_tokens_factor > 1 and "logit_bias" in mix.sampling:
+        raise BenchError("--sampling logit_bias: --max-tokens-factor sets the rows' logit_bias (EOS at their length)")
     gen = torch.Generator().manual_seed(opts.seed)
     p_lens = lognormal_lengths(mix.requests, mix.prompt_median, mix.prompt_sigma, mix.prompt_max, gen)
     o_lens = lognormal_lengths(mix.requests, mix.output_median, mix.output_sigma, mix.output_max, gen)
@@ -90,7 +125,7 @@ def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> list[RowRequest]:
     if mix.shared_prefix:
         head = torch.randint(0, vocab, (mix.shared_prefix,), generator=gen).tolist()
         prompts = [head + p for p in prompts]
-    return [RowRequest(row=i, id=i, prompt_token_ids=p, overrides=_lengths(o, mix, src))
+    return [RowRequest(row=i, id=i, prompt_token_ids=p, overrides={**mix.sampling, **_lengths(o, mix, src)})
             for i, (p, o) in enumerate(zip(prompts, o_lens))]
 
 
@@ -366,11 +401,13 @@ def job_markdown(result: dict[str, Any]) -> str:
     shared = f"every prompt begins with the same {mix['shared_prefix']} tokens · " if mix.get("shared_prefix") else ""
     factor = mix.get("max_tokens_factor", 1.0)
     ending = f"max_tokens {factor:g}x the output, ending by EOS" if factor > 1 else "EOS ignored"
+    sampling = ("sampling " + ", ".join(f"{k} {v}" for k, v in mix["sampling"].items()) + " · "
+                if mix.get("sampling") else "greedy · ")
     lines = [f"# specbatch bench --job: {meta['model']} on {meta['device']}, {meta['acceptance']}", "",
              f"{meta.get('date', '')} · {meta['dtype']} · {meta['requests']} requests · prompts lognormal "
              f"median {mix['prompt_median']} sigma {mix['prompt_sigma']} max {mix['prompt_max']} · outputs "
              f"median {mix['output_median']} sigma {mix['output_sigma']} max {mix['output_max']} ({ending}) · "
-             f"{shared}copy {meta['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s · matmul "
+             f"{sampling}{shared}copy {meta['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s · matmul "
              f"{meta['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", ""]
     if meta.get("command"):
         lines += [f"`{meta['command']}`", ""]

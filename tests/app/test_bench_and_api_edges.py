@@ -129,3 +129,27 @@ def test_job_bench_checks_every_recipe_before_measuring(tmp_path):
                       JobMix(requests=2, prompt_median=8, prompt_max=8, output_median=4, output_max=4),
                       log=said.append)
     assert not any(m.startswith("vanilla: building") for m in said), said
+
+
+# 4c. --sampling: a row's fields, validated as a row's; lengths stay the mix's; --job only
+@pytest.mark.parametrize("value, says", [
+    ("temperature=0.7", "expected a JSON object"),
+    ('{"temperature": -1}', "--sampling temperature"),
+    ('{"max_tokens": 9}', "'max_tokens' is the mix's to set"),
+    ('{"response_format": {}}', "unknown field 'response_format'"),
+])
+def test_job_bench_sampling_flag_is_checked(value, says, tiny_config, tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "--requests", "2", "--device", "cpu", "--sampling", value, "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and says in r.output, r.output
+    assert len([line for line in r.output.splitlines() if line.strip()]) == 1
+
+
+def test_sampling_flag_needs_the_job_mode_and_no_eos_bias(tiny_config, tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--random-weights", str(tiny_config), "-r", "vanilla", "--device", "cpu",
+                                 "--sampling", '{"temperature": 0.5}', "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "add --job" in r.output, r.output
+    r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "--requests", "2", "--device", "cpu", "--max-tokens-factor", "2",
+                                 "--sampling", '{"logit_bias": {"3": 1.0}}', "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "--max-tokens-factor sets the rows' logit_bias" in r.output, r.output

@@ -391,3 +391,33 @@ def test_job_mode_prompts_rows_that_do_not_ignore_eos_keep_max_tokens_in_the_flo
     p = json.loads((out / "job.json").read_text())["points"][0]
     assert not p.get("failed"), p.get("error")
     assert p["floor_output_tokens"] == 4 * 8
+
+
+def test_job_mode_with_sampling_fields_runs_every_row_sampled(tiny_config, tmp_path):
+    """--sampling '{...}': every row of the mix gets those fields (validated as a row's), the
+    lengths stay the mix's, and the report names the sampling."""
+    from specbatch.bench.job import JobMix, job_rows
+    from specbatch.bench.sources import BenchOptions, load_source
+
+    fields = {"temperature": 0.8, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.1, "seed": 3}
+    out = tmp_path / "job"
+    r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "-r", "eagle3_topk1", "--requests", "12", "--prompt-median", "12",
+                                 "--prompt-max", "30", "--output-median", "6", "--output-max", "12",
+                                 "--slots", "4", "--device", "cpu", "--eager", "--simulate-acceptance",
+                                 "0.8,0.6,0.45", "--sampling", json.dumps(fields), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "job.json").read_text())
+    assert res["meta"]["mix"]["sampling"] == fields
+    van, spec = res["points"]
+    assert van["output_tokens"] == spec["output_tokens"] > 12          # EOS ignored: the mix's lengths
+    assert "sampling temperature 0.8, top_p 0.9, top_k 5" in (out / "job.md").read_text()
+    # generated rows carry the fields next to their length; a prompts file's rows keep their own
+    opts = BenchOptions(random_weights=str(tiny_config), device="cpu")
+    src = load_source(opts, torch.device("cpu"))
+    rows = job_rows(JobMix(requests=3, sampling=fields), opts, src)
+    assert all(row.overrides == {**fields, "max_tokens": row.overrides["max_tokens"]} for row in rows)
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt_token_ids": [1, 2, 3], "temperature": 0.2, "max_tokens": 5}) + "\n")
+    (row,) = job_rows(JobMix(sampling=fields), BenchOptions(random_weights=str(tiny_config), prompts=str(f)), src)
+    assert row.overrides == {**fields, "temperature": 0.2, "max_tokens": 5}
