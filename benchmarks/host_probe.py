@@ -18,19 +18,20 @@ from specbatch.recipe import SamplingDefaults
 if os.environ.get("SAMPLER") == "prescaled":
     import specbatch.kernels.filtered_draw as fd
     fused = fd.draw_filtered
-    fd.draw_filtered = lambda x, k, p, keys, t=None: fused(x.float() / (1.0 if t is None else t[:, None]), k, p, keys)
+    fd.draw_filtered = lambda x, k, p, keys, t=None, find_kth=True: fused(
+        x.float() / (1.0 if t is None else t[:, None]), k, p, keys, find_kth=find_kth)
 elif os.environ.get("SAMPLER", "fused") != "fused":
     import specbatch.kernels as kernels, specbatch.kernels.top_k_top_p as tkp, specbatch.kernels.filtered_draw as fd
     from specbatch.kernels.draw import draw_race
     from specbatch.sampling import apply_top_k_top_p
 
-    def sort_filter(x, k, p):
+    def sort_filter(x, k, p, find_kth=True):
         with kernels.torch_only():
             return apply_top_k_top_p(x, k, p)
     if os.environ["SAMPLER"] == "sort":
         tkp.top_k_top_p = sort_filter
-    fd.draw_filtered = lambda x, k, p, keys, t=None: draw_race(
-        apply_top_k_top_p(x.float() / (1.0 if t is None else t[:, None]), k, p).softmax(dim=-1), keys)
+    fd.draw_filtered = lambda x, k, p, keys, t=None, find_kth=True: draw_race(
+        apply_top_k_top_p(x.float() / (1.0 if t is None else t[:, None]), k, p, find_kth).softmax(dim=-1), keys)
 
 if os.environ.get("MIDJOB_COLLECT") == "1":
     import specbatch.engine.graphs as graphs

@@ -8,7 +8,9 @@ entries (by index) whose key equals T, for one threshold key T and tie count c p
 two prefixes' shorter one is the answer.
 
 Keys: float32 bits mapped to uint32 so that unsigned order is float order (-0.0 read as +0.0).
-T is found by a radix descent, 4 bits a read: per digit of the current bucket, the count and the
+A top-k of at most KCAP takes T from its k-th largest logit, found by torch.topk over the batch
+(`kth_largest`), and one read counts the entries above it (the tie count); larger top-k, and
+top-p, find T by a radix descent, 4 bits a read: per digit of the current bucket, the count and the
 weight (1 for top-k, exp(x - max) for top-p) of its entries; the bucket where the cumulative
 weight from the top crosses the limit (top_k, or top_p times the mass of the top-k set) is the
 next prefix. Eight reads fix all 32 bits; a bucket down to one key value (one entry, or ties)
