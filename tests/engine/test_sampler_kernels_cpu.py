@@ -54,9 +54,9 @@ def test_the_kernel_sampler_in_the_engine_equals_the_torch_path(mode, target_dir
     calls = {"fused": 0, "filter": 0, "built": 0}
 
     def counted(name, f, built=False):
-        def g(*a):
+        def g(*a, **kw):
             calls[name] += 1 if not built else a[1].built is not None
-            return f(*a)
+            return f(*a, **kw)
         return g
     monkeypatch.setattr(filtered_draw, "draw_filtered", counted("fused", filtered_draw.draw_filtered))
     monkeypatch.setattr(top_k_top_p, "top_k_top_p", counted("filter", top_k_top_p.top_k_top_p))
@@ -83,7 +83,8 @@ def test_rows_reporting_processed_logprobs_draw_from_the_distribution_they_repor
     sp = BatchSampling.build(params, torch.device("cpu"), processed_logprobs=True)
     assert sp.built.tolist() == [False, True, False, True]
     _sampler_kernels_on(monkeypatch)
-    monkeypatch.setattr(filtered_draw, "draw_filtered", lambda x, k, p, keys, t=None: torch.full_like(keys, 49))
+    monkeypatch.setattr(filtered_draw, "draw_filtered",
+                        lambda x, k, p, keys, t=None, find_kth=True: torch.full_like(keys, 49))
     got = draw_target(logits, sp, pos)
     assert got.tolist() == [49, int(reference[1]), 49, int(reference[3])]
 
@@ -96,7 +97,8 @@ def test_graph_rows_reporting_processed_logprobs_never_take_the_fused_draw(targe
     _sampler_kernels_on(monkeypatch)
     fused = filtered_draw.draw_filtered
     monkeypatch.setattr(filtered_draw, "draw_filtered",
-                        lambda x, k, p, keys, t=None: (fused(x, k, p, keys, t) + 1) % x.shape[-1])
+                        lambda x, k, p, keys, t=None, find_kth=True: (fused(x, k, p, keys, t, find_kth) + 1)
+                        % x.shape[-1])
     got = _gen(target_dir, graphs=True, mode="processed_logprobs")
     sampled = [i for i, r in enumerate(ROWS) if r.get("temperature", 0) > 0]
     reporting = [i for i in sampled if "logprobs" in ROWS[i]]
