@@ -1,10 +1,12 @@
-"""Accept length of the demo bundle's drafts on seeded sampled rows (CPU, float32): chains drafting
-the argmax against chains drafting the race winner on the target's uniforms (layer_drafter.py),
-for eagle3_topk1, nextn_mtp and naive_2token_mtp at three sampling settings; 16 rows x 64 tokens,
-batch 8. Also checks every run writes vanilla's tokens.
+"""Accept length of the demo bundle's drafts on seeded sampled rows (CPU, float32): drafts of the
+argmax / top-k against drafts of the race winner on the target's uniforms (layer_drafter.py: a
+chain's draft, a tree's first child), for eagle3_topk1, nextn_mtp, naive_2token_mtp and eagle3_tree
+at three sampling settings; 16 rows x 64 tokens, batch 8. Also checks every run writes vanilla's
+tokens.
 
-    python benchmarks/sampled_accept_length.py
+    python benchmarks/sampled_accept_length.py [recipe ...]
 """
+import sys
 import torch, transformers as tf
 from specbatch.data import RowRequest
 from specbatch.engine import Engine, EngineOptions
@@ -41,7 +43,7 @@ def run(name, fields, coupled):
     return out, sum(len(o) for o in out) / steps
 for fields in (dict(temperature=0.8, top_p=0.95), dict(temperature=1.0), dict(temperature=0.6, top_k=20)):
     van, _ = run("vanilla", fields, True)
-    for name in ("eagle3_topk1", "nextn_mtp", "naive_2token_mtp"):
+    for name in sys.argv[1:] or ("eagle3_topk1", "nextn_mtp", "naive_2token_mtp", "eagle3_tree"):
         a, la = run(name, fields, False)
         b, lb = run(name, fields, True)
         print(fields, name, f"accept length argmax {la:.3f} coupled {lb:.3f}", "same as vanilla:", a == van, b == van, flush=True)

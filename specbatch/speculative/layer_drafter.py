@@ -7,13 +7,17 @@ for committed positions, the module's own output for drafted ones (EAGLE3: pre-n
 as engines feed it back). After each catch-up the slot keeps the output at its last committed
 row and that row's top-k, the first level of the next tree.
 
-Chains (k = 1) draft for a sampled row what the target's seeded draw will likely pick: the race of
+For a sampled row the drafts include what the target's seeded draw will likely pick: the race of
 `sampling.sample` over the draft's own distribution (the row's temperature, top-k and top-p), with
 the uniforms of the very position and seed the target draws with, indexed by target token id. The
 target's token is its own race winner whatever was drafted (acceptance keeps the tokens plain
 sampling's), so this changes only how often a draft is accepted: with shared uniforms two close
 distributions pick the same token about 1 - TV(p, q) of the time (a Gumbel-max coupling), where
-the draft's argmax is the target's draw with probability p(argmax q). Greedy rows draft the argmax.
+the draft's argmax is the target's draw with probability p(argmax q). A chain (k = 1) drafts the
+winner; a tree puts each node's winner first among its k children (in place of the last, or moved
+up if among them) with log-probability 0, so the beam keeps expanding it and the winners' chain is
+always in the tree (siblings share a depth's uniforms, as the target's draws do). Greedy rows
+draft the argmax / top-k.
 """
 from __future__ import annotations
 
@@ -65,14 +69,14 @@ class LayerDrafter(Drafter):
         self.hidden = torch.zeros(num_slots + 1, H, dtype=dtype, device=dev)
         self.first_tokens = torch.zeros(num_slots + 1, topk, dtype=torch.int64, device=dev)
         self.first_logp = torch.zeros(num_slots + 1, topk, dtype=torch.float32, device=dev)
-        # per slot: the sampling chains draft with (sample_as); temperature 0: the argmax
+        # per slot: the sampling drafts race with (sample_as); temperature 0: the argmax / top-k
         self.draw = BatchSampling(temperature=torch.zeros(num_slots + 1, device=dev),
                                   top_k=torch.zeros(num_slots + 1, dtype=torch.int64, device=dev),
                                   top_p=torch.ones(num_slots + 1, device=dev),
                                   seed_lo=torch.zeros(num_slots + 1, dtype=torch.int64, device=dev),
                                   seed_hi=torch.zeros(num_slots + 1, dtype=torch.int64, device=dev),
                                   all_greedy=False, any_filter=True)
-        self.coupled = False              # some slot has sampled: chains run the race (host flag)
+        self.coupled = False              # some slot has sampled: drafts run the race (host flag)
         self.any_top_k = False            # some such slot used top-k: the race finds k-th logits (host flag)
         ids = head.to_target(torch.arange(head.lm_head.weight.shape[0], device=dev))
         # draft id -> target id, None where they are the same (the race's uniforms go by target id)
@@ -88,7 +92,7 @@ class LayerDrafter(Drafter):
         self.cache.copy_page(src, dst)
 
     def sample_as(self, slots: torch.Tensor, sp: BatchSampling) -> None:
-        if self.k != 1 or sp.all_greedy:
+        if sp.all_greedy:
             self.draw.temperature[slots] = 0.0
             return
         for name in BatchSampling.ROWS:
@@ -123,22 +127,33 @@ class LayerDrafter(Drafter):
         logits = self.head.logits(h)
         tok, logp = topk_logprobs(logits, self.k)
         self.hidden[slots] = h
-        self.first_tokens[slots] = self._drafts(slots, logits, self.head.to_target(tok), pos)
-        self.first_logp[slots] = logp
+        tok, logp = self._drafts(slots, logits, self.head.to_target(tok), logp, pos)
+        self.first_tokens[slots], self.first_logp[slots] = tok, logp
 
-    def _drafts(self, slots: torch.Tensor, logits: torch.Tensor, top: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Chains: a sampled slot's draft for position pos [B] is the race over its draft logits
-        [B, Vd] (or [B, 1, Vd]) at its sampling, on the target's uniforms; others keep top [B, k]
-        (target ids, the argmax first)."""
-        if not self.coupled or self.k != 1:
-            return top
-        x = logits.reshape(top.shape[0], -1)
+    def _drafts(self, slots: torch.Tensor, logits: torch.Tensor, top: torch.Tensor, logp: torch.Tensor | None,
+                pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """top [B, k] candidates (target ids, best first) with their logp [B, k] (k = 1: may be None), from draft
+        logits [B, Vd] (or [B, 1, Vd]) for position pos [B]. A sampled slot's race winner over its
+        logits at its sampling, on the target's uniforms, goes first with logp 0 (k > 1: the
+        others follow in order, the winner's old place or the last one dropped); other slots keep
+        top and logp."""
+        if not self.coupled:
+            return top, logp
+        B, k = top.shape
+        x = logits.reshape(B, -1)
         if self.target_ids is not None:           # laid out by target id: -inf where no draft id maps
             x = x.new_full((x.shape[0], self.target_vocab), float("-inf")).index_copy_(1, self.target_ids, x)
         sp = BatchSampling(*(getattr(self.draw, n)[slots] for n in BatchSampling.ROWS), all_greedy=False,
                            any_filter=True, any_top_k=self.any_top_k)
-        drawn = sample(x, sp, pos)
-        return torch.where(sp.temperature[:, None] > 0, drawn[:, None], top)
+        drawn = sample(x, sp, pos)[:, None]
+        sampled = sp.temperature[:, None] > 0
+        if k > 1:
+            # the candidates other than the winner, in order (key k moves the winner's old place last)
+            rank = torch.arange(k, device=top.device).expand(B, k)
+            rest = torch.where(top == drawn, k, rank).argsort(dim=1, stable=True)[:, : k - 1]
+            drawn = torch.cat([drawn, top.gather(1, rest)], dim=1)
+            logp = torch.where(sampled, torch.cat([torch.zeros_like(logp[:, :1]), logp.gather(1, rest)], dim=1), logp)
+        return torch.where(sampled, drawn, top), logp
 
     # ---- the draft loop ------------------------------------------------------------------------
 
@@ -163,8 +178,12 @@ class LayerDrafter(Drafter):
                                 prefix_lens=lens, kv_len=kv_base + s * k,
                                 tree_mask=anc[:, :, : s * k], write_offset=off, page_table=self.page_table)
             h = self.head(beam_tok, beam_h, meta, self.cache.layers[0], features=False)  # [B, k, H]
-            tok, logp = topk_logprobs(self.head.logits(h), k)                          # [B, k, k]
-            tok = self.head.to_target(tok).flatten(1)
+            logits = self.head.logits(h)
+            tok, logp = topk_logprobs(logits, k)                                       # [B, k, k]
+            # each beam node's children, at depth s + 1
+            tok, logp = self._drafts(slots.repeat_interleave(k), logits, self.head.to_target(tok).flatten(0, 1),
+                                     logp.flatten(0, 1), (lens + s + 1).repeat_interleave(k))
+            tok, logp = tok.view(B, k * k), logp.view(B, k, k)
             score = child_scores(beam_score[:, :, None], logp).flatten(1)              # [B, k*k]
             toks.append(tok)
             scores.append(score)
@@ -197,7 +216,7 @@ class LayerDrafter(Drafter):
             h = self.head(tok, h, meta, self.cache.layers[0], features=False)          # [B, 1, H]
             logits = self.head.logits(h)
             tok = self.head.to_target(topk_logprobs(logits, 1)[0][..., 0])             # [B, 1]: top-1
-            tok = self._drafts(slots, logits, tok, lens + s + 1)                       # depth s + 1
+            tok = self._drafts(slots, logits, tok, None, lens + s + 1)[0]              # depth s + 1
             toks.append(tok)
         p, d = chain(B, steps + 1, slots.device)
         return Proposal(tokens=torch.cat([last_tokens[:, None], *toks], dim=1), parents=p, depths=d, tree_mask=None)

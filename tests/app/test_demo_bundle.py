@@ -122,12 +122,13 @@ def test_demo_seeded_sampling_is_vanillas_token_for_token(prompts, vanilla_sampl
     assert sum(len(o) for o in out) / steps > 1.2, name                # drafts accepted while sampling
 
 
-@pytest.mark.parametrize("name", ["eagle3_topk1", "nextn_mtp"])
-def test_demo_sampled_chain_drafts_race_on_the_targets_uniforms(prompts, name, monkeypatch):
+@pytest.mark.parametrize("name", ["eagle3_topk1", "nextn_mtp", "eagle3_tree"])
+def test_demo_sampled_drafts_race_on_the_targets_uniforms(prompts, name, monkeypatch):
     """A chain drafts, for a sampled row, the race winner of its own distribution on the uniforms
-    the target draws that position with: accepted far more often than its argmax (measured here
-    at temperature 1: 1.50 -> 1.89 tokens a cycle for eagle3_topk1, 1.47 -> 2.00 for nextn_mtp),
-    and the tokens stay plain sampling's either way."""
+    the target draws that position with, a tree puts each node's winner first among its children:
+    accepted far more often than the argmax / top-k (measured here at temperature 1: 1.50 -> 1.89
+    tokens a cycle for eagle3_topk1, 1.47 -> 2.00 for nextn_mtp), and the tokens stay plain
+    sampling's either way."""
     from specbatch.speculative.layer_drafter import LayerDrafter
 
     r = load_recipe(name)

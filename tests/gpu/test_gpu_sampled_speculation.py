@@ -47,12 +47,13 @@ def test_cuda_seeded_sampling_under_speculation_is_vanillas(name, adaptive):
         assert sum(x["spec"]["accepted_tokens"] for x in recs) > 0.25 * sum(len(o) for o in got), name
 
 
-def test_cuda_sampled_chain_drafts_race_on_the_targets_uniforms(monkeypatch):
+@pytest.mark.parametrize("name", ["eagle3_topk1", "eagle3_tree"])
+def test_cuda_sampled_drafts_race_on_the_targets_uniforms(name, monkeypatch):
     # the draft's race (its logits laid out by target id, the filtered-draw kernel) inside the
-    # sampled variant's graphs: accepted more often than the argmax, the tokens unchanged
+    # sampled variant's graphs: accepted more often than the argmax / top-k, the tokens unchanged
     from specbatch.speculative.layer_drafter import LayerDrafter
 
-    r = load_recipe("eagle3_topk1")
+    r = load_recipe(name)
     spec = SpecConfig(r.algorithm, r.num_steps, r.topk, r.num_draft_tokens, str(DEMO_DIR / "eagle3"), r.drafter)
     want, _ = _run(SpecConfig())
     coupled, recs = _run(spec)
