@@ -14,10 +14,11 @@ target's token is its own race winner whatever was drafted (acceptance keeps the
 sampling's), so this changes only how often a draft is accepted: with shared uniforms two close
 distributions pick the same token about 1 - TV(p, q) of the time (a Gumbel-max coupling), where
 the draft's argmax is the target's draw with probability p(argmax q). A chain (k = 1) drafts the
-winner; a tree puts each node's winner first among its k children (in place of the last, or moved
-up if among them) with log-probability 0, so the beam keeps expanding it and the winners' chain is
-always in the tree (siblings share a depth's uniforms, as the target's draws do). Greedy rows
-draft the argmax / top-k.
+winner; a tree puts the winner first among the first level's k candidates and among the children
+of the first beam node at every step (in place of the last, or moved up if among them), with
+log-probability 0: the beam keeps it first, so the chain of winners is always in the tree, one
+race a row a step (racing every beam node's children too cost k times more and did not raise the
+demo bundle's acceptance). Greedy rows draft the argmax / top-k.
 """
 from __future__ import annotations
 
@@ -180,10 +181,11 @@ class LayerDrafter(Drafter):
             h = self.head(beam_tok, beam_h, meta, self.cache.layers[0], features=False)  # [B, k, H]
             logits = self.head.logits(h)
             tok, logp = topk_logprobs(logits, k)                                       # [B, k, k]
-            # each beam node's children, at depth s + 1
-            tok, logp = self._drafts(slots.repeat_interleave(k), logits, self.head.to_target(tok).flatten(0, 1),
-                                     logp.flatten(0, 1), (lens + s + 1).repeat_interleave(k))
-            tok, logp = tok.view(B, k * k), logp.view(B, k, k)
+            tok = self.head.to_target(tok)
+            # the first beam node's children, at depth s + 1 (for a sampled row: the winners' chain)
+            t0, l0 = self._drafts(slots, logits[:, 0], tok[:, 0], logp[:, 0], lens + s + 1)
+            tok = torch.cat([t0[:, None], tok[:, 1:]], dim=1).flatten(1)
+            logp = torch.cat([l0[:, None], logp[:, 1:]], dim=1)
             score = child_scores(beam_score[:, :, None], logp).flatten(1)              # [B, k*k]
             toks.append(tok)
             scores.append(score)

@@ -125,7 +125,7 @@ def test_demo_seeded_sampling_is_vanillas_token_for_token(prompts, vanilla_sampl
 @pytest.mark.parametrize("name", ["eagle3_topk1", "nextn_mtp", "eagle3_tree"])
 def test_demo_sampled_drafts_race_on_the_targets_uniforms(prompts, name, monkeypatch):
     """A chain drafts, for a sampled row, the race winner of its own distribution on the uniforms
-    the target draws that position with, a tree puts each node's winner first among its children:
+    the target draws that position with, a tree the chain of such winners, each first among its parent's children:
     accepted far more often than the argmax / top-k (measured here at temperature 1: 1.50 -> 1.89
     tokens a cycle for eagle3_topk1, 1.47 -> 2.00 for nextn_mtp), and the tokens stay plain
     sampling's either way."""

@@ -1,7 +1,7 @@
 """Drafts race for a sampled row on the target's uniforms at the right positions: with the
 bigram's exact MTP layer at S = 3 every draft of every cycle is accepted (the first draft at
-prefill and extend, chain steps 2 and 3; for trees the winners' chain, first among each node's
-children), across preemption, n choices, mixed greedy rows, slot reuse and (emulated) graphs
+prefill and extend, chain steps 2 and 3; for trees the winners' chain, each first among its
+parent's children), across preemption, n choices, mixed greedy rows, slot reuse and (emulated) graphs
 whose host flag is frozen at capture."""
 import pytest
 import torch
