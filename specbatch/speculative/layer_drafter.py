@@ -159,7 +159,10 @@ class LayerDrafter(Drafter):
     # ---- the draft loop ------------------------------------------------------------------------
 
     def propose(self, slots, last_tokens, lens, kv_bound=None, width=None) -> Proposal:
-        if self.k == 1:
+        if self.k == 1 or (width is not None and width <= 2):
+            # A tree verified to two nodes verifies its root and the first-level candidate that
+            # scores best (every other candidate scores below it, and it comes first): that is
+            # the extend's first draft, so no draft step runs.
             return self._propose_chain(slots, last_tokens, lens, kv_bound, width)
         B, k, S = slots.shape[0], self.k, self.S      # a tree drafts every step: all steps give candidates
         dev = slots.device
@@ -205,10 +208,10 @@ class LayerDrafter(Drafter):
         """k = 1: each step extends the one path, and its draft sees the committed rows and the
         drafts before it (causal over the scratch rows), so no beam, scores or ancestor mask: a
         tree's bookkeeping would be a dozen small kernels a step. A chain verified to `width`
-        nodes needs width - 1 drafts, the first made by extend."""
+        nodes needs width - 1 drafts, the first made by extend (a tree's best first-level one)."""
         B = slots.shape[0]
         steps = self.S if width is None else max(1, min(self.S, width - 1))
-        tok = self.first_tokens[slots]                                                 # [B, 1]
+        tok = self.first_tokens[slots][:, :1]                                          # [B, 1]
         h = self.hidden[slots][:, None]                                                # [B, 1, H]
         toks = [tok]
         kv_base = _bound(lens, kv_bound)

@@ -218,10 +218,25 @@ def test_a_chain_verified_to_a_width_drafts_only_that_far(target, head_dir, widt
     assert torch.equal(part.parents, full.parents[:, :nodes]) and torch.equal(part.depths, full.depths[:, :nodes])
 
 
-def test_a_tree_drafts_every_step_whatever_the_width(target, head_dir):
+@pytest.mark.parametrize("width", [1, 2, 3, 6])
+def test_a_tree_drafts_every_step_unless_verified_to_two_nodes(target, head_dir, width):
+    """Widths above 2 need the whole tree (its best candidates, anywhere); a prefix of two nodes
+    is the root and the best first-level candidate, which extend drafted: no head step runs."""
     drafter, slots, lengths, first, _ = _prefilled(target, head_dir, 3, 2, 6)
-    full, part = drafter.propose(slots, first, lengths), drafter.propose(slots, first, lengths, width=2)
-    assert torch.equal(part.tokens, full.tokens) and torch.equal(part.tree_mask, full.tree_mask)
+    full = drafter.propose(slots, first, lengths)
+    calls = []
+    real = drafter.head.forward
+    drafter.head.forward = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    part = drafter.propose(slots, first, lengths, width=width)
+    if width > 2:
+        assert torch.equal(part.tokens, full.tokens) and torch.equal(part.tree_mask, full.tree_mask)
+        assert len(calls) == 2                                    # S - 1 beam steps
+        return
+    assert not calls
+    want = full.prefix(width)
+    assert torch.equal(part.prefix(width).tokens, want.tokens) and part.prefix(width).tree_mask is None
+    assert torch.equal(part.prefix(width).parents, want.parents)
+    assert torch.equal(part.prefix(width).depths, want.depths)
 
 
 def test_chain_proposal_equals_greedy_by_hand(target, head_dir):
