@@ -75,12 +75,7 @@ class Processors:
         """`key`: fixed widths and the penalty flag (a captured graph's); None: what the rows need."""
         eos = tuple(eos_ids)
         stops = [stop_set(p, eos, vocab) if p.min_tokens > 0 else [] for p, _ in rows]
-        biases = []
-        for p, _ in rows:
-            summed: dict[int, float] = {}
-            for t, v in p.logit_bias:                  # a repeated id adds up, as a scatter-add would
-                summed[t] = summed.get(t, 0.0) + v
-            biases.append(sorted(summed.items()))
+        biases = [_summed(p.logit_bias) if p.logit_bias else [] for p, _ in rows]
         if key is None:
             key = (max(map(len, stops), default=0), max(map(len, biases), default=0),
                    any(p.uses_penalties for p, _ in rows))
@@ -94,7 +89,8 @@ class Processors:
         f32 = dict(dtype=torch.float32)
         return cls(
             stop_ids=torch.tensor([pad(s, ks) for s in stops], dtype=torch.int64).view(len(rows), ks),
-            stop_on=torch.tensor([[True] * len(s) + [False] * (ks - len(s)) for s in stops]).view(len(rows), ks),
+            stop_on=torch.tensor([[True] * len(s) + [False] * (ks - len(s)) for s in stops],
+                                 dtype=torch.bool).view(len(rows), ks),
             min_tokens=torch.tensor([p.min_tokens for p, _ in rows], dtype=torch.int64),
             prompt_len=torch.tensor([n for _, n in rows], dtype=torch.int64),
             bias_ids=torch.tensor([pad([t for t, _ in b], kb) for b in biases], dtype=torch.int64).view(len(rows), kb),
@@ -175,6 +171,14 @@ class Processors:
             same = (tokens[:, :, None] == ids[:, None, :]).float()                     # [B, N, M]
             cnt = cnt + torch.bmm(path.float(), same)
         return _penalty(x, cnt, seen[:, None, :] | (cnt > 0), r, f, p)
+
+
+def _summed(pairs: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """(id, bias) pairs sorted by id, a repeated id's biases added up (as a scatter-add would)."""
+    summed: dict[int, float] = {}
+    for t, v in pairs:
+        summed[t] = summed.get(t, 0.0) + v
+    return sorted(summed.items())
 
 
 def dense_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor, slots: torch.Tensor,
