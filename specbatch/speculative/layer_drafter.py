@@ -153,7 +153,10 @@ class LayerDrafter(Drafter):
             rank = torch.arange(k, device=top.device).expand(B, k)
             rest = torch.where(top == drawn, k, rank).argsort(dim=1, stable=True)[:, : k - 1]
             drawn = torch.cat([drawn, top.gather(1, rest)], dim=1)
-            logp = torch.where(sampled, torch.cat([torch.zeros_like(logp[:, :1]), logp.gather(1, rest)], dim=1), logp)
+            # the others strictly below the winner's 0: one whose log p rounds to 0 (a draft sure of it) would
+            # tie, and topk may then rank it first, losing the winners' chain (the beam's node 0, the tree's best)
+            rest_logp = logp.gather(1, rest).clamp(max=_BELOW_ZERO)
+            logp = torch.where(sampled, torch.cat([torch.zeros_like(logp[:, :1]), rest_logp], dim=1), logp)
         return torch.where(sampled, drawn, top), logp
 
     # ---- the draft loop ------------------------------------------------------------------------
@@ -225,6 +228,11 @@ class LayerDrafter(Drafter):
             toks.append(tok)
         p, d = chain(B, steps + 1, slots.device)
         return Proposal(tokens=torch.cat([last_tokens[:, None], *toks], dim=1), parents=p, depths=d, tree_mask=None)
+
+
+# a sampled row's non-winner candidates' largest log-probability: below the winners' chain scores
+# (0 and the subnormals child_scores steps down by), above any real log p < 0 (float32: <= -6e-8)
+_BELOW_ZERO = -1e-30
 
 
 def _bound(lens: torch.Tensor, kv_bound: int | None) -> int:

@@ -12,6 +12,8 @@ from specbatch.models.attention import AttnMetadata
 from specbatch.runtime.kv_cache import KVCache
 from specbatch.speculative.factory import SpecConfig, make_drafter
 from specbatch.speculative.drafter import PromptRows
+from specbatch.sampling import BatchSampling, SamplingParams
+from specbatch.speculative import layer_drafter
 from specbatch.speculative.layer_drafter import LayerDrafter
 
 
@@ -237,6 +239,33 @@ def test_a_tree_drafts_every_step_unless_verified_to_two_nodes(target, head_dir,
     assert torch.equal(part.prefix(width).tokens, want.tokens) and part.prefix(width).tree_mask is None
     assert torch.equal(part.prefix(width).parents, want.parents)
     assert torch.equal(part.prefix(width).depths, want.depths)
+
+
+@pytest.mark.parametrize("S,k,N", [(3, 4, 8), (5, 4, 8), (3, 2, 6), (3, 4, 3)])
+def test_a_sampled_trees_winners_chain_survives_a_draft_sure_of_another_token(target, head_dir, S, k, N, monkeypatch):
+    """A sampled row whose draft puts log p 0.0 on A while the race picks B: A must not tie with
+    the winner (topk may rank a tie first), so the beam's node 0 stays the winners' chain, the
+    tree holds root -> B -> B ... as deep as N - 1 allows, and width 2 is the full tree's prefix."""
+    drafter, slots, lengths, first, _ = _prefilled(target, head_dir, S, k, N)
+    drafter.sample_as(slots, BatchSampling.build([SamplingParams(temperature=1.0, seed=1)] * 2, CPU))
+    Vd = drafter.head.lm_head.weight.shape[0]
+
+    def logits(h):                                  # every node: A = 5 certain (log p 0.0), B = 7 second
+        x = torch.zeros(*h.shape[:-1], Vd)
+        x[..., 5], x[..., 7] = 100.0, 1.0
+        return x
+    monkeypatch.setattr(drafter.head, "logits", logits)
+    b_tok = int(drafter.head.to_target(torch.tensor(7)))
+    monkeypatch.setattr(layer_drafter, "sample", lambda x, sp, pos: torch.full((x.shape[0],), b_tok))
+    drafter._keep(slots, drafter.hidden[slots].clone(), lengths + 2)
+    full = drafter.propose(slots, first, lengths)
+    for b in range(2):
+        node = 0
+        for _ in range(min(S, N - 1)):
+            kids = [i for i in range(full.width) if full.parents[b, i] == node and full.tokens[b, i] == b_tok]
+            assert kids, (full.tokens[b].tolist(), full.parents[b].tolist())
+            node = kids[0]
+    assert torch.equal(drafter.propose(slots, first, lengths, width=2).tokens, full.prefix(2).tokens)
 
 
 def test_chain_proposal_equals_greedy_by_hand(target, head_dir):
