@@ -88,6 +88,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def host_flags(params: list[SamplingParams]) -> tuple[bool, bool, bool, bool]:
+    """What a batch's rows (resolved params) ask of sampling, known on the host: (all greedy, some
+    sampled row filters (min-p / top-k / top-p), some uses top-k, some uses min-p). BatchSampling
+    carries them; a graph variant is keyed by them (engine/cycle.py)."""
+    sampled = [p for p in params if not p.greedy]
+    return (not sampled, any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in sampled),
+            any(p.top_k > 0 for p in sampled), any(p.min_p > 0 for p in sampled))
+
+
 @dataclass
 class BatchSampling:
     """Per-row sampling parameters of a batch, as tensors on the model's device."""
@@ -113,6 +122,7 @@ class BatchSampling:
         params = [p.resolved() for p in params]          # unset fields: their defaults
         asked = [p.logprobs is not None for p in params]
         lo, hi = zip(*(split_seed(p.seed or 0) for p in params)) if params else ((), ())
+        all_greedy, any_filter, any_top_k, any_min_p = host_flags(params)
         return cls(
             # a temperature past float32's range would be inf, and -inf / inf (a masked token) NaN
             temperature=to_device([min(p.temperature, FLOAT32_MAX) for p in params], torch.float32, device),
@@ -120,11 +130,8 @@ class BatchSampling:
             top_p=to_device([p.top_p for p in params], torch.float32, device),
             seed_lo=to_device(lo, torch.int64, device),
             seed_hi=to_device(hi, torch.int64, device),
-            all_greedy=all(p.greedy for p in params),
-            any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params),
-            any_top_k=any(not p.greedy and p.top_k > 0 for p in params),
-            min_p=to_device([float(p.min_p) for p in params], torch.float32, device)
-            if any(not p.greedy and p.min_p > 0 for p in params) else None,
+            all_greedy=all_greedy, any_filter=any_filter, any_top_k=any_top_k,
+            min_p=to_device([float(p.min_p) for p in params], torch.float32, device) if any_min_p else None,
             built=to_device(asked, torch.bool, device) if processed_logprobs and any(asked) else None,
         )
 

@@ -36,7 +36,7 @@ from .logprobs import add_logprobs, emitted_logprobs
 from .graphs import GraphRunner, capture_sizes, padded_size
 from .profile import CycleTime, StageTimer
 from ..runtime.kv_cache import compact_path
-from ..sampling import BatchSampling, SamplingParams
+from ..sampling import BatchSampling, SamplingParams, host_flags
 from ..speculative.accept import Acceptance, accept
 from ..speculative.drafter import Drafter, Proposal, takes_width
 
@@ -46,7 +46,8 @@ Acceptor = Callable[[Proposal, torch.Tensor, BatchSampling, torch.Tensor, int], 
 
 
 class Variant(NamedTuple):
-    """What a batch's rows ask of the device stages (a graph variant: each captures its own)."""
+    """What a batch's rows ask of the device stages (a graph variant: each captures its own); the
+    first four are sampling.host_flags."""
     greedy: bool                             # all rows greedy
     any_filter: bool                         # some row filters (min-p / top-k / top-p)
     any_top_k: bool                          # some row uses top-k
@@ -277,13 +278,9 @@ class SpecCycle:
 
     def _graph_variant(self, active: Slotted) -> Variant:
         params = [r.params for _, r in active]
-        greedy = all(p.greedy for p in params)
-        any_filter = any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params)
-        any_top_k = any(not p.greedy and p.top_k > 0 for p in params)
-        any_min_p = any(not p.greedy and p.min_p > 0 for p in params)
         pkey = processors_key([(r.params, len(r.prompt_ids)) for _, r in active], self.stops.eos_ids, self.vocab)
         asked = any(p.logprobs is not None for p in params)
-        return Variant(greedy, any_filter, any_top_k, any_min_p, pkey, LOGPROBS_MAX if asked else None)
+        return Variant(*host_flags(params), pkey, LOGPROBS_MAX if asked else None)
 
     # Device stages: tensor work only, no host synchronisation (they are captured in graphs).
 
