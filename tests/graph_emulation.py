@@ -26,7 +26,15 @@ class EmulatedGraphs:
         self.capture_seconds = 0.0
         self.variants: list = []
         self.widths: list = []
+        self.captured_all: list = []              # variants captured at every size (a job's first)
         self._graphs: dict = {}
+
+    def capture_all(self, variant, time_sizes: bool = False):
+        self.captured_all.append(variant)
+        for size in self.sizes:
+            if (size, variant) not in self._graphs:
+                batch = self.make_batch(size, variant)
+                self._graphs[(size, variant)] = Captured(batch, [_Replay(g, batch) for g in self.groups])
 
     def get(self, n, variant):
         size = next(s for s in self.sizes if s >= n)

@@ -145,6 +145,7 @@ class SpecCycle:
         self._propose_width = takes_width(drafter.propose)
         self.sizes = capture_sizes(len(state.seq_lens) - 1)
         self.graphs: GraphRunner | None = None
+        self._time_sizes = time_sizes
         if graphs and self.device.type == "cuda" and drafter.graphable:
             # Fused: propose, verify + accept + commit and the draft extend in one replay (no
             # host work separates them); otherwise one graph each, so profiles split the cycle.
@@ -155,6 +156,16 @@ class SpecCycle:
                 for width in self.policy.widths:
                     # each width's sizes timed: a batch replays the fastest size that holds it
                     self.graphs.capture_all((_GREEDY, width), time_sizes=time_sizes)
+
+    def new_job(self) -> None:
+        """A job starts: the graph variant its first cycle needs is captured at every size and
+        width at once, and its sizes timed, as the all-greedy variant is at start (a job whose
+        rows all sample, as a model's generation config makes them, would otherwise capture
+        size by size as its occupancy meets them, ~5 s into a 1,024-row job at 512 slots,
+        Llama-3.1-8B shapes, and replay untimed sizes)."""
+        self._job_first = True
+
+    _job_first = False
 
     @property
     def times(self) -> list[CycleTime]:
@@ -248,6 +259,10 @@ class SpecCycle:
         if self.graphs is not None:
             if not _same_layout(self._variant_of, active):      # the variant changes with the active set only
                 self._variant_of, self._variant = list(active), self._graph_variant(active)
+                if self._job_first:
+                    self._job_first = False
+                    for w in self.policy.widths:
+                        self.graphs.capture_all((self._variant, w), time_sizes=self._time_sizes)
             width = self.policy.choose(bucket)
             if self.policy.adaptive:
                 # a variant captured on first use (sampled, processors, logprobs) gets every width of this size

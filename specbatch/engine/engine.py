@@ -276,6 +276,7 @@ class Engine:
         """The job loop of `generate`: read rows, then a step of the engine, then the records of
         what finished. `recover`: a failed step puts its rows aside and reruns them (_isolate)."""
         source = iter(items)
+        self.cycle.new_job()
         lookahead = max(2 * self.num_slots, self.opts.bucket_window)
         exhausted = False
         pending = None                           # the cycle in flight (launched, not finished)

@@ -3,8 +3,9 @@
 The engine hands over its stage functions (propose; verify + accept + commit; extend), grouped
 into the graphs to capture, and a factory of static batches (input buffers: slots and sampling
 parameters). Each (padded batch size, sampling variant) gets one graph per group, captured
-largest batch first with one shared memory pool (a variant first met mid-job: its largest size,
-then the size asked for). A smaller batch replays the next captured size;
+largest batch first with one shared memory pool (a job's first variant: every size at once, as
+the all-greedy one at start; a variant first met later in a job: its largest size, then the
+size asked for). A smaller batch replays the next captured size;
 its pad rows point at the dummy slot. Nothing here knows what the stages compute.
 
 Sizes a batch may replay: a GEMM's speed does not grow smoothly with its rows (cuBLAS picks its
@@ -95,12 +96,19 @@ class GraphRunner:
     route_by_time: bool = True                   # False: the smallest captured size (bench A/B)
 
     def capture_all(self, variant: Hashable, time_sizes: bool = False) -> None:
-        """Capture every size of `variant`; with `time_sizes`, time each and keep the fastest."""
-        with _no_collection():
-            for size in sorted(self.sizes, reverse=True):
-                self._capture(size, variant)
-        if time_sizes:
+        """Capture every size of `variant` not captured yet; with `time_sizes`, time each (once)
+        and keep the fastest."""
+        missing = [size for size in sorted(self.sizes, reverse=True) if (size, variant) not in self._graphs]
+        if missing:
+            with _no_collection():
+                for size in missing:
+                    self._capture(size, variant)
+        if time_sizes and variant not in self._route:
             self.time_sizes(variant)
+
+    def complete(self, variant: Hashable) -> bool:
+        """Whether every size of `variant` is captured."""
+        return all((size, variant) in self._graphs for size in self.sizes)
 
     def time_sizes(self, variant: Hashable) -> None:
         """Time each captured size of `variant` and route its batches (replay_sizes)."""

@@ -63,3 +63,23 @@ def test_graph_variants_equal_eager(spec, target_dir, eagle3_dir):
     _gen(eng, rows(prompts(6), [{}, {"temperature": 0.8, "seed": 1}, {"temperature": 0.7, "top_p": 0.9}] * 2))
     assert {(v.any_top_k, v.any_min_p, v.processors, v.logprobs) for v in eng.cycle.graphs.variants} == \
         {(False, False, None, None)}
+
+
+def test_a_jobs_first_variant_is_captured_at_every_size_and_width(target_dir, eagle3_dir):
+    """Each job's first cycle captures its variant whole (every width the policy may pick), as the
+    all-greedy one is at start; a variant first met later in the job is captured as met."""
+    eng = _engine(target_dir, SpecConfig("eagle3", 3, 1, 4, str(eagle3_dir)), True)
+    g = eng.cycle.graphs
+    widths = eng.cycle.policy.widths
+    sampled = [{"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "seed": i} for i in range(4)]
+    _gen(eng, rows(prompts(4), sampled))
+    first = {v for v, _ in g.captured_all}
+    assert len(first) == 1 and [w for _, w in g.captured_all] == list(widths)
+    (v,) = first
+    assert not v.greedy and v.any_top_k and v.processors is not None
+    assert all((size, (v, w)) in g._graphs for size in g.sizes for w in widths)
+    # a second job: its first variant (greedy) whole; the bias variant its later cycles meet only as met
+    g.captured_all.clear()
+    _gen(eng, rows(prompts(6), [{}] * 4 + [{"logit_bias": {7: 2.0}}] * 2))
+    assert {v.greedy for v, _ in g.captured_all} == {True}
+    assert any(v.processors is not None for v in g.variants)

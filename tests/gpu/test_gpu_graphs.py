@@ -90,9 +90,11 @@ def test_graph_replay_equals_eager_sampling(name, target_dir, mtp_target_dir, ea
         ref, _, _ = _run(model, spec, 4, graphs=False, **defaults)
     got, _, eng = _run(model, spec, 4, graphs=True, **defaults)
     assert got == ref
-    # the sampling variant is captured on first use, next to the greedy one
-    assert {v for _, (v, _width) in eng.graphs._graphs} == {Variant(True, False, False, False, None, None),
-                                                           Variant(False, True, False, False, None, None)}
+    # the sampling variant (the job's first) is captured whole and its sizes timed, next to the greedy one
+    sampled = Variant(False, True, False, False, None, None)
+    assert {v for _, (v, _width) in eng.graphs._graphs} == {Variant(True, False, False, False, None, None), sampled}
+    assert all(eng.graphs.complete((sampled, w)) and (sampled, w) in eng.graphs.replay_ms
+               for w in eng.cycle.policy.widths)
 
 
 def test_graph_sizes_pad_to_the_next_capture(target_dir, eagle3_dir):
@@ -107,13 +109,15 @@ def test_graph_sizes_pad_to_the_next_capture(target_dir, eagle3_dir):
 
 
 def test_a_variant_first_met_mid_job_captures_its_largest_size_first(target_dir, eagle3_dir):
-    """Rows with a logit bias, two at a time on 20 slots: their variant's size-20 graph is captured
-    before the size-2 one (smaller sizes then take their temporaries from its blocks in the shared
-    pool, rather than each growing it), and the tokens equal eager's."""
+    """Rows with a logit bias, two at a time on 20 slots, their variant met after a job's first
+    cycle (which captures its variant whole): the size-20 graph is captured before the size-2 one
+    (smaller sizes then take their temporaries from its blocks in the shared pool, rather than
+    each growing it), and the tokens equal eager's."""
     rows = _rows(4, logit_bias={"7": 3.0})
     want, _, _ = _run(target_dir, _spec("eagle3_topk1", eagle3_dir), 2, graphs=False, rows=rows)
     eng = Engine(target_dir, EngineOptions(batch_size=20, device="cuda", dtype="float32", wave=0.0,
                                            spec=_spec("eagle3_topk1", eagle3_dir), adaptive=False))
+    eng.cycle.new_job = lambda: None                 # as if met after the job's first cycle
     base = set(eng.graphs._graphs)
     recs = sorted(eng.generate(rows[:2], SamplingDefaults()), key=lambda r: r["row"])
     new = [k for k in eng.graphs._graphs if k not in base]
