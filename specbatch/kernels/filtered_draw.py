@@ -12,6 +12,12 @@ entries, so a row takes about two reads of its logits more than the plain draw. 
 where a row has one, is bounded by its k-th largest logit from torch.topk (k up to KCAP), else by
 the radix descent of kernels/top_k_top_p.py.
 
+A row whose whole top-k set (every entry at or above its k-th largest, ties included) lies among
+the KCAP largest that torch.topk returned reads nothing more: the race, the masses and the
+rejections run over those candidates alone (the seeded exponential belongs to the vocabulary
+index, so the winner is the full read's). That is every top-k row but those whose ties at the
+k-th logit reach past the KCAP-th (or whose k is KCAP): those read their row.
+
 Differences from the reference are rounding only: the mass comparison at the top-p boundary (as
 in kernels/top_k_top_p.py), and the race compares e_v / E_v where the reference divides the
 normalised probability, so two entries within an ulp of each other may trade places.
@@ -29,7 +35,7 @@ import triton.language as tl
 
 from . import INTERPRET, libm
 from .draw import first_max, keep_first_max, race_weight
-from .top_k_top_p import _in_prefix, _keys, _load, _top_k_bound, kth_largest
+from .top_k_top_p import _in_prefix, _keys, _load, _top_k_bound, top_candidates
 
 BLOCK = 1024
 NUM_WARPS = 8
@@ -78,22 +84,75 @@ def _before(base, V, t, M, c, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _filtered_draw_kernel(x_ptr, stride_x, t_ptr, top_k_ptr, top_p_ptr, kth_ptr, keys_ptr, out_ptr, V,
-                          BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+def _winner(w, ok, o):
+    """The lowest index o holding the largest race weight w among the ok entries."""
+    s = tl.where(ok, w, -1.0)
+    top = tl.max(s, axis=0)
+    return tl.min(tl.where(ok & (s == top), o, 2147483647), axis=0)
+
+
+@triton.jit
+def _before_among(key, o, m, c):
+    """Among candidates (keys, indices o, valid m): the entries before index c (logit desc,
+    index asc)."""
+    kc = tl.max(tl.where(m & (o == c), key, tl.zeros_like(key)), axis=0)
+    return m & ((key > kc) | ((key == kc) & (o < c)))
+
+
+@triton.jit
+def _candidates_draw(vbase, ibase, KC, t, k, T, p, rkey, PRECISE: tl.constexpr, KB: tl.constexpr):
+    """The draw of a row whose top-k set (key > T, or key == T among the first k - #above in
+    index order) lies among its KC largest entries: values at vbase, vocabulary indices at ibase."""
+    lane = tl.arange(0, KB)
+    m = lane < KC
+    x = tl.math.div_rn(tl.load(vbase + lane, mask=m, other=float("-inf")).to(tl.float32), t)
+    o = tl.load(ibase + lane, mask=m, other=2147483647).to(tl.int32)
+    key = _keys(x)
+    e = libm.exp(x - tl.max(x, axis=0), PRECISE)
+    w = race_weight(e, rkey, o, PRECISE)
+    at_T = m & (key == T)
+    ties = k - tl.sum((m & (key > T)).to(tl.int32), axis=0)
+    rank = tl.sum((at_T[None, :] & (o[None, :] < o[:, None])).to(tl.int32), axis=1)   # among the T entries
+    ok = m & ((key > T) | (at_T & (rank < ties)))
+    Z = tl.sum(tl.where(ok, e, 0.0), axis=0)
+    c = _winner(w, ok, o)
+    if p < 1.0:
+        before = _before_among(key, o, m, c)
+        a = tl.sum(tl.where(before, e, 0.0), axis=0)
+        n = tl.sum(before.to(tl.int32), axis=0)
+        while (a >= p * Z) & (n > 0):                   # c dropped, and so is every entry after it
+            c = _winner(w, before, o)
+            before = _before_among(key, o, m, c)
+            a = tl.sum(tl.where(before, e, 0.0), axis=0)
+            n = tl.sum(before.to(tl.int32), axis=0)
+    return c
+
+
+@triton.jit
+def _filtered_draw_kernel(x_ptr, stride_x, t_ptr, top_k_ptr, top_p_ptr, kth_ptr, vals_ptr, idx_ptr, KC,
+                          keys_ptr, out_ptr, V, BLOCK: tl.constexpr, PRECISE: tl.constexpr, KB: tl.constexpr):
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride_x
     t = tl.load(t_ptr + row).to(tl.float32)
     k = tl.load(top_k_ptr + row).to(tl.int32)
     p = tl.load(top_p_ptr + row).to(tl.float32)
     rkey = tl.load(keys_ptr + row).to(tl.uint32)       # the row key's low 32 bits (all it holds)
-    # allowed: key > bound_key, or key == bound_key among the first bound_ties (every key is > 0)
-    M, bound_key, bound_ties = _top_k_bound(base, V, t, k, tl.load(kth_ptr + row), PRECISE, BLOCK)
-    c, Z = _race(base, V, t, M, rkey, bound_key, bound_ties, PRECISE, BLOCK)
-    if p < 1.0:
-        kc, a, n, r = _before(base, V, t, M, c, PRECISE, BLOCK)
-        while (a >= p * Z) & (n > 0):                   # c dropped, and so is every entry after it
-            c, _ = _race(base, V, t, M, rkey, kc, r, PRECISE, BLOCK)
+    kth = tl.load(kth_ptr + row)
+    # the candidates hold the top-k set when the smallest of them is below its k-th (or they are all V)
+    T = tl.max(_keys(tl.math.div_rn(kth, t)), axis=0)                  # _keys gives shape [1]
+    cand = row.to(tl.int64) * KC
+    last = tl.max(_keys(tl.math.div_rn(tl.load(vals_ptr + cand + KC - 1).to(tl.float32), t)), axis=0)
+    if (k > 0) & (k < V) & (kth == kth) & ((last < T) | (KC >= V)):
+        c = _candidates_draw(vals_ptr + cand, idx_ptr + cand, KC, t, k, T, p, rkey, PRECISE, KB)
+    else:
+        # allowed: key > bound_key, or key == bound_key among the first bound_ties (every key is > 0)
+        M, bound_key, bound_ties = _top_k_bound(base, V, t, k, kth, PRECISE, BLOCK)
+        c, Z = _race(base, V, t, M, rkey, bound_key, bound_ties, PRECISE, BLOCK)
+        if p < 1.0:
             kc, a, n, r = _before(base, V, t, M, c, PRECISE, BLOCK)
+            while (a >= p * Z) & (n > 0):               # c dropped, and so is every entry after it
+                c, _ = _race(base, V, t, M, rkey, kc, r, PRECISE, BLOCK)
+                kc, a, n, r = _before(base, V, t, M, c, PRECISE, BLOCK)
     tl.store(out_ptr + row, c.to(tl.int64))
 
 
@@ -109,7 +168,10 @@ def draw_filtered(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     t = torch.ones(R, dtype=torch.float32, device=x.device) if temperature is None else temperature.float()
     out = torch.empty(R, dtype=torch.int64, device=x.device)
     if R:
+        kth, vals, idx = top_candidates(x, top_k, find_kth)
+        KC = vals.shape[1]
         _filtered_draw_kernel[(R,)](x, x.stride(0), t.contiguous(), top_k.contiguous(), top_p.contiguous(),
-                                    kth_largest(x, top_k, find_kth), keys.contiguous(), out, V, BLOCK=BLOCK,
-                                    PRECISE=not INTERPRET, num_warps=NUM_WARPS)
+                                    kth, vals.contiguous(), idx.contiguous(), KC, keys.contiguous(), out, V,
+                                    BLOCK=BLOCK, PRECISE=not INTERPRET, KB=triton.next_power_of_2(KC),
+                                    num_warps=NUM_WARPS)
     return out

@@ -223,13 +223,22 @@ def kth_largest(x: torch.Tensor, top_k: torch.Tensor, find: bool = True) -> torc
     over all of the row's blocks at once) replaces the descent's eight reads of 16-digit counts
     in one program a row; KCAP is fixed, so graphs capture one shape. `find` false (no row uses
     top-k): all NaN, no topk."""
+    return top_candidates(x, top_k, find)[0]
+
+
+def top_candidates(x: torch.Tensor, top_k: torch.Tensor,
+                   find: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kth_largest's [R] float32, and the topk it came from: each row's min(KCAP, V) largest
+    entries [R, KC] (x's dtype, descending) and their indices [R, KC] int64 (without `find`, or
+    with KCAP 0: [R, 1] of zeros)."""
     R, V = x.shape
     k = min(KCAP, V)
     if R == 0 or k == 0 or not find:
-        return torch.full((R,), float("nan"), device=x.device)
-    vals = torch.topk(x, k, dim=1, sorted=True).values
+        return (torch.full((R,), float("nan"), device=x.device), x.new_zeros((R, 1)),
+                torch.zeros((R, 1), dtype=torch.int64, device=x.device))
+    vals, idx = torch.topk(x, k, dim=1, sorted=True)
     kth = vals.gather(1, (top_k.clamp(1, k) - 1)[:, None])[:, 0].float()
-    return torch.where((top_k > 0) & (top_k <= k) & (top_k < V), kth, float("nan"))
+    return torch.where((top_k > 0) & (top_k <= k) & (top_k < V), kth, float("nan")), vals, idx
 
 
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, find_kth: bool = True) -> torch.Tensor:

@@ -66,6 +66,34 @@ def test_interpreted_filtered_draw_equals_the_reference(R, V, seed, kcap, monkey
         assert draw_filtered(x, sp.top_k, sp.top_p, keys).tolist() == _reference(x, sp, pos).tolist()
 
 
+@pytest.mark.parametrize("R, V, seed", [(12, 700, 0), (12, 1024, 1), (9, 257, 2), (2, 33, 3)])
+def test_interpreted_top_k_rows_draw_from_the_candidates_alone(R, V, seed, monkeypatch):
+    """A row whose top-k set lies among torch.topk's KCAP candidates reads nothing else: with the
+    kernel handed the candidates of the true logits but a row of noise to read, such rows still
+    draw the reference's token; rows whose ties at the k-th logit reach past the candidates (or
+    with k = KCAP, or no top-k) read the row, and so draw from the noise."""
+    import specbatch.kernels.filtered_draw as fd
+
+    for scale in (0.3, 3.0):
+        x, sp, pos = _case(R, V, seed, "cpu", scale)
+        keys = row_keys(sp.seed_lo, sp.seed_hi, pos)
+        true = tkp.top_candidates(x, sp.top_k)
+        monkeypatch.setattr(fd, "top_candidates", lambda *_a, **_k: true)
+        noise = torch.randn(R, V, generator=torch.Generator().manual_seed(seed + 99)) * 3
+        got = draw_filtered(noise, sp.top_k, sp.top_p, keys)
+        monkeypatch.undo()
+        want = _reference(x, sp, pos)
+        vals = true[1]
+        k = sp.top_k
+        # eligible: 0 < k < V, k <= KCAP, and the smallest candidate below the k-th (or all V taken)
+        eligible = [0 < int(k[r]) < V and int(k[r]) <= vals.shape[1] and
+                    (vals.shape[1] >= V or float(vals[r, -1]) < float(vals[r, int(k[r]) - 1])) for r in range(R)]
+        assert any(eligible) and not all(eligible)
+        for r in range(R):
+            if eligible[r]:
+                assert int(got[r]) == int(want[r]), r
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_interpreted_filtered_draw_scales_as_it_reads(dtype):
     # the kernel reads the logits in their own dtype and divides by the temperature as it goes:
@@ -90,8 +118,8 @@ def test_batches_without_top_k_skip_the_kth_search(monkeypatch):
     import specbatch.kernels.filtered_draw as fd
 
     finds = []
-    real = fd.kth_largest
-    monkeypatch.setattr(fd, "kth_largest", lambda x, k, find=True: finds.append(find) or real(x, k, find))
+    real = fd.top_candidates
+    monkeypatch.setattr(fd, "top_candidates", lambda x, k, find=True: finds.append(find) or real(x, k, find))
     monkeypatch.setattr(kernels, "active", lambda t: True)
     x, sp, pos = _case(8, 300, 5, "cpu")
     want = _reference(x, sp, pos)
