@@ -36,6 +36,10 @@ class EmulatedGraphs:
                 batch = self.make_batch(size, variant)
                 self._graphs[(size, variant)] = Captured(batch, [_Replay(g, batch) for g in self.groups])
 
+    def drop(self, which):
+        for key in [k for k in self._graphs if which(k[1])]:
+            del self._graphs[key]
+
     def get(self, n, variant):
         size = next(s for s in self.sizes if s >= n)
         self.variants.append(variant[0])          # (sampling variant, verified width)

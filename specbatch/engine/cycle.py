@@ -20,6 +20,7 @@ node with the state that node's path implies, before the acceptance walk; batche
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -29,6 +30,7 @@ import torch
 from ..models.attention import AttnMetadata
 from ..host import to_device
 from ..params import DEFAULT_LOGPROBS_MODE, LOGPROBS_MAX
+from ..prompts import exception_line
 from ..processors import Processors, count_tokens, processors_key
 from ..request import Request, StopChecker
 from .adaptive import WidthPolicy
@@ -146,6 +148,7 @@ class SpecCycle:
         self.sizes = capture_sizes(len(state.seq_lens) - 1)
         self.graphs: GraphRunner | None = None
         self._time_sizes = time_sizes
+        self.eager_variants: set[Variant] = set()    # variants whose capture ran out of memory: eager cycles
         if graphs and self.device.type == "cuda" and drafter.graphable:
             # Fused: propose, verify + accept + commit and the draft extend in one replay (no
             # host work separates them); otherwise one graph each, so profiles split the cycle.
@@ -257,23 +260,15 @@ class SpecCycle:
     def _stages(self, active: Slotted, bucket: int) -> tuple[Batch, list]:
         """The batch of this cycle and its stages as callables: graph replays, or eager calls."""
         if self.graphs is not None:
+            first = False
             if not _same_layout(self._variant_of, active):      # the variant changes with the active set only
                 self._variant_of, self._variant = list(active), self._graph_variant(active)
-                if self._job_first:
-                    self._job_first = False
-                    for w in self.policy.widths:
-                        self.graphs.capture_all((self._variant, w), time_sizes=self._time_sizes)
-            width = self.policy.choose(bucket)
-            if self.policy.adaptive:
-                # a variant captured on first use (sampled, processors, logprobs) gets every width of this size
-                # at once: later widths would otherwise be captured mid-job, one stall at a time
-                for w in self.policy.widths:
-                    self.graphs.get(len(active), (self._variant, w))
-            cap = self.graphs.get(len(active), (self._variant, width))
-            if not _same_layout(cap.layout, active):
-                self._fill(cap.batch, active)
-                cap.layout = list(active)     # the requests themselves: a new one never passes for an old one
-            return cap.batch, [g.replay for g in cap.graphs]
+                first, self._job_first = self._job_first, False
+            if self._variant not in self.eager_variants:
+                try:
+                    return self._replays(active, bucket, first)
+                except torch.OutOfMemoryError as e:
+                    self._no_graphs(self._variant, e)
         slots = [s for s, _ in active]
         params = [r.params for _, r in active]
         rows = [(r.params, len(r.prompt_ids)) for _, r in active]
@@ -287,6 +282,34 @@ class SpecCycle:
                   proc=None if pkey is None else Processors.build(rows, self.stops.eos_ids, self.vocab, self.device),
                   lp_k=max(asked) if asked else None)
         return b, [lambda: self._propose(b), lambda: self._verify(b), lambda: self._extend(b)]
+
+    def _replays(self, active: Slotted, bucket: int, first: bool) -> tuple[Batch, list]:
+        """The graphs of this cycle's size, variant and width (captured now if new), buffers filled."""
+        if first:
+            for w in self.policy.widths:
+                self.graphs.capture_all((self._variant, w), time_sizes=self._time_sizes)
+        width = self.policy.choose(bucket)
+        if self.policy.adaptive:
+            # a variant captured on first use (sampled, processors, logprobs) gets every width of this size
+            # at once: later widths would otherwise be captured mid-job, one stall at a time
+            for w in self.policy.widths:
+                self.graphs.get(len(active), (self._variant, w))
+        cap = self.graphs.get(len(active), (self._variant, width))
+        if not _same_layout(cap.layout, active):
+            self._fill(cap.batch, active)
+            cap.layout = list(active)     # the requests themselves: a new one never passes for an old one
+        return cap.batch, [g.replay for g in cap.graphs]
+
+    def _no_graphs(self, variant: Variant, e: BaseException) -> None:
+        """Capturing `variant`'s graphs ran out of memory (graph pools hold what the KV pool's
+        reserve left): its cycles run eagerly from now on, the graphs it has are dropped (their
+        blocks go back to the shared pool), and the job goes on."""
+        self.eager_variants.add(variant)
+        self.graphs.drop(lambda v: v[0] == variant)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"warning: CUDA out of memory capturing the graphs of a batch's sampling variant ({exception_line(e)}); "
+              "its cycles run without CUDA graphs", file=sys.stderr, flush=True)
 
     _variant_of: Slotted | None = None
     _variant: Variant = _GREEDY

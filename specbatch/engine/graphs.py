@@ -106,6 +106,14 @@ class GraphRunner:
         if time_sizes and variant not in self._route:
             self.time_sizes(variant)
 
+    def drop(self, which: Callable[[Hashable], bool]) -> None:
+        """Forget the graphs of the variants `which` picks (their pool blocks free for others)."""
+        for key in [k for k in self._graphs if which(k[1])]:
+            del self._graphs[key]
+        for variant in [v for v in self._route if which(v)]:
+            del self._route[variant]
+            self.replay_ms.pop(variant, None)
+
     def complete(self, variant: Hashable) -> bool:
         """Whether every size of `variant` is captured."""
         return all((size, variant) in self._graphs for size in self.sizes)

@@ -83,3 +83,44 @@ def test_a_jobs_first_variant_is_captured_at_every_size_and_width(target_dir, ea
     _gen(eng, rows(prompts(6), [{}] * 4 + [{"logit_bias": {7: 2.0}}] * 2))
     assert {v.greedy for v, _ in g.captured_all} == {True}
     assert any(v.processors is not None for v in g.variants)
+
+
+class _OutOfMemoryFor(EmulatedGraphs):
+    """Capturing a variant that `fails` picks raises CUDA's out-of-memory error."""
+
+    def __init__(self, cycle, fused, fails):
+        super().__init__(cycle, fused)
+        self.fails = fails
+
+    def _check(self, variant):
+        if self.fails(variant[0]):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def capture_all(self, variant, time_sizes=False):
+        self._check(variant)
+        super().capture_all(variant, time_sizes)
+
+    def get(self, n, variant):
+        if (next(s for s in self.sizes if s >= n), variant) not in self._graphs:
+            self._check(variant)
+        return super().get(n, variant)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["job-first", "mid-job"])
+def test_a_variant_that_cannot_be_captured_runs_eagerly(first, target_dir, eagle3_dir, capsys):
+    """Out of memory capturing a variant's graphs (at a job's start or first met mid-job) does not
+    fail its rows: that variant's cycles run eagerly, with eager's tokens, and the job goes on."""
+    spec = SpecConfig("eagle3", 3, 1, 4, str(eagle3_dir))
+    per_row = MIXED if first else [{}] * 4 + MIXED[:2]
+    r = rows(prompts(6), per_row)
+    eager = _gen(_engine(target_dir, spec, False), r)
+    eng = _engine(target_dir, spec, False)
+    eng.cycle.graphs = g = _OutOfMemoryFor(eng.cycle, eng.fused, lambda v: v.processors is not None)
+    got = _gen(eng, r)
+    assert ids(got) == ids(eager)
+    bad = eng.cycle.eager_variants
+    assert bad and all(v.processors is not None for v in bad)
+    assert not any(v in bad for _, (v, _w) in g._graphs)
+    if not first:
+        assert any(v.greedy for v in g.variants)            # the greedy cycles before it replayed graphs
+    assert "out of memory capturing the graphs" in capsys.readouterr().err
