@@ -5,6 +5,7 @@ steps (nodes 1) and verify widths 2 and 4, under CUDA graphs.
     python benchmarks/processors_probe.py
     python benchmarks/processors_probe.py draws     # sample() at 512 rows by sampling kind
     KCAP=0 python benchmarks/processors_probe.py draws      # top-k by the radix descent alone
+    DRAW_BLOCK=4096 DRAW_WARPS=16 python benchmarks/processors_probe.py draws   # the filtered draw's layout
 """
 import torch
 
@@ -80,6 +81,10 @@ def draws() -> None:
     import specbatch.kernels.top_k_top_p as tkp
     if os.environ.get("KCAP"):                    # KCAP=0: every top-k by the radix descent (as before)
         tkp.KCAP = int(os.environ["KCAP"])
+    import specbatch.kernels.filtered_draw as fd
+    fd.BLOCK = int(os.environ.get("DRAW_BLOCK", fd.BLOCK))
+    fd.NUM_WARPS = int(os.environ.get("DRAW_WARPS", fd.NUM_WARPS))
+    print(f"filtered draw: BLOCK {fd.BLOCK}, {fd.NUM_WARPS} warps")
     KCAP = tkp.KCAP or 64
     print(f"torch.topk(x, {KCAP}) alone: 512 x bf16 {ms(lambda: torch.topk(x16, KCAP, dim=1)):.3f} ms, "
           f"1024 x f32 {ms(lambda: torch.topk(x32, KCAP, dim=1)):.3f} ms\n")
