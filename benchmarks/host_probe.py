@@ -7,7 +7,7 @@ min_tokens) and seeded sampled rows: Llama-3.1-8B shapes, random weights, vanill
     SAMPLER=prescaled python benchmarks/host_probe.py sampled   # the fused draw on float32 logits / t made first
 (default: kernels/filtered_draw.py, the filters and the draw in one kernel)
     MIDJOB_COLLECT=1 python benchmarks/host_probe.py sampled  # collect garbage before mid-job captures too
-(the first run of a kind captures its graph variant size by size as occupancy falls)
+(the first run of a kind captures its graph variant at every size at its first cycle)
 """
 import collections, os, sys, time, torch
 from specbatch.bench.sources import BenchOptions, load_source, build_engine
@@ -18,8 +18,8 @@ from specbatch.recipe import SamplingDefaults
 if os.environ.get("SAMPLER") == "prescaled":
     import specbatch.kernels.filtered_draw as fd
     fused = fd.draw_filtered
-    fd.draw_filtered = lambda x, k, p, keys, t=None, find_kth=True: fused(
-        x.float() / (1.0 if t is None else t[:, None]), k, p, keys, find_kth=find_kth)
+    fd.draw_filtered = lambda x, k, p, keys, t=None, find_kth=True, ids=None: fused(
+        x.float() / (1.0 if t is None else t[:, None]), k, p, keys, find_kth=find_kth, ids=ids)
 elif os.environ.get("SAMPLER", "fused") != "fused":
     import specbatch.kernels as kernels, specbatch.kernels.top_k_top_p as tkp, specbatch.kernels.filtered_draw as fd
     from specbatch.kernels.draw import draw_race
@@ -30,8 +30,11 @@ elif os.environ.get("SAMPLER", "fused") != "fused":
             return apply_top_k_top_p(x, k, p)
     if os.environ["SAMPLER"] == "sort":
         tkp.top_k_top_p = sort_filter
-    fd.draw_filtered = lambda x, k, p, keys, t=None, find_kth=True: draw_race(
-        apply_top_k_top_p(x.float() / (1.0 if t is None else t[:, None]), k, p, find_kth).softmax(dim=-1), keys)
+    def raced(x, k, p, keys, t=None, find_kth=True, ids=None):
+        tok = draw_race(apply_top_k_top_p(x.float() / (1.0 if t is None else t[:, None]), k, p, find_kth)
+                        .softmax(dim=-1), keys)
+        return tok if ids is None else ids[tok]          # a compact draft row: its columns' vocabulary ids
+    fd.draw_filtered = raced
 
 if os.environ.get("MIDJOB_COLLECT") == "1":
     import specbatch.engine.graphs as graphs

@@ -192,10 +192,16 @@ def sample(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> 
     return torch.where(sp.temperature > 0, draw_target(logits, sp, positions), greedy)
 
 
-def draw_target(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> torch.Tensor:
+def draw_target(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor,
+                ids: torch.Tensor | None = None, vocab: int = 0) -> torch.Tensor:
     """logits [R, V] (any float dtype) -> one token per row drawn from its target distribution (temperature,
     min-p, top-k, top-p), seeded by (seed, position); greedy rows' tokens are meaningless.
-    On GPU the filters and the race are one kernel that never builds the filtered distribution."""
+    On GPU the filters and the race are one kernel that never builds the filtered distribution.
+    `ids` [V] int64, strictly increasing: the logits are those columns of a `vocab`-wide row whose
+    other entries are -inf (a draft head's vocabulary in the target's); tokens are vocabulary ids."""
+    if ids is not None and (sp.built is not None or not kernels.active(logits)):
+        logits = logits.new_full((logits.shape[0], vocab), float("-inf")).index_copy_(1, ids, logits)
+        ids = None
     if kernels.active(logits):
         from .kernels.filtered_draw import draw_filtered
 
@@ -204,9 +210,9 @@ def draw_target(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor
         top_p = torch.where(on, sp.top_p, 1.0)
         keys = row_keys(sp.seed_lo, sp.seed_hi, positions)
         if sp.min_p is None:            # the kernel scales the logits as it reads them (bf16 as they are)
-            tokens = draw_filtered(logits, top_k, top_p, keys, sp.temperature_or_1(), find_kth=sp.any_top_k)
+            tokens = draw_filtered(logits, top_k, top_p, keys, sp.temperature_or_1(), find_kth=sp.any_top_k, ids=ids)
         else:                           # min-p needs the whole scaled row first
-            tokens = draw_filtered(sp.scaled(logits.float()), top_k, top_p, keys, find_kth=sp.any_top_k)
+            tokens = draw_filtered(sp.scaled(logits.float()), top_k, top_p, keys, find_kth=sp.any_top_k, ids=ids)
         if sp.built is None:
             return tokens
         # rows reporting processed logprobs: a token at the top_p boundary, where the kernels' float32

@@ -42,7 +42,16 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _race(base, V, t, M, rkey, bound_key, bound_ties, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+def _vocab_id(ids_ptr, o, m, HAS_IDS: tl.constexpr):
+    """Columns o's vocabulary indices: ids[o] for a compact row, else o itself."""
+    if HAS_IDS:
+        return tl.load(ids_ptr + o, mask=m, other=0).to(tl.int32)
+    return o
+
+
+@triton.jit
+def _race(base, V, t, M, rkey, bound_key, bound_ties, ids_ptr, HAS_IDS: tl.constexpr, PRECISE: tl.constexpr,
+          BLOCK: tl.constexpr):
     """The race winner among the allowed entries (key > bound_key, or key == bound_key among the
     first bound_ties in index order) and the allowed entries' mass."""
     lane = tl.arange(0, BLOCK)
@@ -57,7 +66,8 @@ def _race(base, V, t, M, rkey, bound_key, bound_ties, PRECISE: tl.constexpr, BLO
         ok, seen = _in_prefix(_keys(x), m, bound_key, bound_ties, seen)
         e = libm.exp(x - M, PRECISE)
         z += tl.where(ok, e, 0.0)
-        best, at = keep_first_max(best, at, tl.where(ok, race_weight(e, rkey, o, PRECISE), -1.0), o)
+        w = race_weight(e, rkey, _vocab_id(ids_ptr, o, m, HAS_IDS), PRECISE)
+        best, at = keep_first_max(best, at, tl.where(ok, w, -1.0), o)
     return first_max(best, at)[1], tl.sum(z, axis=0)
 
 
@@ -100,7 +110,8 @@ def _before_among(key, o, m, c):
 
 
 @triton.jit
-def _candidates_draw(vbase, ibase, KC, t, k, T, p, rkey, PRECISE: tl.constexpr, KB: tl.constexpr):
+def _candidates_draw(vbase, ibase, KC, t, k, T, p, rkey, ids_ptr, HAS_IDS: tl.constexpr, PRECISE: tl.constexpr,
+                     KB: tl.constexpr):
     """The draw of a row whose top-k set (key > T, or key == T among the first k - #above in
     index order) lies among its KC largest entries: values at vbase, vocabulary indices at ibase."""
     lane = tl.arange(0, KB)
@@ -109,7 +120,7 @@ def _candidates_draw(vbase, ibase, KC, t, k, T, p, rkey, PRECISE: tl.constexpr, 
     o = tl.load(ibase + lane, mask=m, other=2147483647).to(tl.int32)
     key = _keys(x)
     e = libm.exp(x - tl.max(x, axis=0), PRECISE)
-    w = race_weight(e, rkey, o, PRECISE)
+    w = race_weight(e, rkey, _vocab_id(ids_ptr, o, m, HAS_IDS), PRECISE)
     at_T = m & (key == T)
     ties = k - tl.sum((m & (key > T)).to(tl.int32), axis=0)
     rank = tl.sum((at_T[None, :] & (o[None, :] < o[:, None])).to(tl.int32), axis=1)   # among the T entries
@@ -130,7 +141,8 @@ def _candidates_draw(vbase, ibase, KC, t, k, T, p, rkey, PRECISE: tl.constexpr, 
 
 @triton.jit
 def _filtered_draw_kernel(x_ptr, stride_x, t_ptr, top_k_ptr, top_p_ptr, kth_ptr, vals_ptr, idx_ptr, KC,
-                          keys_ptr, out_ptr, V, BLOCK: tl.constexpr, PRECISE: tl.constexpr, KB: tl.constexpr):
+                          keys_ptr, ids_ptr, out_ptr, V, HAS_IDS: tl.constexpr, BLOCK: tl.constexpr,
+                          PRECISE: tl.constexpr, KB: tl.constexpr):
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride_x
     t = tl.load(t_ptr + row).to(tl.float32)
@@ -143,26 +155,32 @@ def _filtered_draw_kernel(x_ptr, stride_x, t_ptr, top_k_ptr, top_p_ptr, kth_ptr,
     cand = row.to(tl.int64) * KC
     last = tl.max(_keys(tl.math.div_rn(tl.load(vals_ptr + cand + KC - 1).to(tl.float32), t)), axis=0)
     if (k > 0) & (k < V) & (kth == kth) & ((last < T) | (KC >= V)):
-        c = _candidates_draw(vals_ptr + cand, idx_ptr + cand, KC, t, k, T, p, rkey, PRECISE, KB)
+        c = _candidates_draw(vals_ptr + cand, idx_ptr + cand, KC, t, k, T, p, rkey, ids_ptr, HAS_IDS, PRECISE, KB)
     else:
         # allowed: key > bound_key, or key == bound_key among the first bound_ties (every key is > 0)
         M, bound_key, bound_ties = _top_k_bound(base, V, t, k, kth, PRECISE, BLOCK)
-        c, Z = _race(base, V, t, M, rkey, bound_key, bound_ties, PRECISE, BLOCK)
+        c, Z = _race(base, V, t, M, rkey, bound_key, bound_ties, ids_ptr, HAS_IDS, PRECISE, BLOCK)
         if p < 1.0:
             kc, a, n, r = _before(base, V, t, M, c, PRECISE, BLOCK)
             while (a >= p * Z) & (n > 0):               # c dropped, and so is every entry after it
-                c, _ = _race(base, V, t, M, rkey, kc, r, PRECISE, BLOCK)
+                c, _ = _race(base, V, t, M, rkey, kc, r, ids_ptr, HAS_IDS, PRECISE, BLOCK)
                 kc, a, n, r = _before(base, V, t, M, c, PRECISE, BLOCK)
+    if HAS_IDS:
+        c = tl.load(ids_ptr + c).to(tl.int32)
     tl.store(out_ptr + row, c.to(tl.int64))
 
 
 def draw_filtered(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, keys: torch.Tensor,
-                  temperature: torch.Tensor | None = None, find_kth: bool = True) -> torch.Tensor:
+                  temperature: torch.Tensor | None = None, find_kth: bool = True,
+                  ids: torch.Tensor | None = None) -> torch.Tensor:
     """logits [R, V] (any float dtype; after min-p, if a row uses it), per-row top_k [R] (0 =
     off) and top_p [R] (1 = off), keys [R] int64 row keys (sampling.row_keys), temperature [R]
     (> 0; None: the logits are already scaled) -> tokens [R] int64: the race over the filtered
     distribution of logits.float() / temperature, read in place. Graph-capturable. `find_kth`:
-    kth_largest's `find` (false when no row uses top-k)."""
+    kth_largest's `find` (false when no row uses top-k). `ids` [V] int64, strictly increasing: the
+    logits are the columns ids of a larger vocabulary whose other entries are -inf (a draft head's
+    own vocabulary): the same draw as over that layout (the race's uniforms go by vocabulary
+    index; index order is column order), returned as vocabulary indices, reading V columns."""
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     R, V = x.shape
     t = torch.ones(R, dtype=torch.float32, device=x.device) if temperature is None else temperature.float()
@@ -171,7 +189,8 @@ def draw_filtered(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         kth, vals, idx = top_candidates(x, top_k, find_kth)
         KC = vals.shape[1]
         _filtered_draw_kernel[(R,)](x, x.stride(0), t.contiguous(), top_k.contiguous(), top_p.contiguous(),
-                                    kth, vals.contiguous(), idx.contiguous(), KC, keys.contiguous(), out, V,
+                                    kth, vals.contiguous(), idx.contiguous(), KC, keys.contiguous(),
+                                    out if ids is None else ids.contiguous(), out, V, HAS_IDS=ids is not None,
                                     BLOCK=BLOCK, PRECISE=not INTERPRET, KB=triton.next_power_of_2(KC),
                                     num_warps=NUM_WARPS)
     return out

@@ -32,7 +32,7 @@ from ..models.eagle3 import Eagle3Head
 from ..models.mtp import MTPLayer
 from ..models.llama import fuse_projections
 from ..runtime.kv_cache import KVCache, PagedKVCache, PageLayout
-from ..sampling import BatchSampling, sample
+from ..sampling import BatchSampling, draw_target, sample
 from .accept import Acceptance
 from .drafter import Drafter, PromptRows, Proposal
 from .topk import topk_logprobs
@@ -83,6 +83,9 @@ class LayerDrafter(Drafter):
         # draft id -> target id, None where they are the same (the race's uniforms go by target id)
         self.target_ids = None if torch.equal(ids, torch.arange(ids.numel(), device=dev)) else ids
         self.target_vocab = head.t2d.numel() if isinstance(head, Eagle3Head) else ids.numel()
+        # draft ids in target-id order (as EAGLE3's d2t lays them out): the race reads the draft's own
+        # columns (sampling.draw_target's ids), not a target-wide row of -inf around them
+        self.increasing_ids = self.target_ids is not None and bool((ids[1:] > ids[:-1]).all())
         k = topk
         self.cand_depths = torch.tensor([1] * k + [d for d in range(2, num_steps + 1) for _ in range(k * k)],
                                         dtype=torch.int64, device=dev)
@@ -142,12 +145,15 @@ class LayerDrafter(Drafter):
             return top, logp
         B, k = top.shape
         x = logits.reshape(B, -1)
-        if self.target_ids is not None:           # laid out by target id: -inf where no draft id maps
-            x = x.new_full((x.shape[0], self.target_vocab), float("-inf")).index_copy_(1, self.target_ids, x)
         sp = BatchSampling(*(getattr(self.draw, n)[slots] for n in BatchSampling.ROWS), all_greedy=False,
                            any_filter=True, any_top_k=self.any_top_k)
-        drawn = sample(x, sp, pos)[:, None]
         sampled = sp.temperature[:, None] > 0
+        if self.increasing_ids:                   # greedy rows' tokens are moot: top stays theirs
+            drawn = draw_target(x, sp, pos, ids=self.target_ids, vocab=self.target_vocab)[:, None]
+        else:
+            if self.target_ids is not None:       # laid out by target id: -inf where no draft id maps
+                x = x.new_full((B, self.target_vocab), float("-inf")).index_copy_(1, self.target_ids, x)
+            drawn = sample(x, sp, pos)[:, None]
         if k > 1:
             # the candidates other than the winner, in order (key k moves the winner's old place last)
             rank = torch.arange(k, device=top.device).expand(B, k)

@@ -84,7 +84,7 @@ def test_rows_reporting_processed_logprobs_draw_from_the_distribution_they_repor
     assert sp.built.tolist() == [False, True, False, True]
     _sampler_kernels_on(monkeypatch)
     monkeypatch.setattr(filtered_draw, "draw_filtered",
-                        lambda x, k, p, keys, t=None, find_kth=True: torch.full_like(keys, 49))
+                        lambda x, k, p, keys, t=None, find_kth=True, ids=None: torch.full_like(keys, 49))
     got = draw_target(logits, sp, pos)
     assert got.tolist() == [49, int(reference[1]), 49, int(reference[3])]
 
@@ -97,7 +97,7 @@ def test_graph_rows_reporting_processed_logprobs_never_take_the_fused_draw(targe
     _sampler_kernels_on(monkeypatch)
     fused = filtered_draw.draw_filtered
     monkeypatch.setattr(filtered_draw, "draw_filtered",
-                        lambda x, k, p, keys, t=None, find_kth=True: (fused(x, k, p, keys, t, find_kth) + 1)
+                        lambda x, k, p, keys, t=None, find_kth=True, ids=None: (fused(x, k, p, keys, t, find_kth, ids) + 1)
                         % x.shape[-1])
     got = _gen(target_dir, graphs=True, mode="processed_logprobs")
     sampled = [i for i, r in enumerate(ROWS) if r.get("temperature", 0) > 0]

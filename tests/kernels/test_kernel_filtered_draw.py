@@ -94,6 +94,33 @@ def test_interpreted_top_k_rows_draw_from_the_candidates_alone(R, V, seed, monke
                 assert int(got[r]) == int(want[r]), r
 
 
+@pytest.mark.parametrize("kcap", [0, tkp.KCAP])
+@pytest.mark.parametrize("R, Vd, V, seed", [(12, 300, 1100, 0), (9, 257, 700, 2), (12, 80, 2500, 4)])
+def test_interpreted_compact_rows_draw_as_their_full_layout(R, Vd, V, seed, kcap, monkeypatch):
+    """A draft head's logits over its own vocabulary (columns `ids` of the target's, increasing)
+    draw the token the target-wide row (-inf elsewhere) draws, without building it, as vocabulary
+    ids: through the kernel (interpreted) and through draw_target on either path."""
+    monkeypatch.setattr(tkp, "KCAP", kcap)
+    real = kernels.active
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(V, generator=g)[:Vd].sort().values
+    for scale in (0.3, 3.0):
+        x, sp, pos = _case(R, Vd, seed, "cpu", scale)
+        full = x.new_full((R, V), NEG).index_copy_(1, ids, x)
+        keys = row_keys(sp.seed_lo, sp.seed_hi, pos)
+        t = torch.rand(R, generator=g) + 0.5
+        want = draw_filtered(full, sp.top_k, sp.top_p, keys, t)
+        got = draw_filtered(x, sp.top_k, sp.top_p, keys, t, ids=ids)
+        assert got.tolist() == want.tolist()
+        assert set(got.tolist()) <= set(ids.tolist())
+        sp.temperature = t
+        ref = draw_target(full, sp, pos)                  # CPU: the torch reference over the full row
+        assert draw_target(x, sp, pos, ids=ids, vocab=V).tolist() == ref.tolist()
+        monkeypatch.setattr(kernels, "active", lambda _t: True)
+        assert draw_target(x, sp, pos, ids=ids, vocab=V).tolist() == draw_target(full, sp, pos).tolist()
+        monkeypatch.setattr(kernels, "active", real)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_interpreted_filtered_draw_scales_as_it_reads(dtype):
     # the kernel reads the logits in their own dtype and divides by the temperature as it goes:

@@ -256,7 +256,9 @@ def test_a_sampled_trees_winners_chain_survives_a_draft_sure_of_another_token(ta
         return x
     monkeypatch.setattr(drafter.head, "logits", logits)
     b_tok = int(drafter.head.to_target(torch.tensor(7)))
-    monkeypatch.setattr(layer_drafter, "sample", lambda x, sp, pos: torch.full((x.shape[0],), b_tok))
+    race = lambda x, sp, pos, **_: torch.full((x.shape[0],), b_tok)      # noqa: E731
+    monkeypatch.setattr(layer_drafter, "sample", race)            # a head whose ids are the target's
+    monkeypatch.setattr(layer_drafter, "draw_target", race)       # draft ids in target-id order
     drafter._keep(slots, drafter.hidden[slots].clone(), lengths + 2)
     full = drafter.propose(slots, first, lengths)
     for b in range(2):
@@ -266,6 +268,32 @@ def test_a_sampled_trees_winners_chain_survives_a_draft_sure_of_another_token(ta
             assert kids, (full.tokens[b].tolist(), full.parents[b].tolist())
             node = kids[0]
     assert torch.equal(drafter.propose(slots, first, lengths, width=2).tokens, full.prefix(2).tokens)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_race_reads_the_heads_own_vocabulary(target, head_dir, k, monkeypatch):
+    """Draft ids in target-id order: on the kernel path the race draws over the head's own
+    logits, keyed by target id, the tokens the target-wide row (-inf around them) gives."""
+    import specbatch.kernels as kernels
+
+    drafter, slots, _, _, _ = _prefilled(target, head_dir, 3, k, 4)
+    assert drafter.target_ids is not None and drafter.increasing_ids
+    drafter.sample_as(slots, BatchSampling.build([SamplingParams(temperature=0.9, top_p=0.8, seed=3),
+                                                  SamplingParams(temperature=1.2, top_k=5, seed=4)], CPU))
+    Vd = drafter.head.lm_head.weight.shape[0]
+    g = torch.Generator().manual_seed(5)
+    pos = torch.tensor([11, 23])
+    monkeypatch.setattr(kernels, "active", lambda t: True)          # the Triton path, interpreted
+    for _ in range(4):
+        logits = torch.randn(2, Vd, generator=g) * 3
+        logp, top = logits.log_softmax(-1).topk(k, dim=-1)
+        top = drafter.head.to_target(top)
+        got = drafter._drafts(slots, logits, top, logp, pos)
+        drafter.increasing_ids = False                              # the target-wide row
+        want = drafter._drafts(slots, logits, top, logp, pos)
+        drafter.increasing_ids = True
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        pos = pos + 1
 
 
 def test_chain_proposal_equals_greedy_by_hand(target, head_dir):
