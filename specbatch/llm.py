@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Union
@@ -85,6 +85,35 @@ def _one_prompt(prompts: Any) -> bool:
 
 def _get(params: SamplingParams | Mapping[str, Any], key: str) -> Any:
     return getattr(params, key) if isinstance(params, SamplingParams) else params.get(key)
+
+
+def _with_progress(records: Iterator[dict[str, Any]], total: int,
+                   use_tqdm: bool | Callable[..., Any]) -> Iterator[dict[str, Any]]:
+    """The records, a progress bar advancing by one for each: rich's on stderr (True), none
+    (False), or the given tqdm-like class's (update(1), close())."""
+    if use_tqdm is False or not total:
+        yield from records
+        return
+    if use_tqdm is True:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("Processed prompts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=Console(stderr=True)) as bar:
+            task = bar.add_task("prompts", total=total)
+            for rec in records:
+                bar.advance(task)
+                yield rec
+        return
+    if not callable(use_tqdm):
+        raise TypeError(f"use_tqdm: expected True, False or a tqdm-like class, got {type(use_tqdm).__name__}")
+    bar = use_tqdm(total=total, desc="Processed prompts")
+    try:
+        for rec in records:
+            bar.update(1)
+            yield rec
+    finally:
+        bar.close()
 
 
 _CALL_MIX = 0x9E3779B97F4A7C15     # odd 64-bit constant: a call's count spread over the run seed's bits
@@ -167,15 +196,17 @@ class LLM:
         self.engine.reset_prefix_cache()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]]
-                 | None = None) -> list[Completion]:
+                 sampling_params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]]
+                 | None = None, use_tqdm: bool | Callable[..., Any] = True) -> list[Completion]:
         """One Completion per prompt, in the order given. A prompt that cannot run (too long,
-        bad fields) comes back with `error` set; the others are unaffected. `params`: defaults
-        for every prompt, or (as vLLM's list of SamplingParams) one per prompt, each complete; a
-        row dict's own fields win over either."""
+        bad fields) comes back with `error` set; the others are unaffected. `sampling_params`:
+        defaults for every prompt, or (as vLLM's list of SamplingParams) one per prompt, each
+        complete; a row dict's own fields win over either. `use_tqdm`: a progress bar on stderr
+        (as vLLM's: True, False, or a tqdm-like class called with total= and desc=)."""
         if _one_prompt(prompts):
             prompts = [prompts]
         rows = [_row(p, i) for i, p in enumerate(prompts)]
+        params = sampling_params
         if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
             if len(params) != len(rows):
                 raise ValueError(f"params: {len(params)} sampling params for {len(rows)} prompts; give one "
@@ -188,8 +219,28 @@ class LLM:
                     r.overrides = {**own, **r.overrides}
             params = None
         self.calls += 1
-        out = [Completion.from_record(rec) for rec in self._records(rows, params, call=self.calls - 1)]
+        records = self._records(rows, params, call=self.calls - 1)
+        out = [Completion.from_record(rec) for rec in _with_progress(records, len(rows), use_tqdm)]
         return sorted(out, key=lambda c: c.index)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]]
+             | None = None, use_tqdm: bool | Callable[..., Any] = True, *, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[Completion]:
+        """vLLM's LLM.chat: one conversation (a list of {role, content} messages) or a list of
+        them, each rendered by the model's chat template with these options (as a row's fields of
+        the same names), then `generate`."""
+        convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                   "chat_template_kwargs": None if chat_template_kwargs is None else dict(chat_template_kwargs)}
+        rows = []
+        for i, conv in enumerate(convs):
+            if isinstance(conv, (str, Mapping)) or not all(isinstance(m, Mapping) for m in conv):
+                raise TypeError(f"messages[{i}]: expected a conversation (a list of {{role, content}} messages), "
+                                f"got {type(conv).__name__}")
+            rows.append({"messages": [dict(m) for m in conv], **options})
+        return self.generate(rows, sampling_params, use_tqdm) if rows else []
 
     @property
     def device(self) -> str:

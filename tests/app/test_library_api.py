@@ -257,3 +257,47 @@ def test_max_tokens_none_runs_to_the_context_as_vllms_does():
                    [{"max_tokens": None, "ignore_eos": True}]):
         (c,) = llm.generate(["def f():"], params)
         assert c.error is None and c.finish_reason == "length" and c.prompt_tokens + c.completion_tokens == 64
+
+
+def test_chat_takes_one_conversation_or_many_as_vllms_does(llm):
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    other = [{"role": "user", "content": "Sort a list."}]
+    params = {"max_tokens": 3, "temperature": 0}
+    (one,) = llm.chat(chat, params, use_tqdm=False)
+    both = llm.chat([chat, other], sampling_params=params, use_tqdm=False)
+    want = llm.generate([chat, other], params, use_tqdm=False)
+    assert [c.token_ids for c in both] == [c.token_ids for c in want] and one.token_ids == want[0].token_ids
+    (cont,) = llm.chat(chat, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    (kw,) = llm.chat(chat, params, use_tqdm=False, chat_template_kwargs={"unused_variable": 1})
+    assert one.prompt_tokens > cont.prompt_tokens and kw.prompt_tokens == one.prompt_tokens
+    assert llm.chat([], params) == []
+    with pytest.raises(TypeError, match=r"messages\[1\]: expected a conversation"):
+        llm.chat([chat, "hi"], params)
+    (bad,) = llm.chat(chat, params, use_tqdm=False, continue_final_message=True)     # needs no generation prompt
+    assert "continue_final_message" in bad.error
+
+
+def test_use_tqdm_shows_progress_or_none_as_asked(llm, capsys):
+    prompts, params = ["def f():", "import os", "x = 1"], {"max_tokens": 2, "temperature": 0}
+    llm.generate(prompts, params, use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
+    llm.generate(prompts, sampling_params=params)                   # vLLM's default: a bar
+    assert "Processed prompts" in capsys.readouterr().err
+
+    class Bar:                                                      # a tqdm-like class, as vLLM takes
+        made: list = []
+
+        def __init__(self, total, desc):
+            self.total, self.n, self.closed = total, 0, False
+            Bar.made.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+    llm.generate(prompts, params, use_tqdm=Bar)
+    (b,) = Bar.made
+    assert (b.total, b.n, b.closed) == (3, 3, True)
+    with pytest.raises(TypeError, match="use_tqdm"):
+        llm.generate(prompts, params, use_tqdm="yes")
