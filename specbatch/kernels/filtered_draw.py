@@ -16,7 +16,8 @@ A row whose whole top-k set (every entry at or above its k-th largest, ties incl
 the KCAP largest that torch.topk returned reads nothing more: the race, the masses and the
 rejections run over those candidates alone (the seeded exponential belongs to the vocabulary
 index, so the winner is the full read's). That is every top-k row but those whose ties at the
-k-th logit reach past the KCAP-th (or whose k is KCAP): those read their row.
+k-th logit reach past the KCAP-th (or whose k is KCAP), and rows whose max is not finite: those
+read their row.
 
 Differences from the reference are rounding only: the mass comparison at the top-p boundary (as
 in kernels/top_k_top_p.py), and the race compares e_v / E_v where the reference divides the
@@ -154,7 +155,10 @@ def _filtered_draw_kernel(x_ptr, stride_x, t_ptr, top_k_ptr, top_p_ptr, kth_ptr,
     T = tl.max(_keys(tl.math.div_rn(kth, t)), axis=0)                  # _keys gives shape [1]
     cand = row.to(tl.int64) * KC
     last = tl.max(_keys(tl.math.div_rn(tl.load(vals_ptr + cand + KC - 1).to(tl.float32), t)), axis=0)
-    if (k > 0) & (k < V) & (kth == kth) & ((last < T) | (KC >= V)):
+    # and its max is finite: a row of -inf (or one holding NaN or +inf) has no race winner among the
+    # candidates (every weight NaN: token 2**31 - 1), where the full read's lanes give index 0, as torch
+    top = tl.load(vals_ptr + cand).to(tl.float32)
+    if (k > 0) & (k < V) & (kth == kth) & ((last < T) | (KC >= V)) & (top > float("-inf")) & (top < float("inf")):
         c = _candidates_draw(vals_ptr + cand, idx_ptr + cand, KC, t, k, T, p, rkey, ids_ptr, HAS_IDS, PRECISE, KB)
     else:
         # allowed: key > bound_key, or key == bound_key among the first bound_ties (every key is > 0)

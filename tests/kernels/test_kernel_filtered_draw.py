@@ -254,3 +254,23 @@ def test_cuda_filtered_draw_replays_in_a_graph():
     g.replay()
     assert torch.equal(got, draw_filtered(x, sp.top_k, sp.top_p, keys))
     assert not torch.equal(got, first)
+
+
+@pytest.mark.parametrize("V", [10, 64, 100])
+def test_interpreted_rows_without_a_finite_max_draw_as_the_full_read(V, monkeypatch):
+    """A row of -inf (or whose largest entry is NaN or +inf) has no race winner among the top-k
+    candidates: it reads its row, and draws the full read's token (0, as torch's argmax over NaN
+    probabilities), not 2**31 - 1; with `ids`, not a read past them."""
+    x = torch.full((4, V), NEG)
+    x[1, 3], x[2, 5:] = float("nan"), 0.5
+    x[3, 2], x[3, 7] = float("inf"), 1.0
+    sp = BatchSampling.build([SamplingParams(temperature=1.0, top_k=3, top_p=p, seed=i)
+                              for i, p in enumerate([1.0, 0.5, 1.0, 0.9])], torch.device("cpu"))
+    keys = row_keys(sp.seed_lo, sp.seed_hi, torch.arange(4))
+    ids = torch.arange(V) * 3 + 1
+    got = draw_filtered(x, sp.top_k, sp.top_p, keys)
+    compact = draw_filtered(x, sp.top_k, sp.top_p, keys, ids=ids)
+    monkeypatch.setattr(tkp, "KCAP", 0)
+    want = draw_filtered(x, sp.top_k, sp.top_p, keys)
+    assert got.tolist() == want.tolist()
+    assert compact.tolist() == ids[want].tolist()
