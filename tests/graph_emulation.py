@@ -27,6 +27,7 @@ class EmulatedGraphs:
         self.variants: list = []
         self.widths: list = []
         self.captured_all: list = []              # variants captured at every size (a job's first)
+        self.timed: set = set()                   # variants whose sizes were timed (GraphRunner._route)
         self._graphs: dict = {}
 
     def capture_all(self, variant, time_sizes: bool = False):
@@ -35,10 +36,20 @@ class EmulatedGraphs:
             if (size, variant) not in self._graphs:
                 batch = self.make_batch(size, variant)
                 self._graphs[(size, variant)] = Captured(batch, [_Replay(g, batch) for g in self.groups])
+        if time_sizes and variant not in self.timed:
+            # GraphRunner.time_sizes: each size's graphs replayed on whatever its buffers hold
+            for size in self.sizes:
+                for g in self._graphs[(size, variant)].graphs:
+                    g.replay()
+            self.timed.add(variant)
+
+    def captured(self, variant):
+        return [c for (_, v), c in self._graphs.items() if v == variant]
 
     def drop(self, which):
         for key in [k for k in self._graphs if which(k[1])]:
             del self._graphs[key]
+        self.timed = {v for v in self.timed if not which(v)}
 
     def get(self, n, variant):
         size = next(s for s in self.sizes if s >= n)

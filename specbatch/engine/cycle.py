@@ -287,6 +287,13 @@ class SpecCycle:
         """The graphs of this cycle's size, variant and width (captured now if new), buffers filled."""
         if first:
             for w in self.policy.widths:
+                # timing replays each size on what its buffers hold: a variant met mid-job in an earlier
+                # job (captured as met, never timed) holds that job's rows, whose slots this job's rows
+                # now hold: its batches go back to pad rows first
+                for cap in self.graphs.captured((self._variant, w)):
+                    if cap.layout is not None:
+                        self._fill(cap.batch, [])
+                        cap.layout = None
                 self.graphs.capture_all((self._variant, w), time_sizes=self._time_sizes)
         width = self.policy.choose(bucket)
         if self.policy.adaptive:

@@ -114,12 +114,18 @@ class GraphRunner:
             del self._route[variant]
             self.replay_ms.pop(variant, None)
 
+    def captured(self, variant: Hashable) -> list[Captured]:
+        """`variant`'s graphs captured so far, one entry per size."""
+        return [c for (_, v), c in self._graphs.items() if v == variant]
+
     def complete(self, variant: Hashable) -> bool:
         """Whether every size of `variant` is captured."""
         return all((size, variant) in self._graphs for size in self.sizes)
 
     def time_sizes(self, variant: Hashable) -> None:
-        """Time each captured size of `variant` and route its batches (replay_sizes)."""
+        """Time each captured size of `variant` and route its batches (replay_sizes). Its batches
+        must hold pad rows only (a filled one would run its rows again: SpecCycle._replays empties
+        them first)."""
         t0 = time.perf_counter()
         # two passes, largest first then smallest first (clocks settling, neighbours' caches)
         runs: dict[int, list[float]] = {size: [] for size in self.sizes}

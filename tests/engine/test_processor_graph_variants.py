@@ -11,6 +11,7 @@ import torch
 from graph_emulation import EmulatedGraphs
 from processors_helpers import ids, prompts, rows
 from specbatch.engine import Engine, EngineOptions
+from specbatch.engine.cycle import _GREEDY
 from specbatch.recipe import SamplingDefaults
 from specbatch.speculative.factory import SpecConfig
 
@@ -124,3 +125,24 @@ def test_a_variant_that_cannot_be_captured_runs_eagerly(first, target_dir, eagle
     if not first:
         assert any(v.greedy for v in g.variants)            # the greedy cycles before it replayed graphs
     assert "out of memory capturing the graphs" in capsys.readouterr().err
+
+
+def test_timing_a_jobs_first_variant_replays_no_rows_of_an_earlier_job(target_dir, eagle3_dir):
+    """A variant first met mid-job (captured as met, its buffers then filled with that job's rows,
+    never timed) that is a later job's first is timed then: the timing replays must run pad rows
+    only, not the earlier job's rows, whose slots the new job's rows now hold."""
+    spec = SpecConfig("eagle3", 3, 1, 4, str(eagle3_dir))
+    bias = {"temperature": 0.8, "logit_bias": {7: 2.0}}
+    first = rows(prompts(6), [{}] * 4 + [{**bias, "seed": i} for i in range(2)])
+    second = rows(prompts(4, seed=1), [{**bias, "seed": 10 + i} for i in range(4)])
+    eager = _engine(target_dir, spec, False)
+    want = [_gen(eager, first), _gen(eager, second)]
+    eng = _engine(target_dir, spec, True)
+    g = eng.cycle.graphs
+    got = [_gen(eng, first)]
+    (v,) = {v for v in g.variants if v.processors is not None}
+    assert v not in {u for u, _ in g.captured_all}           # met mid-job: captured as met, not timed
+    assert any(cap.layout for w in eng.cycle.policy.widths for cap in g.captured((v, w)))   # holds job 1's rows
+    got.append(_gen(eng, second))
+    assert {u for u, _ in g.captured_all} == {_GREEDY, v} and all((v, w) in g.timed for w in eng.cycle.policy.widths)
+    assert [ids(recs) for recs in got] == [ids(recs) for recs in want]
