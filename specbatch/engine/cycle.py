@@ -265,10 +265,13 @@ class SpecCycle:
                 self._variant_of, self._variant = list(active), self._graph_variant(active)
                 first, self._job_first = self._job_first, False
             if self._variant not in self.eager_variants:
+                failed = None
                 try:
                     return self._replays(active, bucket, first)
                 except torch.OutOfMemoryError as e:
-                    self._no_graphs(self._variant, e)
+                    failed = exception_line(e)
+                # past the handler: the failed capture's tensors, held by the traceback, are free
+                self._no_graphs(self._variant, failed)
         slots = [s for s, _ in active]
         params = [r.params for _, r in active]
         rows = [(r.params, len(r.prompt_ids)) for _, r in active]
@@ -307,7 +310,7 @@ class SpecCycle:
             cap.layout = list(active)     # the requests themselves: a new one never passes for an old one
         return cap.batch, [g.replay for g in cap.graphs]
 
-    def _no_graphs(self, variant: Variant, e: BaseException) -> None:
+    def _no_graphs(self, variant: Variant, why: str) -> None:
         """Capturing `variant`'s graphs ran out of memory (graph pools hold what the KV pool's
         reserve left): its cycles run eagerly from now on, the graphs it has are dropped (their
         blocks go back to the shared pool), and the job goes on."""
@@ -315,7 +318,7 @@ class SpecCycle:
         self.graphs.drop(lambda v: v[0] == variant)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        print(f"warning: CUDA out of memory capturing the graphs of a batch's sampling variant ({exception_line(e)}); "
+        print(f"warning: CUDA out of memory capturing the graphs of a batch's sampling variant ({why}); "
               "its cycles run without CUDA graphs", file=sys.stderr, flush=True)
 
     _variant_of: Slotted | None = None
