@@ -192,6 +192,11 @@ def sample(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor) -> 
     return torch.where(sp.temperature > 0, draw_target(logits, sp, positions), greedy)
 
 
+def target_wide(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """logits [R, V] of vocabulary columns ids [V] -> [R, vocab], -inf at every other column."""
+    return logits.new_full((logits.shape[0], vocab), float("-inf")).index_copy_(1, ids, logits)
+
+
 def draw_target(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor,
                 ids: torch.Tensor | None = None, vocab: int = 0) -> torch.Tensor:
     """logits [R, V] (any float dtype) -> one token per row drawn from its target distribution (temperature,
@@ -200,8 +205,7 @@ def draw_target(logits: torch.Tensor, sp: BatchSampling, positions: torch.Tensor
     `ids` [V] int64, strictly increasing: the logits are those columns of a `vocab`-wide row whose
     other entries are -inf (a draft head's vocabulary in the target's); tokens are vocabulary ids."""
     if ids is not None and (sp.built is not None or not kernels.active(logits)):
-        logits = logits.new_full((logits.shape[0], vocab), float("-inf")).index_copy_(1, ids, logits)
-        ids = None
+        logits, ids = target_wide(logits, ids, vocab), None
     if kernels.active(logits):
         from .kernels.filtered_draw import draw_filtered
 

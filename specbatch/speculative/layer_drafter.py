@@ -8,7 +8,7 @@ as engines feed it back). After each catch-up the slot keeps the output at its l
 row and that row's top-k, the first level of the next tree.
 
 For a sampled row the drafts include what the target's seeded draw will likely pick: the race of
-`sampling.sample` over the draft's own distribution (the row's temperature, top-k and top-p), with
+`sampling.draw_target` over the draft's own distribution (the row's temperature, top-k and top-p), with
 the uniforms of the very position and seed the target draws with, indexed by target token id. The
 target's token is its own race winner whatever was drafted (acceptance keeps the tokens plain
 sampling's), so this changes only how often a draft is accepted: with shared uniforms two close
@@ -32,7 +32,7 @@ from ..models.eagle3 import Eagle3Head
 from ..models.mtp import MTPLayer
 from ..models.llama import fuse_projections
 from ..runtime.kv_cache import KVCache, PagedKVCache, PageLayout
-from ..sampling import BatchSampling, draw_target, sample
+from ..sampling import BatchSampling, draw_target, target_wide
 from .accept import Acceptance
 from .drafter import Drafter, PromptRows, Proposal
 from .topk import topk_logprobs
@@ -148,12 +148,11 @@ class LayerDrafter(Drafter):
         sp = BatchSampling(*(getattr(self.draw, n)[slots] for n in BatchSampling.ROWS), all_greedy=False,
                            any_filter=True, any_top_k=self.any_top_k)
         sampled = sp.temperature[:, None] > 0
-        if self.increasing_ids:                   # greedy rows' tokens are moot: top stays theirs
-            drawn = draw_target(x, sp, pos, ids=self.target_ids, vocab=self.target_vocab)[:, None]
-        else:
-            if self.target_ids is not None:       # laid out by target id: -inf where no draft id maps
-                x = x.new_full((B, self.target_vocab), float("-inf")).index_copy_(1, self.target_ids, x)
-            drawn = sample(x, sp, pos)[:, None]
+        ids = self.target_ids
+        if ids is not None and not self.increasing_ids:     # the draw keys columns in order: lay them out by target id
+            x, ids = target_wide(x, ids, self.target_vocab), None
+        # greedy rows' draws are moot: top stays theirs
+        drawn = draw_target(x, sp, pos, ids=ids, vocab=self.target_vocab)[:, None]
         if k > 1:
             # the candidates other than the winner, in order (key k moves the winner's old place last)
             rank = torch.arange(k, device=top.device).expand(B, k)

@@ -256,9 +256,7 @@ def test_a_sampled_trees_winners_chain_survives_a_draft_sure_of_another_token(ta
         return x
     monkeypatch.setattr(drafter.head, "logits", logits)
     b_tok = int(drafter.head.to_target(torch.tensor(7)))
-    race = lambda x, sp, pos, **_: torch.full((x.shape[0],), b_tok)      # noqa: E731
-    monkeypatch.setattr(layer_drafter, "sample", race)            # a head whose ids are the target's
-    monkeypatch.setattr(layer_drafter, "draw_target", race)       # draft ids in target-id order
+    monkeypatch.setattr(layer_drafter, "draw_target", lambda x, sp, pos, **_: torch.full((x.shape[0],), b_tok))
     drafter._keep(slots, drafter.hidden[slots].clone(), lengths + 2)
     full = drafter.propose(slots, first, lengths)
     for b in range(2):
