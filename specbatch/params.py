@@ -1,11 +1,13 @@
 """SamplingParams: ONE set of sampling fields for a recipe's defaults, CLI flags, a row's own
 fields and a running request (torch-free: recipes and rows use it without torch).
 
-Four fields may be left unset (None): `temperature`, `top_p`, `top_k` and `repetition_penalty`.
-An unset field takes the model's `generation_config.json` value when it has one, else the
-built-in default (greedy, no filter, no penalty), as vLLM applies a model's generation config:
-a row's value wins over the flags', the flags' over the recipe's, the recipe's over the model's.
-`for_row` resolves them; a running request's params are always resolved.
+Five fields may be left unset (None): `temperature`, `top_p`, `top_k`, `repetition_penalty` and
+`max_tokens`. An unset field takes the model's `generation_config.json` value when it has one
+(`max_new_tokens` for max_tokens), else the built-in default (greedy, no filter, no penalty, 256
+tokens), as vLLM applies a model's generation config: a row's value wins over the flags', the
+flags' over the recipe's, the recipe's over the model's. An OpenAI batch line that sets no
+max_tokens gets the API's default instead (`default_max_tokens`). `for_row` resolves them; a
+running request's params are always resolved.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ _CHOICE_MIX = 0x94D049BB133111EB
 # max_new_tokens / min_p), and what an unset one falls back to without it.
 MODEL_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 FALLBACK = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+MAX_TOKENS_FALLBACK = 256          # rows of specbatch's own forms, when nothing sets max_tokens
+COMPLETIONS_MAX_TOKENS = 16        # an OpenAI /v1/completions body without max_tokens (OpenAI's, vLLM's server's)
 
 LOGPROBS_MAX = 20         # top alternatives per token at most (vLLM's default max_logprobs, OpenAI's cap)
 # What a token's logprobs hold, in vLLM's names (--logprobs-mode; engine/logprobs.py computes them):
@@ -50,7 +54,7 @@ class SamplingError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 256
+    max_tokens: int | None = None     # None: the model's max_new_tokens, else default_max_tokens
     temperature: float | None = None  # 0 = greedy; None: the model's generation_config, else 0
     top_p: float | None = None        # None: the model's, else 1.0 (off)
     top_k: int | None = None          # 0 = disabled; None: the model's, else 0
@@ -109,14 +113,18 @@ class SamplingParams:
         fill = {k: model.get(k, FALLBACK[k]) for k in MODEL_DEFAULT_KEYS if getattr(self, k) is None}
         return replace(self, **fill) if fill else self
 
-    def for_row(self, overrides: Mapping[str, Any], row: int,
-                model: Mapping[str, Any] | None = None) -> "SamplingParams":
+    def for_row(self, overrides: Mapping[str, Any], row: int, model: Mapping[str, Any] | None = None,
+                unset_max_tokens: "UnsetMaxTokens | None" = None) -> "SamplingParams":
         """These defaults with a row's own (validated) fields applied, resolved to run: unset
-        fields from the model's generation config (`model`), a seed for every row (from the run
-        seed, which these defaults carry, and the row number: reruns and resumes draw the same
-        tokens) and tiny temperatures made greedy. Every temperature (row, recipe, CLI) passes
-        here: dividing logits by 1e-40 overflows."""
+        fields from the model's generation config (`model`), max_tokens, if still unset, from
+        `unset_max_tokens` (default_max_tokens: what the row's form defaults to; None: 256), a
+        seed for every row (from the run seed, which these defaults carry, and the row number:
+        reruns and resumes draw the same tokens) and tiny temperatures made greedy. Every
+        temperature (row, recipe, CLI) passes here: dividing logits by 1e-40 overflows."""
         p = replace(self, **{k: _field_value(k, v) for k, v in overrides.items()}).resolved(model)
+        unset = unset_max_tokens or UnsetMaxTokens(MAX_TOKENS_FALLBACK, "the default")
+        if p.max_tokens is None:
+            p = replace(p, max_tokens=unset.value)
         seed = p.seed
         if overrides.get("seed") is None:
             seed = (((self.seed or 0) * _SEED_MIX[0]) ^ (row * _SEED_MIX[1])) % (1 << 64)
@@ -126,7 +134,8 @@ class SamplingParams:
                     repetition_penalty=float(p.repetition_penalty))
         if p.min_tokens > p.max_tokens:
             if "min_tokens" in overrides or "max_tokens" not in overrides:
-                raise SamplingError("min_tokens", f"{p.min_tokens} is more than max_tokens ({p.max_tokens})")
+                whence = f": {unset.source}" if self.max_tokens is None and "max_tokens" not in overrides else ""
+                raise SamplingError("min_tokens", f"{p.min_tokens} is more than max_tokens ({p.max_tokens}{whence})")
             # the row's max_tokens under the run's min_tokens (--min-tokens or the recipe's): name the row's field
             raise SamplingError("max_tokens", f"{p.max_tokens} is less than the run's min_tokens ({p.min_tokens}, "
                                 f"--min-tokens or the recipe's sampling.min_tokens)")
@@ -140,6 +149,30 @@ class SamplingParams:
         s = (int(self.seed or 0) ^ ((index * _CHOICE_MIX) % (1 << 64))) % (1 << 64)
         s = (s * _SEED_MIX[1]) % (1 << 64)
         return replace(self, seed=s ^ (s >> 31))
+
+
+@dataclass(frozen=True)
+class UnsetMaxTokens:
+    """max_tokens for a row that nothing else sets it for, and where it comes from (for errors)."""
+    value: int
+    source: str
+
+
+def default_max_tokens(model: Mapping[str, Any], room: int, *, batch_line: bool,
+                       endpoint: str | None) -> UnsetMaxTokens:
+    """max_tokens for a row that sets none when neither the flags nor the recipe do: as the API the
+    row's form imitates. An OpenAI /v1/completions body: 16, OpenAI's default (vLLM's server's
+    too, whatever the model's generation config says); a /v1/chat/completions body: the model's
+    `max_new_tokens`, else up to the context (`room`: what the context leaves after the prompt),
+    as `vllm run-batch`; any other row (and LLM.generate, Ray rows): the model's max_new_tokens,
+    else 256."""
+    if batch_line and endpoint == "completion":
+        return UnsetMaxTokens(COMPLETIONS_MAX_TOKENS, "the /v1/completions default")
+    if "max_tokens" in model:
+        return UnsetMaxTokens(int(model["max_tokens"]), "the model's generation_config.json max_new_tokens")
+    if batch_line:
+        return UnsetMaxTokens(max(room, 1), "up to the context, the /v1/chat/completions default")
+    return UnsetMaxTokens(MAX_TOKENS_FALLBACK, "the default")
 
 
 def _field_value(key: str, value: Any) -> Any:
@@ -163,6 +196,14 @@ def describe_defaults(sampling: SamplingParams, model: Mapping[str, Any]) -> str
     """The fields generation_config.json can set, as a run resolves them for rows that set none,
     with where each comes from (for `specbatch inspect`)."""
     parts = []
+    if sampling.max_tokens is not None:
+        parts.append(f"max_tokens {sampling.max_tokens} (recipe)")
+    elif "max_tokens" in model:
+        parts.append(f"max_tokens {model['max_tokens']} (generation_config.json max_new_tokens; OpenAI "
+                     f"/v1/completions lines {COMPLETIONS_MAX_TOKENS})")
+    else:
+        parts.append(f"max_tokens {MAX_TOKENS_FALLBACK} (default; OpenAI batch lines: up to the context for "
+                     f"/v1/chat/completions, {COMPLETIONS_MAX_TOKENS} for /v1/completions)")
     for k in MODEL_DEFAULT_KEYS:
         v = getattr(sampling, k)
         if v is not None:

@@ -253,9 +253,9 @@ def _parse_sampling(data: Any, source: str) -> SamplingDefaults:
     top_p = _number(source, k + "top_p", get("top_p"), lambda x: 0.0 < x <= 1.0, "0 < top_p <= 1", nullable=True)
     temperature = _number(source, k + "temperature", get("temperature"), lambda x: 0.0 <= x < math.inf,
                           "a number >= 0 (0 = greedy)", nullable=True)
-    max_tokens = _int(source, k + "max_tokens", get("max_tokens"), minimum=1)
+    max_tokens = _int(source, k + "max_tokens", get("max_tokens"), minimum=1, nullable=True)
     min_tokens = _int(source, k + "min_tokens", get("min_tokens"), minimum=0)
-    if min_tokens > max_tokens:
+    if max_tokens is not None and min_tokens > max_tokens:
         _fail(source, k + "min_tokens", f"expected at most max_tokens ({max_tokens}), got {min_tokens}")
     penalty = lambda x: -PENALTY_RANGE <= x <= PENALTY_RANGE  # noqa: E731
     return SamplingDefaults(

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..data import RowError, RowRequest
 from ..models.config import DecoderConfig
-from ..params import SamplingError, SamplingParams
+from ..params import SamplingError, SamplingParams, default_max_tokens
 from ..prompts import PromptError, encode_row, too_long
 from ..records import (Finished, choice_stop_reason, completion_record, error_record, logprob_entries,
                        prompt_logprob_entries, stop_fields)
@@ -58,7 +58,9 @@ class RowConverter:
             return error_record(item.row, item.id, str(too_long(where, self.max_len, what)),
                                 item.keep, prompt_tokens=len(ids))
         try:
-            params = defaults.for_row(item.overrides, item.row, self.model_defaults)
+            unset = default_max_tokens(self.model_defaults, self.max_len - len(ids), batch_line=item.batch_line,
+                                       endpoint=item.endpoint)
+            params = defaults.for_row(item.overrides, item.row, self.model_defaults, unset)
         except SamplingError as e:
             prefix = "body." if item.batch_line else ""
             return error_record(item.row, item.id, f"{where}: field '{prefix}{e.field}': {e.detail}",

@@ -131,9 +131,10 @@ def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
 
 def generation_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
     """The sampling values generation_config.json sets (temperature, top_p, top_k,
-    repetition_penalty; null or absent ones are left out): what rows that set none of them run
-    with when neither the flags nor the recipe set them either, as vLLM applies them (whatever
-    `do_sample` says). A value out of range is a one-line ModelError naming the file and key."""
+    repetition_penalty, max_new_tokens as max_tokens; null or absent ones are left out): what
+    rows that set none of them run with when neither the flags nor the recipe set them either,
+    as vLLM applies them (whatever `do_sample` says). A value out of range is a one-line
+    ModelError naming the file and key."""
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return {}
@@ -157,6 +158,7 @@ def generation_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
     number("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
     number("top_k", lambda v: float(v).is_integer() and v >= -1, "an integer >= 0 (0 or -1: off)")
     number("repetition_penalty", lambda v: 0 < v < float("inf"), "a number > 0")
+    number("max_new_tokens", lambda v: float(v).is_integer() and v >= 1, "an integer >= 1")
     if "temperature" in out:
         out["temperature"] = float(out["temperature"])
     if "top_p" in out:
@@ -165,6 +167,8 @@ def generation_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
         out["top_k"] = max(int(out["top_k"]), 0)
     if "repetition_penalty" in out:
         out["repetition_penalty"] = float(out["repetition_penalty"])
+    if "max_new_tokens" in out:                  # vLLM's name for it: max_tokens
+        out["max_tokens"] = int(out.pop("max_new_tokens"))
     return out
 
 

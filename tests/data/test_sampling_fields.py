@@ -132,7 +132,7 @@ def test_recipe_sampling_keys():
 @pytest.mark.parametrize("sampling,expected", [
     ({"min_p": 2}, "sampling.min_p: expected 0 <= min_p <= 1, got 2.0"),
     ({"min_tokens": -1}, "sampling.min_tokens: expected an integer >= 0, got -1"),
-    ({"min_tokens": 300}, "sampling.min_tokens: expected at most max_tokens (256), got 300"),
+    ({"min_tokens": 300, "max_tokens": 256}, "sampling.min_tokens: expected at most max_tokens (256), got 300"),
     ({"repetition_penalty": 0}, "sampling.repetition_penalty: expected a number > 0 (1 = off), got 0.0"),
     ({"presence_penalty": 3}, "sampling.presence_penalty: expected a number in [-2, 2], got 3.0"),
     ({"frequency_penalty": "x"}, "sampling.frequency_penalty: expected a number, got str 'x'"),

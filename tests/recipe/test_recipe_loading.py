@@ -45,7 +45,7 @@ def test_load_from_path(tmp_path):
     assert r.sampling.temperature == 0.7
     assert r.sampling.stop == ("###",)
     assert r.sampling.stop_token_ids == (2, 7)
-    assert r.sampling.max_tokens == 256
+    assert r.sampling.max_tokens is None      # unset: the model's max_new_tokens, else the row form's default
 
 
 def test_unknown_recipe_name():

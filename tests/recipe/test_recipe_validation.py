@@ -53,7 +53,7 @@ def test_unknown_algorithm_and_dtype():
         ({"draft": ["a"]}, "draft: expected a string or null, got list ['a']"),
         ({"name": 5}, "name: expected a string, got int 5"),
         ({"sampling": [1]}, "sampling: expected a mapping, got list [1]"),
-        ({"sampling": {"max_tokens": False}}, "sampling.max_tokens: expected an integer, got bool False"),
+        ({"sampling": {"max_tokens": False}}, "sampling.max_tokens: expected an integer or null, got bool False"),
         ({"sampling": {"temperature": "hot"}}, "sampling.temperature: expected a number, got str 'hot'"),
         ({"sampling": {"top_p": True}}, "sampling.top_p: expected a number, got bool True"),
         ({"sampling": {"top_k": 1.5}}, "sampling.top_k: expected an integer, got float 1.5"),
@@ -74,7 +74,7 @@ def test_wrong_types(data, expected):
     [
         ({"batch_size": 0}, "batch_size: expected an integer >= 1 or null, got 0"),
         ({"max_model_len": 0}, "max_model_len: expected an integer >= 1 or null, got 0"),
-        ({"sampling": {"max_tokens": 0}}, "sampling.max_tokens: expected an integer >= 1, got 0"),
+        ({"sampling": {"max_tokens": 0}}, "sampling.max_tokens: expected an integer >= 1 or null, got 0"),
         ({"sampling": {"temperature": -0.1}}, "sampling.temperature: expected a number >= 0"),
         ({"sampling": {"top_p": 0}}, "sampling.top_p: expected 0 < top_p <= 1, got 0.0"),
         ({"sampling": {"top_p": 1.01}}, "sampling.top_p: expected 0 < top_p <= 1, got 1.01"),
