@@ -108,7 +108,7 @@ def run(
     draft: Optional[str] = typer.Option(None, help=algorithms.draft_help("run")),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Output .parquet or .jsonl, or - for JSONL on stdout (default: <input>.completions.parquet)."),
     batch_size: Optional[int] = typer.Option(None, help="Scheduler slots (sequences decoded together)."),
-    max_tokens: Optional[int] = typer.Option(None, help="Completion length limit of rows that set none (default: the recipe's, else the model's max_new_tokens, else 256; OpenAI batch lines: up to the context for chat, 16 for completions)."),
+    max_tokens: Optional[int] = typer.Option(None, help="Completion length limit of rows that set none (default: the recipe's, else the model's max_new_tokens, else 256; OpenAI /v1/completions lines 16, /v1/chat/completions lines the model's max_new_tokens, else up to the context)."),
     temperature: Optional[float] = typer.Option(None, help="Default temperature (0 = greedy)."),
     top_p: Optional[float] = typer.Option(None, help="Default nucleus sampling mass."),
     top_k: Optional[int] = typer.Option(None, help="Default top-k (0 = off)."),

@@ -158,7 +158,12 @@ class LLM:
         """The recipe's sampling defaults with `params` applied (validated as recipe keys)."""
         if params is None:
             return self.recipe.sampling
-        params = params.to_dict() if isinstance(params, SamplingParams) else dict(params)
+        if isinstance(params, SamplingParams):
+            params = params.to_dict()
+            if params["max_tokens"] is None:    # the dataclass's default, unset: the recipe's, else the row's
+                del params["max_tokens"]
+        else:
+            params = dict(params)
         if "seed" in params and params["seed"] is None:     # no seed of its own: the run seed stays
             del params["seed"]
         if "max_tokens" in params and params["max_tokens"] is None:    # as vLLM's: up to the context
@@ -216,6 +221,8 @@ class LLM:
                     own = self.sampling(p).to_dict()
                     if _get(p, "seed") is None:     # the run seed stays a run seed (rows derive theirs)
                         del own["seed"]
+                    if own["max_tokens"] is None:   # unset: the row's form's default, as for one mapping
+                        del own["max_tokens"]
                     r.overrides = {**own, **r.overrides}
             params = None
         self.calls += 1

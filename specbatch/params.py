@@ -133,11 +133,14 @@ class SamplingParams:
                     top_p=float(p.top_p), top_k=min(int(p.top_k), 2**31 - 1),   # >= vocab: no filter
                     repetition_penalty=float(p.repetition_penalty))
         if p.min_tokens > p.max_tokens:
-            if "min_tokens" in overrides or "max_tokens" not in overrides:
-                whence = f": {unset.source}" if self.max_tokens is None and "max_tokens" not in overrides else ""
+            defaulted = self.max_tokens is None and overrides.get("max_tokens") is None
+            whence = f": {unset.source}" if defaulted else ""
+            if "min_tokens" in overrides:
                 raise SamplingError("min_tokens", f"{p.min_tokens} is more than max_tokens ({p.max_tokens}{whence})")
-            # the row's max_tokens under the run's min_tokens (--min-tokens or the recipe's): name the row's field
-            raise SamplingError("max_tokens", f"{p.max_tokens} is less than the run's min_tokens ({p.min_tokens}, "
+            # the run's min_tokens (--min-tokens or the recipe's) over the row's max_tokens, or over the
+            # default of a row that sets none: name the row's max_tokens field (the row has no min_tokens)
+            given = f"unset, so {p.max_tokens} ({unset.source})," if defaulted else f"{p.max_tokens}"
+            raise SamplingError("max_tokens", f"{given} is less than the run's min_tokens ({p.min_tokens}, "
                                 f"--min-tokens or the recipe's sampling.min_tokens)")
         return p
 

@@ -253,10 +253,17 @@ def test_max_tokens_none_runs_to_the_context_as_vllms_does():
     from specbatch import SamplingParams
 
     llm = LLM(device="cpu", max_model_len=64)
-    for params in (SamplingParams(max_tokens=None, ignore_eos=True), {"max_tokens": None, "ignore_eos": True},
-                   [{"max_tokens": None, "ignore_eos": True}]):
+    for params in ({"max_tokens": None, "ignore_eos": True}, [{"max_tokens": None, "ignore_eos": True}]):
         (c,) = llm.generate(["def f():"], params)
         assert c.error is None and c.finish_reason == "length" and c.prompt_tokens + c.completion_tokens == 64
+    # specbatch's SamplingParams leaves max_tokens unset (None) by default: the recipe's, else the row's
+    # default (256), as a mapping without max_tokens; not up to the context
+    llm = LLM(device="cpu", max_model_len=400)
+    for params in (SamplingParams(ignore_eos=True), [SamplingParams(ignore_eos=True)], {"ignore_eos": True}):
+        (c,) = llm.generate(["def f():"], params)
+        assert c.completion_tokens == 256
+    (c,) = LLM(device="cpu", max_model_len=400, max_tokens=5).generate(["def f():"], SamplingParams(ignore_eos=True))
+    assert c.completion_tokens == 5
 
 
 def test_chat_takes_one_conversation_or_many_as_vllms_does(llm):

@@ -120,3 +120,15 @@ def test_inspect_and_a_bad_max_new_tokens(tiny_model, tiny_model_factory):
         Engine(d, EngineOptions(batch_size=1, device="cpu"))
     line = one_line_cli_error(cli("inspect", "--model", d), EXIT_USAGE)
     assert "max_new_tokens: expected an integer >= 1, got 0" in line
+
+
+def test_the_runs_min_tokens_past_a_rows_default_names_the_run_setting(engine):
+    """--min-tokens 20 over a /v1/completions line that sets neither field: the error names the
+    row's max_tokens (unset, so 16) and the run's setting, not a min_tokens the row does not have."""
+    line = {"custom_id": "p", "method": "POST", "url": "/v1/completions", "body": {"prompt": [5, 6, 7]}}
+    rec = engine.rows.request(parse_row(line, row=0, where="row 0"), SamplingDefaults(min_tokens=20))
+    assert rec["error"] == ("row 0: field 'body.max_tokens': unset, so 16 (the /v1/completions default), is less "
+                            "than the run's min_tokens (20, --min-tokens or the recipe's sampling.min_tokens)")
+    rec = engine.rows.request(parse_row({"prompt_token_ids": [5, 6]}, row=0, where="row 0"),
+                              SamplingDefaults(min_tokens=300))
+    assert rec["error"].startswith("row 0: field 'max_tokens': unset, so 256 (the default), is less")
