@@ -369,18 +369,20 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
 
 def cycle_split(engine: Engine, src: Source, bandwidth: float, rate: float) -> dict[str, float]:
     """Where decode time went: the cycles' GPU time (stage events), their shares of the wall
-    clock (CycleTime.wall_ms), each cycle's own floor (weights + its rows' K/V at the bandwidth,
-    or one token per row's FLOPs); the same floor with the GEMMs and attention in sequence, as
-    the forward runs them (the larger of weight bytes and FLOPs, then the K/V bytes: at a few
-    hundred rows the GEMMs are compute-bound while attention reads K/V, and one kernel after the
-    other cannot overlap the two); and the drain's part of each: cycles under 1/8 full."""
+    clock (CycleTime.wall_ms), each cycle's own floor (the target's weights + its rows' K/V at the
+    bandwidth, or the FLOPs of every token it verifies: rows x width; the draft's own work is not
+    counted, so a speculative cycle's floor is a lower bound); the same floor with the GEMMs and
+    attention in sequence, as the forward runs them (the larger of weight bytes and FLOPs, then
+    the K/V bytes: at a few hundred rows the GEMMs are compute-bound while attention reads K/V,
+    and one kernel after the other cannot overlap the two); and the drain's part of each: cycles
+    under 1/8 full."""
     times = engine.cycle_times
     model = src.model
     dtype = model.lm_head.weight.dtype
     w_bytes, params = _weights(model)
     w_s = w_bytes / bandwidth
     kv_s = [kv_bytes(model.cfg, dtype, c.context) / bandwidth for c in times]
-    flops_s = [2 * params * c.batch / rate for c in times]
+    flops_s = [2 * params * c.batch * c.width / rate for c in times]
     # the same terms in both sums, so in_sequence >= floors holds in floating point too
     floors = [max(w_s + k, f) for k, f in zip(kv_s, flops_s)]
     in_sequence = [max(w_s, f) + k for k, f in zip(kv_s, flops_s)]

@@ -237,7 +237,7 @@ class SpecCycle:
         self.forwards += 1
         now = time.perf_counter()
         # the cycle's share of the wall clock: since its launch or the previous cycle's finish
-        self.timer.record(len(c.active), c.marks, max(c.t0, self._finished_at), emitted, c.context)
+        self.timer.record(len(c.active), c.marks, max(c.t0, self._finished_at), emitted, c.context, N)
         self._finished_at = now
         self.policy.record(c.bucket, N, [row[-1] for row in out], self.elapsed(c.clock))
         return finished

@@ -18,6 +18,7 @@ class CycleTime:
                                # finish, if later) to its finish; cycles overlap the host's commit
     tokens: int                # tokens emitted
     context: int = 0           # committed cache rows of the active rows at the cycle's start
+    width: int = 1             # nodes verified a row: the target's tokens a row this cycle
 
 
 class StageTimer:
@@ -36,7 +37,7 @@ class StageTimer:
             return e
         return time.perf_counter()
 
-    def record(self, rows: int, marks: list, t0: float, tokens: int, context: int = 0) -> None:
+    def record(self, rows: int, marks: list, t0: float, tokens: int, context: int = 0, width: int = 1) -> None:
         if not self.enabled:
             return
         if self.device.type == "cuda":
@@ -48,4 +49,4 @@ class StageTimer:
             ms = [0.0, ms[0], 0.0]
         self.times.append(CycleTime(batch=rows, draft_ms=ms[0], verify_ms=ms[1], extend_ms=ms[2],
                                     wall_ms=(time.perf_counter() - t0) * 1e3, tokens=tokens,
-                                    context=context))
+                                    context=context, width=width))

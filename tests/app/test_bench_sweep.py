@@ -421,3 +421,23 @@ def test_job_mode_with_sampling_fields_runs_every_row_sampled(tiny_config, tmp_p
     f.write_text(json.dumps({"prompt_token_ids": [1, 2, 3], "temperature": 0.2, "max_tokens": 5}) + "\n")
     (row,) = job_rows(JobMix(sampling=fields), BenchOptions(random_weights=str(tiny_config), prompts=str(f)), src)
     assert row.overrides == {**fields, "temperature": 0.2, "max_tokens": 5}
+
+
+def test_a_cycles_floor_counts_every_token_it_verifies():
+    """The cycle floors of `bench --job`: a width-w cycle's GEMMs do w tokens a row, so at a
+    compute-bound batch its floor is w times a plain step's."""
+    from types import SimpleNamespace
+
+    from specbatch.bench.job import _weights, cycle_split
+    from specbatch.engine.profile import CycleTime
+
+    model = configs.random_target(TINY, torch.float32, "cpu")
+    _, params = _weights(model)
+    src = SimpleNamespace(model=model)
+    bandwidth, rate = 1e30, 1e12                        # bytes free: every floor is its FLOPs
+    plain = CycleTime(batch=64, draft_ms=0, verify_ms=1, extend_ms=0, wall_ms=1, tokens=64, context=100)
+    wide = CycleTime(batch=64, draft_ms=0, verify_ms=1, extend_ms=0, wall_ms=1, tokens=150, context=100, width=4)
+    floors = [cycle_split(SimpleNamespace(cycle_times=[c], num_slots=64), src, bandwidth, rate)["cycles_floor_s"]
+              for c in (plain, wide)]
+    assert floors[0] == pytest.approx(2 * params * 64 / rate)
+    assert floors[1] == pytest.approx(4 * floors[0])
