@@ -5,6 +5,7 @@ run flags of the other sampling fields, and their one-line errors."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -55,13 +56,15 @@ def test_inspect_shows_the_defaults(gen_model, tiny_model):
     assert "temperature 0.0 (default)" in out
 
 
-def test_bad_generation_config_value(tiny_model_factory):
-    d = tiny_model_factory("llama3", tag="gen-bad")
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "top_p": 0}))
-    with pytest.raises(ModelError, match=r"generation_config.json: top_p: expected a number in \(0, 1\], got 0"):
+@pytest.mark.parametrize("key,expected", [("top_p", "a number in (0, 1]"), ("max_new_tokens", "an integer >= 1")])
+def test_bad_generation_config_value(tiny_model_factory, key, expected):
+    d = tiny_model_factory("llama3", tag=f"gen-bad-{key}")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, key: 0}))
+    message = f"generation_config.json: {key}: expected {expected}, got 0"
+    with pytest.raises(ModelError, match=re.escape(message)):
         Engine(d, EngineOptions(batch_size=1, device="cpu"))
     line = one_line_cli_error(cli("inspect", "--model", d), EXIT_USAGE)
-    assert "generation_config.json: top_p: expected a number in (0, 1], got 0" in line
+    assert message in line
 
 
 def test_logit_bias_outside_the_vocabulary_is_the_rows_error(tiny_model):
