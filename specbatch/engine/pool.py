@@ -41,22 +41,29 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
     row_bytes = bytes_per_row(cfg, dtype)
     if drafting:
         row_bytes += row_bytes // cfg.num_layers           # the draft layer's own pages
-    reserve = 0
-    if device.type == "cuda":
-        elem = torch.empty((), dtype=dtype).element_size()
-        act = prefill_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * elem
-        most = batch_size or MAX_DEFAULT_SLOTS                 # slots at most
-        logits = most * headroom * cfg.vocab_size * 6
-        # penalty state (cycle.SlotState.penalty_state), allocated when a row first asks for a
-        # penalty: int32 counts + a bool prompt mask per slot and vocabulary entry
-        penalties = (most + 1) * cfg.vocab_size * 5
-        reserve = 2 * GiB + act + logits + penalties
-    budget_pages = memory_budget(device, reserve) // (row_bytes * P)
     dummy = math.ceil(headroom / P)
-    if kv_rows is not None:
-        budget_pages = min(budget_pages, math.ceil(kv_rows / P) + 1 + dummy)
-    max_len = max_model_len or limit
+
+    def pages_for(slots: int) -> int:
+        """Pool pages with the reserve of `slots` slots kept out."""
+        pages = memory_budget(device, _reserve(cfg, dtype, device, headroom, prefill_tokens, slots)) // (row_bytes * P)
+        return pages if kv_rows is None else min(pages, math.ceil(kv_rows / P) + 1 + dummy)
+
+    def holds(slots: int) -> bool:
+        return (pages_for(slots) - 1 - dummy) * P // ROWS_PER_DEFAULT_SLOT >= slots
+
+    most = batch_size or MAX_DEFAULT_SLOTS                     # slots, and the reserve planned for them
+    if batch_size is None and device.type == "cuda" and not holds(most):
+        # The reserve grows with the slots (a verify's logits, the penalty state): on a small GPU
+        # the room kept for 512 slots' logits may be all the pool would have had. The default is
+        # the most slots whose own reserve leaves a pool that holds them (at least 16).
+        lo, hi = 16, most                                      # holds(hi) is false
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if holds(mid) else (lo, mid)
+        most = lo
+    budget_pages = pages_for(most)
     pool_rows = (budget_pages - 1 - dummy) * P
+    max_len = max_model_len or limit
     if max_len + headroom > pool_rows:
         if max_model_len is not None or pool_rows - headroom < 16:
             raise ModelError(f"not enough {device.type} memory for a KV pool holding one request of "
@@ -73,8 +80,23 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
     if batch_size is not None:
         slots = batch_size
     elif device.type == "cuda":
-        slots = max(16, min(MAX_DEFAULT_SLOTS, pool_rows // ROWS_PER_DEFAULT_SLOT))
+        slots = most                                           # what the reserve was planned for
     else:
         slots = 32
     return PoolPlan(num_slots=slots, max_len=max_len, page_size=P,
                     num_pages=int(min(budget_pages, slots * per_slot + dummy + 1)))
+
+
+def _reserve(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, headroom: int, prefill_tokens: int,
+             slots: int) -> int:
+    """GPU bytes kept out of the pool: a margin, the prefill's activations, `slots` rows of
+    verify logits and the penalty state; none on a CPU."""
+    if device.type != "cuda":
+        return 0
+    elem = torch.empty((), dtype=dtype).element_size()
+    act = prefill_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * elem
+    logits = slots * headroom * cfg.vocab_size * 6
+    # penalty state (cycle.SlotState.penalty_state), allocated when a row first asks for a
+    # penalty: int32 counts + a bool prompt mask per slot and vocabulary entry
+    penalties = (slots + 1) * cfg.vocab_size * 5
+    return 2 * GiB + act + logits + penalties

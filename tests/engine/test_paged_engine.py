@@ -117,6 +117,38 @@ def test_default_slots_do_not_depend_on_the_models_whole_context(monkeypatch):
     assert small.num_pages * small.page_size >= small.max_len
 
 
+def test_default_slots_plan_the_reserve_for_the_slots_the_pool_holds(monkeypatch):
+    """Llama-3.1-8B on a 24 GB GPU (~7 GiB free after the weights) with a wide tree's headroom:
+    the logits kept for 512 slots would leave no pool at all. The default slots are the most
+    whose own reserve leaves a pool that holds them."""
+    from specbatch.bench.configs import BUILTIN
+    from specbatch.engine import pool
+    from specbatch.models.config import DecoderConfig
+
+    cfg = DecoderConfig.from_dict(BUILTIN["llama-3.1-8b"])
+    free = 7 * 2**30
+    monkeypatch.setattr(pool, "memory_budget", lambda device, reserve: max(int(free * 0.9) - reserve, 0))
+    args = dict(dtype=torch.bfloat16, device=torch.device("cuda"), drafting=True, max_model_len=None,
+                page_size=None, kv_rows=None, prefill_tokens=8192)
+    headroom = 12                                     # eagle3_tree: 8 nodes + the draft's scratch
+    assert pool._reserve(cfg, torch.bfloat16, torch.device("cuda"), headroom, 8192, 512) > free * 0.9
+    plan = pool.plan_pool(cfg, headroom=headroom, batch_size=None, **args)
+    assert 16 < plan.num_slots < pool.MAX_DEFAULT_SLOTS
+    row_bytes = pool.bytes_per_row(cfg, torch.bfloat16)
+    row_bytes += row_bytes // cfg.num_layers                                     # the draft layer's pages
+    P, dummy = plan.page_size, -(-headroom // plan.page_size)
+
+    def pool_rows(slots: int) -> int:
+        reserve = pool._reserve(cfg, torch.bfloat16, torch.device("cuda"), headroom, 8192, slots)
+        return (max(int(free * 0.9) - reserve, 0) // (row_bytes * P) - 1 - dummy) * P
+
+    assert pool_rows(plan.num_slots) >= plan.num_slots * pool.ROWS_PER_DEFAULT_SLOT    # the pool holds them
+    assert pool_rows(plan.num_slots + 1) < (plan.num_slots + 1) * pool.ROWS_PER_DEFAULT_SLOT   # the most that fit
+    assert plan.num_pages * P * row_bytes <= int(free * 0.9)
+    # a given batch size keeps its own reserve, as before
+    assert pool.plan_pool(cfg, headroom=2, batch_size=64, **args).num_slots == 64
+
+
 def test_the_summary_says_how_many_admissions_waited_for_pages(tiny_model, tmp_path, monkeypatch):
     """A pool too small for every slot at once: rows wait (never out of memory), and the run's
     summary, its JSON and its table say so."""
