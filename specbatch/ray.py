@@ -28,7 +28,8 @@ flight per actor (`max_concurrent_batches`; `__call__` is async) their rows shar
 slots, so a 32-row batch never becomes a 32-slot engine. A row without its
 own seed gets one from its content (every input column) and the run seed, so a retried or resumed
 row writes the same bytes: Ray's at-least-once delivery then gives exactly-once results (resume with
-`ray.data.checkpoint.CheckpointConfig(id_column=...)`, see README).
+`ray.data.checkpoint.CheckpointConfig(id_column=...)`, see README). Rows identical in every column
+within a batch take the k-th such row's count into their seeds, so they draw independent samples.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ import sys
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -73,12 +75,20 @@ class RowFailure(ValueError):
     """A row that cannot run, with should_continue_on_error off."""
 
 
-def _content_seed(row: dict[str, Any], run_seed: int | None) -> int:
+def _content_key(row: dict[str, Any], run_seed: int | None) -> str:
     # Every input column, not only the prompt and its params: a prompt repeated under several ids
     # (pass@k) must draw independent samples; our own output columns (a re-run over earlier output)
     # leave the seed as it was. The run seed (engine_kwargs' seed) is mixed in as `--seed` is.
     cols = {k: v for k, v in row.items() if k not in OUTPUT_COLUMNS and k != ERROR_COLUMN}
-    key = json.dumps(cols if not run_seed else [run_seed, cols], sort_keys=True, default=str)
+    return json.dumps(cols if not run_seed else [run_seed, cols], sort_keys=True, default=str)
+
+
+def _content_seed(key: str, occurrence: int = 0) -> int:
+    """The seed of a row without its own: a hash of its content (_content_key) and, for the k-th of
+    rows identical in every column within one batch, k (pass@k by repeating a row draws k samples;
+    a retried batch gives each the same seed again, and identical rows are interchangeable)."""
+    if occurrence:
+        key = f"{occurrence}:{key}"
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
@@ -171,7 +181,8 @@ class SpecbatchPredictor:
 
     # ---- a batch ----------------------------------------------------------------------------------
 
-    def _row(self, i: int, row: dict[str, Any]):
+    def _row(self, i: int, row: dict[str, Any], seen: Counter):
+        """Row `row` of a batch as the engine's request; `seen`: the batch's content keys so far."""
         from .data import RowError, parse_row
 
         where = f"row {row['id']}" if row.get("id") is not None else "row"
@@ -180,7 +191,9 @@ class SpecbatchPredictor:
         except BadField as e:
             return RowError(i, i, f"{where}: {e}")
         if obj.get("seed") is None:
-            obj["seed"] = _content_seed(row, self.llm.recipe.sampling.seed)
+            key = _content_key(row, self.llm.recipe.sampling.seed)
+            obj["seed"] = _content_seed(key, seen[key])
+            seen[key] += 1
         return parse_row(obj, row=i, where=where)
 
     async def __call__(self, batch):
@@ -195,12 +208,13 @@ class SpecbatchPredictor:
         futures = []
         with self.lock:
             items = []
+            seen: Counter = Counter()
             for row in rows:
                 i, self.next_row = self.next_row, self.next_row + 1
                 fut = loop.create_future()
                 self.waiting[i] = (loop, fut, row)
                 futures.append(fut)
-                items.append(self._row(i, row))
+                items.append(self._row(i, row, seen))
         for item in items:
             self.inbox.put(item)
         recs = await asyncio.gather(*futures)

@@ -278,6 +278,17 @@ def test_rows_that_differ_only_in_id_sample_independently(lenient):
     assert [r["generated_tokens"] for r in _call(lenient, rows).to_pylist()] == first
 
 
+def test_rows_identical_in_every_column_sample_independently(lenient):
+    """pass@k by repeating a row k times, no id column: every repeat drew the content seed's one
+    sample. The k-th repeat within a batch counts into its seed; the same batch again (a retry)
+    draws the same samples, and the first repeat keeps the seed a lone row has."""
+    row = {"prompt": "def f(x):", "sampling_params": {"max_tokens": 8, "temperature": 1.0}}
+    first = [tuple(r["generated_tokens"]) for r in _call(lenient, [row] * 4).to_pylist()]
+    assert len(set(first)) > 1
+    assert [tuple(r["generated_tokens"]) for r in _call(lenient, [row] * 4).to_pylist()] == first
+    assert [tuple(r["generated_tokens"]) for r in _call(lenient, [row]).to_pylist()] == first[:1]
+
+
 def test_concurrency_takes_ray_data_llms_autoscaling_range(cluster):
     """vLLMEngineProcessorConfig(concurrency=(min, max)) is an autoscaling pool; here a range failed
     inside Ray with "'<' not supported between instances of 'tuple' and 'int'"."""
