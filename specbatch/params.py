@@ -117,12 +117,12 @@ class SamplingParams:
                 unset_max_tokens: "UnsetMaxTokens | None" = None) -> "SamplingParams":
         """These defaults with a row's own (validated) fields applied, resolved to run: unset
         fields from the model's generation config (`model`), max_tokens, if still unset, from
-        `unset_max_tokens` (default_max_tokens: what the row's form defaults to; None: 256), a
+        `unset_max_tokens` (default_max_tokens: what the row's form defaults to; None: a plain row's), a
         seed for every row (from the run seed, which these defaults carry, and the row number:
         reruns and resumes draw the same tokens) and tiny temperatures made greedy. Every
         temperature (row, recipe, CLI) passes here: dividing logits by 1e-40 overflows."""
         p = replace(self, **{k: _field_value(k, v) for k, v in overrides.items()}).resolved(model)
-        unset = unset_max_tokens or UnsetMaxTokens(MAX_TOKENS_FALLBACK, "the default")
+        unset = unset_max_tokens or default_max_tokens(model or {}, 0, batch_line=False, endpoint=None)
         if p.max_tokens is None:
             p = replace(p, max_tokens=unset.value)
         seed = p.seed

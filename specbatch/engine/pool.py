@@ -1,6 +1,7 @@
 """How big the paged pool is: slots, context and pages, from the model's shape and free memory."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -43,8 +44,10 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
         row_bytes += row_bytes // cfg.num_layers           # the draft layer's own pages
     dummy = math.ceil(headroom / P)
 
+    @functools.cache
     def pages_for(slots: int) -> int:
-        """Pool pages with the reserve of `slots` slots kept out."""
+        """Pool pages with the reserve of `slots` slots kept out (read once a slot count: the plan
+        takes the pages its search saw)."""
         pages = memory_budget(device, _reserve(cfg, dtype, device, headroom, prefill_tokens, slots)) // (row_bytes * P)
         return pages if kv_rows is None else min(pages, math.ceil(kv_rows / P) + 1 + dummy)
 
