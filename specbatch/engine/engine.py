@@ -132,7 +132,7 @@ class Engine:
         plan = plan_pool(self.cfg, self.dtype, self.device, headroom=self.headroom,
                          drafting=drafter is not None or opts.spec.module is not None,
                          batch_size=opts.batch_size, max_model_len=opts.max_model_len, page_size=opts.page_size,
-                         kv_rows=opts.kv_rows, prefill_tokens=opts.prefill_tokens)
+                         kv_rows=opts.kv_rows, prefill_tokens=opts.prefill_tokens, verify_nodes=width)
         self.num_slots, self.max_len, self.page_size, self.num_pages = (
             plan.num_slots, plan.max_len, plan.page_size, plan.num_pages)
         # table columns for the longest request and its verify / draft headroom

@@ -28,12 +28,13 @@ class PoolPlan:
 
 def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, headroom: int, drafting: bool,
               batch_size: int | None, max_model_len: int | None, page_size: int | None,
-              kv_rows: int | None, prefill_tokens: int) -> PoolPlan:
+              kv_rows: int | None, prefill_tokens: int, verify_nodes: int | None = None) -> PoolPlan:
     """The pool takes what memory allows (on GPU 90% of what is free, minus room for
     activations, graphs and logits), but never more than every slot holding a request of the
     full context. Slots: `batch_size`, else as many as the pool holds at 256 rows each (up to
     512) on a GPU, 32 on a CPU. `headroom`: rows a request writes past its
-    committed length (verify and draft scratch); `drafting`: the draft layer takes its own pages."""
+    committed length (verify and draft scratch); `drafting`: the draft layer takes its own pages;
+    `verify_nodes`: tokens a row verifies at most in one cycle (default: `headroom`)."""
     limit = cfg.max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
         raise ModelError(f"--max-model-len {max_model_len} exceeds the model's "
@@ -43,12 +44,14 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
     if drafting:
         row_bytes += row_bytes // cfg.num_layers           # the draft layer's own pages
     dummy = math.ceil(headroom / P)
+    nodes = verify_nodes or headroom
 
     @functools.cache
     def pages_for(slots: int) -> int:
         """Pool pages with the reserve of `slots` slots kept out (read once a slot count: the plan
         takes the pages its search saw)."""
-        pages = memory_budget(device, _reserve(cfg, dtype, device, headroom, prefill_tokens, slots)) // (row_bytes * P)
+        pages = memory_budget(device, _reserve(cfg, dtype, device, nodes, prefill_tokens, slots, drafting))
+        pages //= row_bytes * P
         return pages if kv_rows is None else min(pages, math.ceil(kv_rows / P) + 1 + dummy)
 
     def holds(slots: int) -> bool:
@@ -90,16 +93,28 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
                     num_pages=int(min(budget_pages, slots * per_slot + dummy + 1)))
 
 
-def _reserve(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, headroom: int, prefill_tokens: int,
-             slots: int) -> int:
-    """GPU bytes kept out of the pool: a margin, the prefill's activations, `slots` rows of
-    verify logits and the penalty state; none on a CPU."""
+# Kept out of the pool beside what _reserve counts: cuBLAS and Triton workspaces, the CUDA graphs'
+# intermediates (one forward's, at the largest captured batch) and the allocator's fragmentation.
+# The budget's 10% of free memory (memory_budget) is the margin for what this misjudges.
+WORKSPACE_BYTES = GiB // 2
+# Bytes a verify node keeps per vocabulary entry at most: the raw logits (model dtype, <= 4), the
+# processed ones (fp32) and, with logprobs, their fp32 gather and log-softmax (engine/logprobs.py).
+LOGIT_BYTES = 16
+
+
+def _reserve(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, nodes: int, prefill_tokens: int,
+             slots: int, drafting: bool = False) -> int:
+    """GPU bytes kept out of the pool: workspaces, the prefill's activations, the verify logits
+    of `slots` rows of `nodes` tokens and the penalty state; none on a CPU."""
     if device.type != "cuda":
         return 0
     elem = torch.empty((), dtype=dtype).element_size()
-    act = prefill_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * elem
-    logits = slots * headroom * cfg.vocab_size * 6
+    # a prefill forward's widest moment: residual, normed input, q/k/v, attention output, the MLP's
+    # gate, up and their product; an EAGLE3 draft's prefill also keeps three layers' hidden states
+    widest = 4 * cfg.hidden_size + 3 * cfg.intermediate_size + (3 * cfg.hidden_size if drafting else 0)
+    act = prefill_tokens * widest * elem
+    logits = slots * nodes * cfg.vocab_size * LOGIT_BYTES
     # penalty state (cycle.SlotState.penalty_state), allocated when a row first asks for a
     # penalty: int32 counts + a bool prompt mask per slot and vocabulary entry
     penalties = (slots + 1) * cfg.vocab_size * 5
-    return 2 * GiB + act + logits + penalties
+    return WORKSPACE_BYTES + act + logits + penalties

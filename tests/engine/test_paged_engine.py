@@ -139,7 +139,7 @@ def test_default_slots_plan_the_reserve_for_the_slots_the_pool_holds(monkeypatch
     P, dummy = plan.page_size, -(-headroom // plan.page_size)
 
     def pool_rows(slots: int) -> int:
-        reserve = pool._reserve(cfg, torch.bfloat16, torch.device("cuda"), headroom, 8192, slots)
+        reserve = pool._reserve(cfg, torch.bfloat16, torch.device("cuda"), headroom, 8192, slots, drafting=True)
         return (max(int(free * 0.9) - reserve, 0) // (row_bytes * P) - 1 - dummy) * P
 
     assert pool_rows(plan.num_slots) >= plan.num_slots * pool.ROWS_PER_DEFAULT_SLOT    # the pool holds them
@@ -147,6 +147,31 @@ def test_default_slots_plan_the_reserve_for_the_slots_the_pool_holds(monkeypatch
     assert plan.num_pages * P * row_bytes <= int(free * 0.9)
     # a given batch size keeps its own reserve, as before
     assert pool.plan_pool(cfg, headroom=2, batch_size=64, **args).num_slots == 64
+
+
+def test_the_reserve_counts_the_verified_tokens_and_leaves_a_small_card_its_pool(monkeypatch):
+    """The room kept out of the pool is counted part by part: the verify logits of the tokens a
+    row verifies (not its whole headroom, which counts draft scratch too), an EAGLE3 prefill's
+    captured hidden states, and no flat margin that would take a third of a 24 GB card's KV."""
+    from specbatch.bench.configs import BUILTIN
+    from specbatch.engine import pool
+    from specbatch.models.config import DecoderConfig
+
+    cfg = DecoderConfig.from_dict(BUILTIN["llama-3.1-8b"])
+    cuda, bf = torch.device("cuda"), torch.bfloat16
+    free = int(7.4 * 2**30)                    # Llama-3.1-8B on a 24 GB card, after the weights
+    monkeypatch.setattr(pool, "memory_budget", lambda device, reserve: max(int(free * 0.9) - reserve, 0))
+    args = dict(dtype=bf, device=cuda, max_model_len=None, page_size=None, kv_rows=None, prefill_tokens=8192)
+    reserve = pool._reserve(cfg, bf, cuda, 4, 8192, 100, drafting=True)
+    per_node = 100 * cfg.vocab_size * pool.LOGIT_BYTES                 # a verified token's logits, every slot
+    assert reserve - pool._reserve(cfg, bf, cuda, 3, 8192, 100, drafting=True) == per_node
+    assert reserve - pool._reserve(cfg, bf, cuda, 4, 8192, 100) == 8192 * 3 * cfg.hidden_size * 2
+    plan = pool.plan_pool(cfg, headroom=6, verify_nodes=4, drafting=True, batch_size=100, **args)
+    row_bytes = pool.bytes_per_row(cfg, bf) * (cfg.num_layers + 1) // cfg.num_layers
+    assert plan.num_pages == (int(free * 0.9) - reserve) // (row_bytes * plan.page_size)
+    vanilla = pool.plan_pool(cfg, headroom=1, drafting=False, batch_size=None, **args)
+    kv = vanilla.num_pages * vanilla.page_size * pool.bytes_per_row(cfg, bf)
+    assert kv > 0.6 * free and vanilla.num_slots > 128
 
 
 def test_the_summary_says_how_many_admissions_waited_for_pages(tiny_model, tmp_path, monkeypatch):
