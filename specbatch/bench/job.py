@@ -6,7 +6,7 @@ The mix: lognormal prompt and output lengths (median, sigma, clipped to a maximu
 `--prompts` file whose rows may carry their own `max_tokens`. Outputs are exactly their
 `max_tokens` long (EOS ignored), so every recipe produces the same tokens to produce.
 
-The floor is that of plain decoding at the engine's slot count, from the measured machine:
+The floor is that of plain decoding at the engine's slot count and KV pool, from the measured machine:
 prefill = 2 x non-embedding parameters FLOPs per prompt token at the measured matmul rate;
 decode = the larger of its bytes at the measured copy bandwidth (the weights once per batch of
 `slots` output tokens, and every output token's context of K/V) and its FLOPs (2 x parameters per
@@ -160,6 +160,17 @@ def distinct_prompt_tokens(prompts: list[list[int]]) -> int:
     return sum(len(p) for p in prompts) - repeated
 
 
+def unshared_prompt_lengths(prompts: list[list[int]]) -> list[int]:
+    """Each prompt's tokens less its longest common prefix with any other prompt (which prefix
+    caching may hold once for both): sorted, that prefix is shared with a neighbour."""
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    shared = [0] * len(prompts)
+    for a, b in zip(order, order[1:]):
+        common = len(os.path.commonprefix([prompts[a], prompts[b]]))
+        shared[a], shared[b] = max(shared[a], common), max(shared[b], common)
+    return [len(p) - c for p, c in zip(prompts, shared)]
+
+
 def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 8192, iters: int = 10) -> float:
     """FLOP/s of an n x n x n matmul in `dtype` (median of `iters`; CPU: n 1024, float32)."""
     if device.type != "cuda":
@@ -189,14 +200,18 @@ def _weights(model) -> tuple[int, float]:
     return w_bytes, w_bytes / model.lm_head.weight.element_size()
 
 
-def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float, rate: float) -> dict[str, float]:
+def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float, rate: float,
+              pool_rows: int | None = None) -> dict[str, float]:
     """Seconds the job cannot beat with plain decoding at `slots` sequences in flight (prefill:
     each distinct prompt prefix once).
 
     Plain decoding emits one token per sequence a step and reads every weight each step, so it
     takes at least max(output tokens / slots, the longest output) steps: a long output is a
-    chain of steps that no number of slots shortens (`decode_steps_spread` is the first term
-    alone, the floor before the chain was counted).
+    chain of steps that no number of slots shortens (`decode_steps_spread` leaves that term
+    out). With `pool_rows` (the KV pool's capacity) a third term: a sequence holds its context
+    in the pool at every step it decodes, so the steps are at least the sum over sequences and
+    their steps of the rows held, over the pool's rows (on a small GPU this, not the slots,
+    bounds how many sequences run at once).
 
     Prefill FLOPs are 2 x the non-embedding parameters, lm_head included, per distinct prompt
     token (issue 13's definition); the prefill runs lm_head at each prompt's last position only,
@@ -211,7 +226,19 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
             for _ in range(r.overrides.get("n", 1) if (r.overrides.get("temperature") or 0) > 0 else 1)]
     outputs = [o for _, o in seqs]
     out_tokens = sum(outputs)
-    spread = math.ceil(out_tokens / slots)
+    kv_steps = 0
+    if pool_rows:
+        # a sequence decoding its t-th token holds its prompt, t tokens and the one it writes; a
+        # prompt's prefix another prompt shares (and a row's prompt for its other choices) may
+        # be held once, so it counts for none of them
+        own = dict(zip(map(id, rows), unshared_prompt_lengths([r.prompt_token_ids for r in rows])))
+        firsts: set[int] = set()
+        held = 0.0
+        for r, o in seqs:
+            held += o * (o + 1) / 2 + (o * own[id(r)] if id(r) not in firsts else 0)
+            firsts.add(id(r))
+        kv_steps = math.ceil(held / pool_rows)
+    spread = max(math.ceil(out_tokens / slots), kv_steps)
     steps = max(spread, max(outputs, default=0))
     # each output token reads its whole context once: sum over t < o of (p + t)
     ctx_bytes = kv_bytes(model.cfg, dtype, sum(o * len(r.prompt_token_ids) + o * (o - 1) / 2 for r, o in seqs))
@@ -223,7 +250,8 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
     prefill_s = 2 * params * distinct / rate
     decode_s = decode(steps)
     return {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s,
-            "decode_steps": steps, "decode_steps_spread": spread, "total_spread_s": prefill_s + decode(spread),
+            "decode_steps": steps, "decode_steps_spread": spread, "decode_steps_kv": kv_steps,
+            "total_spread_s": prefill_s + decode(spread),
             "prompt_tokens": prompt, "distinct_prompt_tokens": distinct, "output_tokens": out_tokens}
 
 
@@ -301,7 +329,7 @@ def _log_point(p: dict[str, Any], log: Log) -> None:
     log(f"{p['recipe']}: {p['job_tokens_per_s']:.0f} tok/s, wall {p['wall_s']:.1f} s (prefill "
         f"{p['prefill_s']:.1f} s in {p['prefill_forwards']} forwards, decode {p['decode_s']:.1f} s, "
         f"{p['cycles']} cycles), {100 * p['floor_fraction']:.0f}% of the floor ({100 * p['floor_spread_fraction']:.0f}% "
-        f"of the spread floor: output tokens / slots steps), occupancy "
+        f"of the spread floor: the longest output left out), occupancy "
         f"{p['mean_occupancy']:.0f}/{p['slots']}"
         + (f", {p['prompt_tokens_cached']:,} prompt tokens found in the pool" if p.get("prompt_tokens_cached") else ""))
     log("  prefill calls (s): " + " ".join(f"{t:.2f}" for t in p["prefill_call_s"]))
@@ -336,7 +364,7 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
     if errors:
         raise BenchError(f"{len(errors)} rows failed, first: {errors[0]}")
     out = sum(r["completion_tokens"] for r in recs)
-    floor = job_floor(src, rows, engine.num_slots, bandwidth, rate)
+    floor = job_floor(src, rows, engine.num_slots, bandwidth, rate, engine.pages.usable * engine.page_size)
     steps = sum(r["spec"]["verify_steps"] - 1 for r in recs)
     emitted = sum(emitted_tokens(r["spec"]) for r in recs)
     return {
@@ -350,7 +378,8 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
         "preempted": engine.preempted, "preemptions": engine.preemptions, "recomputed_tokens": engine.recomputed_tokens,
         "accept_length": emitted / max(steps + len(recs), 1) if steps else 1.0,
         "floor_s": floor["total_s"], "floor_output_tokens": floor["output_tokens"], "floor_prefill_s": floor["prefill_s"], "floor_decode_s": floor["decode_s"],
-        "floor_decode_steps": floor["decode_steps"], "floor_spread_s": floor["total_spread_s"],
+        "floor_decode_steps": floor["decode_steps"], "floor_decode_steps_kv": floor["decode_steps_kv"],
+        "floor_spread_s": floor["total_spread_s"],
         "floor_spread_fraction": floor["total_spread_s"] / wall,
         "floor_tokens_per_s": out / floor["total_s"], "floor_fraction": floor["total_s"] / wall,
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated(engine.device)) if cuda else None,
@@ -427,10 +456,11 @@ def job_markdown(result: dict[str, Any]) -> str:
                      f"{p['floor_s']:.1f} | {100 * p['floor_fraction']:.0f}% | {100 * p['floor_spread_fraction']:.0f}% | "
                      f"{p['mean_occupancy']:.0f}/{p['slots']} | {p.get('admissions_waiting_for_pages', 0)} / {p.get('preempted', 0)} | "
                      f"{p['accept_length']:.2f} | {widths} | {mem} |")
-    lines += ["", "Floor: plain decoding of this mix at the engine's slot count on this machine (prefill "
-              "FLOPs at the matmul rate + decode bytes at the copy bandwidth, or decode FLOPs if larger; "
-              "the weights are read once a step, and plain decoding takes at least max(output tokens / "
-              "slots, the longest output) steps; the spread floor counts the first term alone). "
+    lines += ["", "Floor: plain decoding of this mix at the engine's slot count and KV pool on this machine "
+              "(prefill FLOPs at the matmul rate + decode bytes at the copy bandwidth, or decode FLOPs if "
+              "larger; the weights are read once a step, and plain decoding takes at least max(output "
+              "tokens / slots, the rows its sequences hold step by step / the pool's rows, the longest "
+              "output) steps; the spread floor leaves the last term out). "
               "Occupancy: mean active sequences per cycle / slots. Waited / preempted: requests that "
               "waited in the queue for KV pages / gave theirs back mid-run (resumed by recompute). "
               "Prefill s: GPU time of the prefill forwards (recomputes included); decode s: the rest "

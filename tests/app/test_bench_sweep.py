@@ -331,6 +331,38 @@ def test_job_floor_counts_the_longest_output_as_a_chain_of_steps():
     assert f["decode_s"] == pytest.approx(2 * (w / 4) * 200)
 
 
+def test_job_floor_counts_the_rows_a_small_pool_holds():
+    """On a small GPU the KV pool, not the slots, bounds the sequences in flight: each holds its
+    prompt and what it wrote at every step it decodes, so plain decoding takes at least the rows
+    held step by step over the pool's rows; a pool that holds everything changes nothing."""
+    from types import SimpleNamespace
+
+    from specbatch.bench.floor import kv_bytes, weight_bytes
+    from specbatch.bench.job import job_floor, unshared_prompt_lengths
+    from specbatch.data import RowRequest
+
+    model = configs.random_target(TINY, torch.float32, "cpu")
+    src = SimpleNamespace(model=model)
+    w = weight_bytes(model)
+    bw, rate = 1e9, 1e30
+    rows = [RowRequest(row=i, id=i, prompt_token_ids=[i + 1] * 10, overrides={"max_tokens": 5}) for i in range(40)]
+    held = 40 * (5 * 10 + 1 + 2 + 3 + 4 + 5)                # 2,600 rows held over the job's steps
+    roomy = job_floor(src, rows, 4, bw, rate, pool_rows=10_000)
+    assert roomy["decode_steps"] == 50 and roomy["decode_steps_kv"] == 1          # the slots bound it
+    assert roomy["decode_s"] == pytest.approx(job_floor(src, rows, 4, bw, rate)["decode_s"])
+    small = job_floor(src, rows, 4, bw, rate, pool_rows=20)
+    assert small["decode_steps"] == small["decode_steps_spread"] == small["decode_steps_kv"] == held // 20
+    ctx = kv_bytes(model.cfg, torch.float32, 40 * (5 * 10 + 5 * 4 / 2))
+    assert small["decode_s"] == pytest.approx((held // 20 * w + ctx) / bw)
+    long_tail = rows[:3] + [RowRequest(row=9, id=9, prompt_token_ids=[7] * 10, overrides={"max_tokens": 300})]
+    f = job_floor(src, long_tail, 4, bw, rate, pool_rows=1_000)
+    assert f["decode_steps_kv"] < 300 == f["decode_steps"]               # the longest output's chain still binds
+    # a prompt prefix other prompts share may be held once: it counts for none of them
+    assert unshared_prompt_lengths([[1, 2, 3], [5], [1, 2, 4, 6], [1, 9]]) == [1, 1, 2, 1]
+    same = [RowRequest(row=i, id=i, prompt_token_ids=[7] * 10, overrides={"max_tokens": 5}) for i in range(40)]
+    assert job_floor(src, same, 4, bw, rate, pool_rows=20)["decode_steps_kv"] == 40 * 15 // 20
+
+
 def test_job_mode_with_generous_max_tokens_ends_rows_by_eos_and_compares_reserving(tiny_config, tmp_path):
     """--max-tokens-factor F: rows ask for F x their output and end at their length by EOS (the
     floor counts the tokens they generate, not max_tokens); --reserve-too runs the mix again with
