@@ -131,7 +131,8 @@ class LLM:
 
     `model`: an HF model directory (default: the recipe's; the embedded demo model for builtin
     recipes). `recipe`: a builtin recipe name, a YAML path or a Recipe. `overrides`: recipe keys
-    (batch_size, dtype, max_model_len, and sampling defaults such as max_tokens or temperature).
+    (batch_size, dtype, max_model_len, gpu_memory_utilization, and sampling defaults such as
+    max_tokens or temperature).
     `logprobs_mode`: what logprobs hold, in vLLM's modes (raw_logprobs by default, as vLLM's).
     """
 
@@ -150,6 +151,7 @@ class LLM:
         r = self.recipe
         self.engine = Engine(self.model_dir, EngineOptions(
             batch_size=r.batch_size, max_model_len=r.max_model_len, dtype=r.dtype, device=device,
+            gpu_memory_utilization=r.gpu_memory_utilization,
             bucket_window=bucket, spec=spec, graphs=not eager, prefix_caching=enable_prefix_caching,
             logprobs_mode=logprobs_mode))
         self.calls = 0          # generate() calls so far: each later one draws fresh samples (_records)

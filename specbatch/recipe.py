@@ -47,6 +47,9 @@ class Recipe:
     dtype: str
     batch_size: int | None               # slots; None: as many as memory holds (up to 512 on a GPU)
     max_model_len: int | None
+    # share of the GPU's whole memory the engine may take (weights, activations, KV), as vLLM's;
+    # None: the KV pool takes 90% of what is free once the model is loaded
+    gpu_memory_utilization: float | None = None
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     source: str = "<memory>"
 
@@ -93,6 +96,7 @@ class Recipe:
             "dtype": self.dtype,
             "batch_size": self.batch_size,
             "max_model_len": self.max_model_len,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
             "sampling": _sampling_to_dict(self.sampling),
         }
 
@@ -351,6 +355,8 @@ def parse_recipe(data: dict, source: str) -> Recipe:
         dtype=_choice(source, "dtype", data.get("dtype", "auto"), DTYPES),
         batch_size=_int(source, "batch_size", data.get("batch_size"), minimum=1, nullable=True),
         max_model_len=_int(source, "max_model_len", data.get("max_model_len"), minimum=1, nullable=True),
+        gpu_memory_utilization=_number(source, "gpu_memory_utilization", data.get("gpu_memory_utilization"),
+                                       lambda x: 0 < x <= 1, "a number in (0, 1] or null", nullable=True),
         sampling=_parse_sampling(data.get("sampling"), source),
         source=source,
     )

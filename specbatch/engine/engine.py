@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ Inputs = dict[int, tuple[RowRequest, list[Request]]]     # row -> its input and 
 class EngineOptions:
     batch_size: int | None = None        # slots: sequences in flight (None: from memory)
     max_model_len: int | None = None     # context per request (None: the model's, capped by the pool)
+    gpu_memory_utilization: float | None = None   # share of the GPU's whole memory (None: 90% of the free)
     dtype: str = "auto"
     device: str | None = None            # None: cuda when available, else cpu
     bucket_window: int = 0               # > 0: admit similar prompt lengths together
@@ -129,10 +131,15 @@ class Engine:
         # rows a running request may write past its host-known length before the next growth: the
         # cycle in flight (width) and the next (headroom)
         self.ahead = width + self.headroom
+        if opts.gpu_memory_utilization is not None and self.device.type != "cuda":
+            print(f"warning: gpu_memory_utilization {opts.gpu_memory_utilization} is a GPU's share; on the "
+                  f"{self.device.type} the KV pool takes a quarter of the available memory (at most 8 GiB)",
+                  file=sys.stderr, flush=True)
         plan = plan_pool(self.cfg, self.dtype, self.device, headroom=self.headroom,
                          drafting=drafter is not None or opts.spec.module is not None,
                          batch_size=opts.batch_size, max_model_len=opts.max_model_len, page_size=opts.page_size,
-                         kv_rows=opts.kv_rows, prefill_tokens=opts.prefill_tokens, verify_nodes=width)
+                         kv_rows=opts.kv_rows, prefill_tokens=opts.prefill_tokens, verify_nodes=width,
+                         utilization=opts.gpu_memory_utilization)
         self.num_slots, self.max_len, self.page_size, self.num_pages = (
             plan.num_slots, plan.max_len, plan.page_size, plan.num_pages)
         # table columns for the longest request and its verify / draft headroom

@@ -28,13 +28,15 @@ class PoolPlan:
 
 def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, headroom: int, drafting: bool,
               batch_size: int | None, max_model_len: int | None, page_size: int | None,
-              kv_rows: int | None, prefill_tokens: int, verify_nodes: int | None = None) -> PoolPlan:
+              kv_rows: int | None, prefill_tokens: int, verify_nodes: int | None = None,
+              utilization: float | None = None) -> PoolPlan:
     """The pool takes what memory allows (on GPU 90% of what is free, minus room for
     activations, graphs and logits), but never more than every slot holding a request of the
     full context. Slots: `batch_size`, else as many as the pool holds at 256 rows each (up to
     512) on a GPU, 32 on a CPU. `headroom`: rows a request writes past its
     committed length (verify and draft scratch); `drafting`: the draft layer takes its own pages;
-    `verify_nodes`: tokens a row verifies at most in one cycle (default: `headroom`)."""
+    `verify_nodes`: tokens a row verifies at most in one cycle (default: `headroom`);
+    `utilization`: the share of the GPU's whole memory the engine may take (memory_budget)."""
     limit = cfg.max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
         raise ModelError(f"--max-model-len {max_model_len} exceeds the model's "
@@ -50,7 +52,8 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
     def pages_for(slots: int) -> int:
         """Pool pages with the reserve of `slots` slots kept out (read once a slot count: the plan
         takes the pages its search saw)."""
-        pages = memory_budget(device, _reserve(cfg, dtype, device, nodes, prefill_tokens, slots, drafting))
+        reserve = _reserve(cfg, dtype, device, nodes, prefill_tokens, slots, drafting)
+        pages = memory_budget(device, reserve, utilization)
         pages //= row_bytes * P
         return pages if kv_rows is None else min(pages, math.ceil(kv_rows / P) + 1 + dummy)
 
@@ -72,8 +75,10 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
     max_len = max_model_len or limit
     if max_len + headroom > pool_rows:
         if max_model_len is not None or pool_rows - headroom < 16:
-            raise ModelError(f"not enough {device.type} memory for a KV pool holding one request of "
-                             f"{max_len} tokens ({pool_rows} rows fit); set a smaller --max-model-len")
+            share = "" if utilization is None else f" within gpu_memory_utilization {utilization}"
+            raise ModelError(f"not enough {device.type} memory{share} for a KV pool holding one request of "
+                             f"{max_len} tokens ({max(pool_rows, 0)} rows fit); set a smaller --max-model-len"
+                             + ("" if utilization is None else " or a larger --gpu-memory-utilization"))
         max_len = pool_rows - headroom
     per_slot = math.ceil((max_len + headroom) / P)
     usable = budget_pages - 1 - dummy

@@ -62,12 +62,15 @@ def bytes_per_row(cfg: DecoderConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def memory_budget(device: torch.device, reserve: int) -> int:
-    """Bytes the cache may take: 90% of free GPU memory, or a quarter of available RAM (<= 8 GiB)."""
+def memory_budget(device: torch.device, reserve: int, utilization: float | None = None) -> int:
+    """Bytes the cache may take, `reserve` kept out: 90% of free GPU memory; with `utilization`,
+    that share of the GPU's whole memory less what is in use now (the weights, and whatever else
+    holds the GPU), as vLLM's gpu_memory_utilization; on a CPU a quarter of available RAM (<= 8 GiB)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()           # blocks torch holds but no tensor uses (load, fusing) are free
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(int(free * 0.9) - reserve, 0)
+        free, total = torch.cuda.mem_get_info(device)
+        avail = int(free * 0.9) if utilization is None else int(total * utilization) - (total - free)
+        return max(avail - reserve, 0)
     avail = 16 * GiB
     try:
         with open("/proc/meminfo") as f:

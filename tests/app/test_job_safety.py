@@ -212,7 +212,9 @@ def test_stats_json_is_never_the_input_or_the_output(tmp_path, base, target):
 
 @pytest.mark.parametrize("flag,value,expect", [("--top-p", "2", "--top-p: expected 0 < top_p <= 1"),
                                                 ("--temperature", "-1", "--temperature: expected a number >= 0"),
-                                                ("--batch-size", "0", "--batch-size: expected an integer >= 1")])
+                                                ("--batch-size", "0", "--batch-size: expected an integer >= 1"),
+                                                ("--gpu-memory-utilization", "1.5",
+                                                 "--gpu-memory-utilization: expected a number in (0, 1]")])
 def test_bad_flags_are_named_as_flags(tmp_path, base, flag, value, expect):
     inp = write(tmp_path / "in.jsonl", ROWS)
     line = one_line_cli_error(cli("run", inp, *base, flag, value), EXIT_USAGE)

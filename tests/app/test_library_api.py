@@ -308,3 +308,15 @@ def test_use_tqdm_shows_progress_or_none_as_asked(llm, capsys):
     assert (b.total, b.n, b.closed) == (3, 3, True)
     with pytest.raises(TypeError, match="use_tqdm"):
         llm.generate(prompts, params, use_tqdm="yes")
+
+
+def test_gpu_memory_utilization_reaches_the_engine_and_a_cpu_says_it_ignores_it(capsys):
+    """vLLM's engine argument (also Ray's engine_kwargs): the engine plans with it on a GPU; a CPU
+    engine warns that it does not apply instead of dropping it silently."""
+    from specbatch.recipe import RecipeError
+
+    llm = LLM(device="cpu", gpu_memory_utilization=0.8)
+    assert llm.engine.opts.gpu_memory_utilization == 0.8
+    assert "warning: gpu_memory_utilization 0.8" in capsys.readouterr().err
+    with pytest.raises(RecipeError, match="gpu_memory_utilization: expected a number in"):
+        LLM(device="cpu", gpu_memory_utilization=2)

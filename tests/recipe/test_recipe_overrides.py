@@ -79,7 +79,7 @@ def test_to_dict_round_trip(tmp_path):
     )
     d = r.to_dict()
     assert "source" not in d
-    assert list(d) == ["name", "description", "algorithm", "num_steps", "topk", "num_draft_tokens", "drafter", "model", "draft", "dtype", "batch_size", "max_model_len", "sampling"]
+    assert list(d) == ["name", "description", "algorithm", "num_steps", "topk", "num_draft_tokens", "drafter", "model", "draft", "dtype", "batch_size", "max_model_len", "gpu_memory_utilization", "sampling"]
     assert d["sampling"]["stop"] == ["</s>"]
     # YAML-able with the safe dumper, and parses back to the same recipe
     text = yaml.safe_dump(d, sort_keys=False)

@@ -15,7 +15,7 @@ from recipe_helpers import _error, _parse
 def test_unknown_top_level_key_with_suggestion():
     msg = _error({"algorithm": "vanilla", "topK": 2})
     assert "unknown key 'topK'" in msg
-    assert "(known: name, description, algorithm, num_steps, topk, num_draft_tokens, model, drafter, draft, dtype, batch_size, max_model_len, sampling)" in msg
+    assert "(known: name, description, algorithm, num_steps, topk, num_draft_tokens, model, drafter, draft, dtype, batch_size, max_model_len, gpu_memory_utilization, sampling)" in msg
     assert "did you mean 'topk'?" in msg
 
 
@@ -159,3 +159,15 @@ def test_every_algorithm_accepted():
     params["nextn_mtp"] = params["eagle3"]
     for algorithm in ALGORITHMS:
         assert _parse(algorithm=algorithm, **params[algorithm]).algorithm == algorithm
+
+
+@pytest.mark.parametrize("value", [0, 1.5, -0.2, "0.9", True])
+def test_gpu_memory_utilization_is_a_share(value):
+    msg = _error({"algorithm": "vanilla", "gpu_memory_utilization": value})
+    assert "gpu_memory_utilization: expected" in msg
+
+
+def test_gpu_memory_utilization_takes_a_share_or_null():
+    assert _parse(algorithm="vanilla", gpu_memory_utilization=0.85).gpu_memory_utilization == 0.85
+    assert _parse(algorithm="vanilla", gpu_memory_utilization=1).gpu_memory_utilization == 1.0
+    assert _parse(algorithm="vanilla").gpu_memory_utilization is None
