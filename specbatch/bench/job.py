@@ -8,9 +8,11 @@ The mix: lognormal prompt and output lengths (median, sigma, clipped to a maximu
 
 The floor is that of plain decoding at the engine's slot count and KV pool, from the measured machine:
 prefill = 2 x non-embedding parameters FLOPs per prompt token at the measured matmul rate;
-decode = the larger of its bytes at the measured copy bandwidth (the weights once per batch of
-`slots` output tokens, and every output token's context of K/V) and its FLOPs (2 x parameters per
-output token) at the matmul rate. A speculative recipe reads the context once per cycle for
+decode = the larger of its bytes at the measured copy bandwidth (the weights once a step, and
+every output token's context of K/V) and its FLOPs (2 x parameters per output token) at the
+matmul rate, the steps being at least output tokens / slots, the longest output, and the rows the
+sequences hold step by step / the pool's rows. Each recipe's floor is its own engine's (a draft
+layer's pages leave a smaller pool). A speculative recipe reads the context once per cycle for
 several tokens, so it can pass 100% of this floor; plain decoding cannot.
 """
 from __future__ import annotations
@@ -228,14 +230,14 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
     out_tokens = sum(outputs)
     kv_steps = 0
     if pool_rows:
-        # a sequence decoding its t-th token holds its prompt, t tokens and the one it writes; a
-        # prompt's prefix another prompt shares (and a row's prompt for its other choices) may
-        # be held once, so it counts for none of them
+        # the prefill emits a sequence's first token; the step that emits its t-th (t >= 2) holds
+        # its prompt and t - 1 tokens. A prompt's prefix another prompt shares (and a row's prompt
+        # for its other choices) may be held once, so it counts for none of them
         own = dict(zip(map(id, rows), unshared_prompt_lengths([r.prompt_token_ids for r in rows])))
         firsts: set[int] = set()
         held = 0.0
         for r, o in seqs:
-            held += o * (o + 1) / 2 + (o * own[id(r)] if id(r) not in firsts else 0)
+            held += o * (o - 1) / 2 + ((o - 1) * own[id(r)] if id(r) not in firsts and o else 0)
             firsts.add(id(r))
         kv_steps = math.ceil(held / pool_rows)
     spread = max(math.ceil(out_tokens / slots), kv_steps)

@@ -98,13 +98,15 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
                     num_pages=int(min(budget_pages, slots * per_slot + dummy + 1)))
 
 
-# Kept out of the pool beside what _reserve counts: cuBLAS and Triton workspaces, the CUDA graphs'
-# intermediates (one forward's, at the largest captured batch) and the allocator's fragmentation.
-# The budget's 10% of free memory (memory_budget) is the margin for what this misjudges.
+# Kept out of the pool beside what _reserve counts: cuBLAS and Triton workspaces, small graphs'
+# buffers and the allocator's fragmentation. The budget's 10% of free memory (memory_budget) is
+# the margin for what this misjudges.
 WORKSPACE_BYTES = GiB // 2
-# Bytes a verify node keeps per vocabulary entry at most: the raw logits (model dtype, <= 4), the
-# processed ones (fp32) and, with logprobs, their fp32 gather and log-softmax (engine/logprobs.py).
-LOGIT_BYTES = 16
+# Bytes a verify node keeps per vocabulary entry at once, at most: the raw logits (model dtype),
+# the processed ones and the filters' fp32 copies (min_p's scaled logits, softmax and mask), and
+# with logprobs their fp32 gather and log-softmax, the processed modes filtering once more
+# (engine/logprobs.py): ~23 bytes at bf16, measured op by op on the CPU path.
+LOGIT_BYTES = 24
 
 
 def _reserve(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, nodes: int, prefill_tokens: int,
@@ -117,7 +119,8 @@ def _reserve(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, nodes
     # a prefill forward's widest moment: residual, normed input, q/k/v, attention output, the MLP's
     # gate, up and their product; an EAGLE3 draft's prefill also keeps three layers' hidden states
     widest = 4 * cfg.hidden_size + 3 * cfg.intermediate_size + (3 * cfg.hidden_size if drafting else 0)
-    act = prefill_tokens * widest * elem
+    # ... and a verify forward's at the largest captured batch (its graph keeps them in its pool)
+    act = (prefill_tokens + slots * nodes) * widest * elem
     logits = slots * nodes * cfg.vocab_size * LOGIT_BYTES
     # penalty state (cycle.SlotState.penalty_state), allocated when a row first asks for a
     # penalty: int32 counts + a bool prompt mask per slot and vocabulary entry

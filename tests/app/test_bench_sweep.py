@@ -346,7 +346,8 @@ def test_job_floor_counts_the_rows_a_small_pool_holds():
     w = weight_bytes(model)
     bw, rate = 1e9, 1e30
     rows = [RowRequest(row=i, id=i, prompt_token_ids=[i + 1] * 10, overrides={"max_tokens": 5}) for i in range(40)]
-    held = 40 * (5 * 10 + 1 + 2 + 3 + 4 + 5)                # 2,600 rows held over the job's steps
+    # the prefill emits each first token; the steps emitting tokens 2-5 hold 11, 12, 13, 14 rows
+    held = 40 * (4 * 10 + 1 + 2 + 3 + 4)                    # 2,000 rows held over the job's steps
     roomy = job_floor(src, rows, 4, bw, rate, pool_rows=10_000)
     assert roomy["decode_steps"] == 50 and roomy["decode_steps_kv"] == 1          # the slots bound it
     assert roomy["decode_s"] == pytest.approx(job_floor(src, rows, 4, bw, rate)["decode_s"])
@@ -360,7 +361,28 @@ def test_job_floor_counts_the_rows_a_small_pool_holds():
     # a prompt prefix other prompts share may be held once: it counts for none of them
     assert unshared_prompt_lengths([[1, 2, 3], [5], [1, 2, 4, 6], [1, 9]]) == [1, 1, 2, 1]
     same = [RowRequest(row=i, id=i, prompt_token_ids=[7] * 10, overrides={"max_tokens": 5}) for i in range(40)]
-    assert job_floor(src, same, 4, bw, rate, pool_rows=20)["decode_steps_kv"] == 40 * 15 // 20
+    assert job_floor(src, same, 4, bw, rate, pool_rows=20)["decode_steps_kv"] == 40 * 10 // 20
+    one = [RowRequest(row=i, id=i, prompt_token_ids=[i + 1] * 2000, overrides={"max_tokens": 1}) for i in range(8)]
+    assert job_floor(src, one, 4, bw, rate, pool_rows=100)["decode_steps_kv"] == 0     # the prefill emits them
+
+
+def test_job_floor_counts_the_pool_the_engine_has(tiny_config, tmp_path, monkeypatch):
+    """A pool of a few pages (memory modelled): the job's floor takes its steps from the rows the
+    sequences hold over the engine's pool rows, more than output tokens / slots."""
+    from specbatch.engine import pool
+    from specbatch.models.config import DecoderConfig
+
+    row = pool.bytes_per_row(DecoderConfig.from_dict(TINY), torch.float32)
+    monkeypatch.setattr(pool, "memory_budget", lambda device, reserve, utilization=None: 12 * 16 * row)
+    out = tmp_path / "job"
+    r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "--requests", "16", "--prompt-median", "40", "--prompt-max", "60",
+                                 "--output-median", "6", "--output-max", "12", "--slots", "8", "--device", "cpu",
+                                 "--eager", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    (p,) = json.loads((out / "job.json").read_text())["points"]
+    assert p["pages"] <= 12
+    assert p["floor_decode_steps"] == p["floor_decode_steps_kv"] > -(-p["output_tokens"] // 8)
 
 
 def test_job_mode_with_generous_max_tokens_ends_rows_by_eos_and_compares_reserving(tiny_config, tmp_path):

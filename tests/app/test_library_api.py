@@ -320,3 +320,24 @@ def test_gpu_memory_utilization_reaches_the_engine_and_a_cpu_says_it_ignores_it(
     assert "warning: gpu_memory_utilization 0.8" in capsys.readouterr().err
     with pytest.raises(RecipeError, match="gpu_memory_utilization: expected a number in"):
         LLM(device="cpu", gpu_memory_utilization=2)
+
+
+@pytest.mark.parametrize("recipe, width", [("vanilla", 1), ("eagle3_topk1", 4), ("eagle3_tree", 8)])
+def test_the_pool_plan_reserves_logits_for_the_tokens_a_row_verifies(monkeypatch, recipe, width):
+    """The reserve's logits are the verify width's (the proposal's tokens), not the headroom
+    (which also counts the draft's scratch rows)."""
+    from specbatch.engine import engine as engine_mod
+
+    seen = {}
+    real = engine_mod.plan_pool
+
+    def spy(*args, **kw):
+        seen.update(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine_mod, "plan_pool", spy)
+    engine = LLM(recipe=recipe, device="cpu").engine
+    assert seen["verify_nodes"] == width < engine.headroom + (recipe == "vanilla")
+    if engine.drafter is not None:
+        assert width == engine.drafter.num_draft_tokens
+

@@ -165,9 +165,10 @@ def test_the_reserve_counts_the_verified_tokens_and_leaves_a_small_card_its_pool
                         lambda device, reserve, utilization=None: max(int(free * 0.9) - reserve, 0))
     args = dict(dtype=bf, device=cuda, max_model_len=None, page_size=None, kv_rows=None, prefill_tokens=8192)
     reserve = pool._reserve(cfg, bf, cuda, 4, 8192, 100, drafting=True)
-    per_node = 100 * cfg.vocab_size * pool.LOGIT_BYTES                 # a verified token's logits, every slot
+    widest = 7 * cfg.hidden_size + 3 * cfg.intermediate_size          # a drafting forward's, per token
+    per_node = 100 * (cfg.vocab_size * pool.LOGIT_BYTES + widest * 2)   # a verified token's logits and activations
     assert reserve - pool._reserve(cfg, bf, cuda, 3, 8192, 100, drafting=True) == per_node
-    assert reserve - pool._reserve(cfg, bf, cuda, 4, 8192, 100) == 8192 * 3 * cfg.hidden_size * 2
+    assert reserve - pool._reserve(cfg, bf, cuda, 4, 8192, 100) == (8192 + 400) * 3 * cfg.hidden_size * 2
     plan = pool.plan_pool(cfg, headroom=6, verify_nodes=4, drafting=True, batch_size=100, **args)
     row_bytes = pool.bytes_per_row(cfg, bf) * (cfg.num_layers + 1) // cfg.num_layers
     assert plan.num_pages == (int(free * 0.9) - reserve) // (row_bytes * plan.page_size)
