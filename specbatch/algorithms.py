@@ -10,7 +10,8 @@ the schema's algorithm table (recipes/schema.md, kept equal to `markdown_table()
     ALGORITHMS  name -> Algorithm   parameters (a rule), drafter kinds (the first the default),
                                     fused cycle graph, one-line description
     DRAFTERS    name -> DrafterKind how to build the drafter ("module:function", imported on
-                                    first use), its draft directory (what it holds, the demo
+                                    first use) and load its weights before the KV pool is
+                                    planned, its draft directory (what it holds, the demo
                                     model's folder, or the layer inside the target), scratch rows
 
 A new algorithm is one `register_algorithm(...)` call (or one row in `_builtin()`), its drafter
@@ -178,9 +179,15 @@ class DrafterKind:
     scratch_rows: Callable[[int, int, int], int] = no_scratch   # (S, k, N) -> cache rows it writes
     random: str | Callable[..., Any] | None = None   # bench --random-weights: builds a random-weight
     # module, called (target, head_cfg, dtype, device, seed); None: the drafter needs no module
+    load: str | Callable[..., Any] | None = None     # loads the draft module's weights before the KV
+    # pool is planned (so the pool leaves them room), called (spec, target, target_dir) and handed
+    # to `build` as head=; None: `build` loads what it needs itself
 
     def builder(self) -> Callable[..., Any]:
         return load_function(self.build)
+
+    def loader(self) -> Callable[..., Any] | None:
+        return None if self.load is None else load_function(self.load)
 
     def random_builder(self) -> Callable[..., Any] | None:
         return None if self.random is None else load_function(self.random)
@@ -350,11 +357,13 @@ def _builtin() -> None:
     layer = dict(scratch_rows=one_layer_scratch)
     register_drafter(DrafterKind(
         "eagle3", "specbatch.speculative.factory:build_eagle3", directory="an EAGLE3 head", demo="eagle3",
-        random="specbatch.bench.configs:random_eagle3_draft", **layer))
+        random="specbatch.bench.configs:random_eagle3_draft", load="specbatch.speculative.factory:load_eagle3_module",
+        **layer))
     register_drafter(DrafterKind(
         "nextn_mtp", "specbatch.speculative.factory:build_mtp", directory="an exported MTP layer",
         demo="nextn_mtp", in_target="the MTP layer inside the target checkpoint",
-        random="specbatch.bench.configs:random_mtp_draft", **layer))
+        random="specbatch.bench.configs:random_mtp_draft", load="specbatch.speculative.factory:load_mtp_module",
+        **layer))
     register_algorithm("vanilla", "No speculation: one target forward per token (the baseline).", NoParams())
     register_algorithm("eagle3", "An EAGLE3 head drafts S steps of k candidates; the best N - 1 are verified.",
                        DraftShape(), drafters=("eagle3",))

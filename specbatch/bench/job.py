@@ -292,7 +292,8 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
         sim = opts.simulate_acceptance if recipe.drafter is not None else None
         eopts = EngineOptions(batch_size=mix.slots or recipe.batch_size, max_model_len=longest, device=str(device),
                               spec=spec, graphs=opts.graphs, profile=True, simulate_acceptance=sim,
-                              adaptive=False if opts.fixed_width else None)
+                              adaptive=False if opts.fixed_width else None,
+                              gpu_memory_utilization=recipe.gpu_memory_utilization)
         log(f"{recipe.name}: building the engine ...")
         try:
             engine = build_engine(eopts, src, head)

@@ -91,7 +91,8 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
                       simulated_acceptance=list(sim) if sim else None)
         eopts = EngineOptions(batch_size=sizes[-1], max_model_len=max_len, device=str(device),
                               spec=spec, graphs=opts.graphs, fused=fused, profile=True, simulate_acceptance=sim,
-                              adaptive=False)        # steady state measures the recipe's whole proposal
+                              adaptive=False,        # steady state measures the recipe's whole proposal
+                              gpu_memory_utilization=recipe.gpu_memory_utilization)
         log(f"{name}: building the engine for batch {sizes[-1]} ...")
         engine, error = None, None
         try:

@@ -19,7 +19,7 @@ from .cycle import Launched, SlotState, Slotted, SpecCycle, exact_acceptance
 from .failures import (IDLE, DeviceFailed, FailedAlone, FailureCounts, failed_alone, survivable, touched, vouched,
                        warn_failure)
 from .rows import RowConverter
-from .pool import plan_pool
+from .pool import module_bytes, plan_pool
 from .prefill import Prefiller
 from .profile import CycleTime
 from ..data import RowError, RowRequest
@@ -32,12 +32,12 @@ from ..models.mtp import MTPLayer
 from ..prompts import exception_line, load_tokenizer
 from ..records import OUTPUT_FAILED, error_record
 from ..request import Request, StopChecker
-from ..runtime.kv_cache import PagedKVCache
+from ..runtime.kv_cache import PagedKVCache, gpu_memory
 from ..runtime.pages import Grant, PageAllocator
 from ..params import DEFAULT_LOGPROBS_MODE, SamplingParams, check_logprobs_mode
 from ..scheduler import SlotScheduler
 from ..speculative.drafter import Drafter
-from ..speculative.factory import SpecConfig, make_drafter
+from ..speculative.factory import SpecConfig, load_draft_module, make_drafter
 
 # A source may yield WAIT: "no row ready now, more may come" (a worker fed over a queue); the
 # engine decodes what it has and asks again. None still means the input ended.
@@ -101,9 +101,12 @@ class Engine:
         and `tokenizer` replace loading from `model_dir` (bench: random weights), `draft_head`
         replaces loading `opts.spec.draft`."""
         self.opts = opts = opts or EngineOptions()
+        free_at_start = None        # GPU bytes free before this engine loaded anything
         if model is None:
             self.device = resolve_device(opts.device)
             self._on_device()
+            if self.device.type == "cuda":
+                free_at_start = gpu_memory(self.device)[0]
             self.model, _ = load_target(model_dir, opts.dtype, self.device)
             self.tokenizer = load_tokenizer(model_dir)
             eos = generation_eos_ids(model_dir) or self.model.cfg.eos_token_ids
@@ -131,15 +134,22 @@ class Engine:
         # rows a running request may write past its host-known length before the next growth: the
         # cycle in flight (width) and the next (headroom)
         self.ahead = width + self.headroom
+        if drafter is None and draft_head is None:
+            # the draft module's weights first, so that the pool leaves them room
+            draft_head = load_draft_module(opts.spec, self.model, model_dir)
+        held = 0            # what gpu_memory_utilization's share holds already: the weights
         if opts.gpu_memory_utilization is not None and self.device.type != "cuda":
             print(f"warning: gpu_memory_utilization {opts.gpu_memory_utilization} is a GPU's share; on the "
                   f"{self.device.type} the KV pool takes a quarter of the available memory (at most 8 GiB)",
                   file=sys.stderr, flush=True)
+        elif opts.gpu_memory_utilization is not None:
+            held = (free_at_start - gpu_memory(self.device)[0] if free_at_start is not None
+                    else module_bytes(self.model, draft_head))      # loaded by the caller (bench, tests)
         plan = plan_pool(self.cfg, self.dtype, self.device, headroom=self.headroom,
                          drafting=drafter is not None or opts.spec.module is not None,
                          batch_size=opts.batch_size, max_model_len=opts.max_model_len, page_size=opts.page_size,
                          kv_rows=opts.kv_rows, prefill_tokens=opts.prefill_tokens, verify_nodes=width,
-                         utilization=opts.gpu_memory_utilization)
+                         utilization=opts.gpu_memory_utilization, held=held)
         self.num_slots, self.max_len, self.page_size, self.num_pages = (
             plan.num_slots, plan.max_len, plan.page_size, plan.num_pages)
         # table columns for the longest request and its verify / draft headroom

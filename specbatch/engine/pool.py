@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.config import DecoderConfig, ModelError
-from ..runtime.kv_cache import GiB, bytes_per_row, memory_budget
+from ..runtime.kv_cache import GiB, bytes_per_row, gpu_memory, memory_budget
 
 MAX_DEFAULT_SLOTS = 512
 # Slots only bound how many requests run at once: a request holds its own pages (what it wrote and
@@ -29,14 +29,15 @@ class PoolPlan:
 def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, headroom: int, drafting: bool,
               batch_size: int | None, max_model_len: int | None, page_size: int | None,
               kv_rows: int | None, prefill_tokens: int, verify_nodes: int | None = None,
-              utilization: float | None = None) -> PoolPlan:
+              utilization: float | None = None, held: int = 0) -> PoolPlan:
     """The pool takes what memory allows (on GPU 90% of what is free, minus room for
     activations, graphs and logits), but never more than every slot holding a request of the
     full context. Slots: `batch_size`, else as many as the pool holds at 256 rows each (up to
     512) on a GPU, 32 on a CPU. `headroom`: rows a request writes past its
     committed length (verify and draft scratch); `drafting`: the draft layer takes its own pages;
     `verify_nodes`: tokens a row verifies at most in one cycle (default: `headroom`);
-    `utilization`: the share of the GPU's whole memory the engine may take (memory_budget)."""
+    `utilization`: the share of the GPU's whole memory the engine may take, of which it holds
+    `held` bytes already (its weights; memory_budget)."""
     limit = cfg.max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
         raise ModelError(f"--max-model-len {max_model_len} exceeds the model's "
@@ -47,13 +48,22 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
         row_bytes += row_bytes // cfg.num_layers           # the draft layer's own pages
     dummy = math.ceil(headroom / P)
     nodes = verify_nodes or headroom
+    share = total = None
+    if utilization is not None and device.type == "cuda":
+        # as vLLM: the share must have been free when the engine started (before its weights)
+        free, total = gpu_memory(device)
+        share = int(total * utilization)
+        if free + held < share:
+            raise ModelError(f"gpu_memory_utilization {utilization} asks for {share / GiB:.1f} GiB of the GPU's "
+                             f"{total / GiB:.1f} GiB, but {(free + held) / GiB:.1f} GiB were free for this engine "
+                             "(other processes hold the rest): lower it")
 
     @functools.cache
     def pages_for(slots: int) -> int:
         """Pool pages with the reserve of `slots` slots kept out (read once a slot count: the plan
         takes the pages its search saw)."""
         reserve = _reserve(cfg, dtype, device, nodes, prefill_tokens, slots, drafting)
-        pages = memory_budget(device, reserve, utilization)
+        pages = memory_budget(device, reserve, utilization, held)
         pages //= row_bytes * P
         return pages if kv_rows is None else min(pages, math.ceil(kv_rows / P) + 1 + dummy)
 
@@ -74,11 +84,16 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
     pool_rows = (budget_pages - 1 - dummy) * P
     max_len = max_model_len or limit
     if max_len + headroom > pool_rows:
+        if share is not None and pool_rows - headroom < 16:
+            reserve = _reserve(cfg, dtype, device, nodes, prefill_tokens, most, drafting)
+            raise ModelError(f"gpu_memory_utilization {utilization} gives this engine {share / GiB:.1f} GiB of the "
+                             f"GPU's {total / GiB:.1f} GiB; its weights hold {held / GiB:.1f} GiB and activations "
+                             f"and logits need {reserve / GiB:.1f} GiB, which leaves no room for a KV pool: raise it")
         if max_model_len is not None or pool_rows - headroom < 16:
-            share = "" if utilization is None else f" within gpu_memory_utilization {utilization}"
-            raise ModelError(f"not enough {device.type} memory{share} for a KV pool holding one request of "
+            share_note = "" if utilization is None else f" within gpu_memory_utilization {utilization}"
+            raise ModelError(f"not enough {device.type} memory{share_note} for a KV pool holding one request of "
                              f"{max_len} tokens ({max(pool_rows, 0)} rows fit); set a smaller --max-model-len"
-                             + ("" if utilization is None else " or a larger --gpu-memory-utilization"))
+                             + ("" if utilization is None else " or a larger gpu_memory_utilization"))
         max_len = pool_rows - headroom
     per_slot = math.ceil((max_len + headroom) / P)
     usable = budget_pages - 1 - dummy
@@ -100,13 +115,24 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
 
 # Kept out of the pool beside what _reserve counts: cuBLAS and Triton workspaces, small graphs'
 # buffers and the allocator's fragmentation. The budget's 10% of free memory (memory_budget) is
-# the margin for what this misjudges.
+# the margin for what this misjudges; a gpu_memory_utilization share keeps none beyond what the
+# user leaves outside it (as vLLM's: near 1 nothing is left).
 WORKSPACE_BYTES = GiB // 2
 # Bytes a verify node keeps per vocabulary entry at once, at most: the raw logits (model dtype),
 # the processed ones and the filters' fp32 copies (min_p's scaled logits, softmax and mask), and
 # with logprobs their fp32 gather and log-softmax, the processed modes filtering once more
 # (engine/logprobs.py): ~23 bytes at bf16, measured op by op on the CPU path.
 LOGIT_BYTES = 24
+
+
+def module_bytes(*modules: torch.nn.Module | None) -> int:
+    """Bytes the modules' parameters and buffers hold, a storage shared between them counted once."""
+    seen: dict[tuple[int, int], int] = {}
+    for m in modules:
+        for t in [] if m is None else [*m.parameters(), *m.buffers()]:
+            s = t.untyped_storage()
+            seen[(s.data_ptr(), s.nbytes())] = s.nbytes()
+    return sum(seen.values())
 
 
 def _reserve(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, nodes: int, prefill_tokens: int,

@@ -57,19 +57,25 @@ class PagedKVCache:
             self.data[:, dst] = self.data[:, src]
 
 
+def gpu_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a GPU, blocks torch caches but no tensor uses counted free."""
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
+
+
 def bytes_per_row(cfg: DecoderConfig, dtype: torch.dtype) -> int:
     """K and V bytes of one cache position in one slot, all layers."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def memory_budget(device: torch.device, reserve: int, utilization: float | None = None) -> int:
+def memory_budget(device: torch.device, reserve: int, utilization: float | None = None, held: int = 0) -> int:
     """Bytes the cache may take, `reserve` kept out: 90% of free GPU memory; with `utilization`,
-    that share of the GPU's whole memory less what is in use now (the weights, and whatever else
-    holds the GPU), as vLLM's gpu_memory_utilization; on a CPU a quarter of available RAM (<= 8 GiB)."""
+    that share of the GPU's whole memory less what this engine holds already (`held`: its
+    weights), as vLLM's gpu_memory_utilization (a per-engine share: other processes' memory is
+    not counted in it); on a CPU a quarter of available RAM (<= 8 GiB)."""
     if device.type == "cuda":
-        torch.cuda.empty_cache()           # blocks torch holds but no tensor uses (load, fusing) are free
-        free, total = torch.cuda.mem_get_info(device)
-        avail = int(free * 0.9) if utilization is None else int(total * utilization) - (total - free)
+        free, total = gpu_memory(device)
+        avail = int(free * 0.9) if utilization is None else int(total * utilization) - held
         return max(avail - reserve, 0)
     avail = 16 * GiB
     try:

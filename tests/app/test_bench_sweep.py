@@ -373,7 +373,7 @@ def test_job_floor_counts_the_pool_the_engine_has(tiny_config, tmp_path, monkeyp
     from specbatch.models.config import DecoderConfig
 
     row = pool.bytes_per_row(DecoderConfig.from_dict(TINY), torch.float32)
-    monkeypatch.setattr(pool, "memory_budget", lambda device, reserve, utilization=None: 12 * 16 * row)
+    monkeypatch.setattr(pool, "memory_budget", lambda device, reserve, utilization=None, held=0: 12 * 16 * row)
     out = tmp_path / "job"
     r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
                                  "--requests", "16", "--prompt-median", "40", "--prompt-max", "60",

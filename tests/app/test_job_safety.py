@@ -221,6 +221,13 @@ def test_bad_flags_are_named_as_flags(tmp_path, base, flag, value, expect):
     assert expect in line and "sampling." not in line.split(":")[0]
 
 
+def test_gpu_memory_utilization_reaches_the_engine(tmp_path, base):
+    """The flag travels with the recipe to the engine, which on a CPU says it does not apply."""
+    inp, out = write(tmp_path / "in.jsonl", ROWS[:2]), tmp_path / "o.jsonl"
+    r = cli("run", inp, "-o", out, *base, "--gpu-memory-utilization", "0.5")
+    assert r.exit_code == 0 and "warning: gpu_memory_utilization 0.5 is a GPU's share" in r.stderr
+
+
 def test_disk_full_is_one_line_and_keeps_the_committed_rows(tmp_path, base, monkeypatch):
     import errno
 

@@ -322,22 +322,34 @@ def test_gpu_memory_utilization_reaches_the_engine_and_a_cpu_says_it_ignores_it(
         LLM(device="cpu", gpu_memory_utilization=2)
 
 
-@pytest.mark.parametrize("recipe, width", [("vanilla", 1), ("eagle3_topk1", 4), ("eagle3_tree", 8)])
-def test_the_pool_plan_reserves_logits_for_the_tokens_a_row_verifies(monkeypatch, recipe, width):
-    """The reserve's logits are the verify width's (the proposal's tokens), not the headroom
-    (which also counts the draft's scratch rows)."""
+@pytest.mark.parametrize("recipe, width", [("vanilla", 1), ("eagle3_topk1", 4), ("eagle3_tree", 8),
+                                           ("nextn_mtp", 4)])
+def test_the_pool_plan_follows_the_draft_weights_and_reserves_the_verified_tokens(monkeypatch, recipe, width):
+    """The draft module's weights load before the pool is planned (free memory then leaves them
+    room), and the reserve's logits are the verify width's (the proposal's tokens), not the
+    headroom (which also counts the draft's scratch rows)."""
     from specbatch.engine import engine as engine_mod
 
-    seen = {}
-    real = engine_mod.plan_pool
+    seen, calls = {}, []
+    plan, load = engine_mod.plan_pool, engine_mod.load_draft_module
 
-    def spy(*args, **kw):
+    def spy_plan(*args, **kw):
+        calls.append("plan")
         seen.update(kw)
-        return real(*args, **kw)
+        return plan(*args, **kw)
 
-    monkeypatch.setattr(engine_mod, "plan_pool", spy)
+    def spy_load(*args, **kw):
+        calls.append("load")
+        seen["module"] = load(*args, **kw)
+        return seen["module"]
+
+    monkeypatch.setattr(engine_mod, "plan_pool", spy_plan)
+    monkeypatch.setattr(engine_mod, "load_draft_module", spy_load)
     engine = LLM(recipe=recipe, device="cpu").engine
+    assert calls == ["load", "plan"]
     assert seen["verify_nodes"] == width < engine.headroom + (recipe == "vanilla")
-    if engine.drafter is not None:
-        assert width == engine.drafter.num_draft_tokens
+    if recipe == "vanilla":
+        assert seen["module"] is None
+    else:
+        assert width == engine.drafter.num_draft_tokens and engine.drafter.head is seen["module"]
 

@@ -106,11 +106,12 @@ def test_default_slots_do_not_depend_on_the_models_whole_context(monkeypatch):
     from specbatch.models.config import DecoderConfig
 
     cfg = DecoderConfig.from_dict(BUILTIN["llama-3.1-8b"])
-    monkeypatch.setattr(pool, "memory_budget", lambda device, reserve, utilization=None: 60 * 2**30)
+    monkeypatch.setattr(pool, "memory_budget", lambda device, reserve, utilization=None, held=0: 60 * 2**30)
     plan = pool.plan_pool(cfg, torch.bfloat16, torch.device("cuda"), headroom=8, drafting=True, batch_size=None,
                           max_model_len=None, page_size=None, kv_rows=None, prefill_tokens=8192)
     assert plan.max_len == 131072 and plan.num_slots == pool.MAX_DEFAULT_SLOTS
-    monkeypatch.setattr(pool, "memory_budget", lambda device, reserve, utilization=None: 2 * 2**30)   # fewer slots
+    monkeypatch.setattr(pool, "memory_budget",
+                        lambda device, reserve, utilization=None, held=0: 2 * 2**30)    # a small pool: fewer slots
     small = pool.plan_pool(cfg, torch.bfloat16, torch.device("cuda"), headroom=8, drafting=False, batch_size=None,
                            max_model_len=8192, page_size=None, kv_rows=None, prefill_tokens=8192)
     assert 16 <= small.num_slots < pool.MAX_DEFAULT_SLOTS
@@ -128,7 +129,7 @@ def test_default_slots_plan_the_reserve_for_the_slots_the_pool_holds(monkeypatch
     cfg = DecoderConfig.from_dict(BUILTIN["llama-3.1-8b"])
     free = 7 * 2**30
     monkeypatch.setattr(pool, "memory_budget",
-                        lambda device, reserve, utilization=None: max(int(free * 0.9) - reserve, 0))
+                        lambda device, reserve, utilization=None, held=0: max(int(free * 0.9) - reserve, 0))
     args = dict(dtype=torch.bfloat16, device=torch.device("cuda"), drafting=True, max_model_len=None,
                 page_size=None, kv_rows=None, prefill_tokens=8192)
     headroom = 12                                     # eagle3_tree: 8 nodes + the draft's scratch
@@ -162,7 +163,7 @@ def test_the_reserve_counts_the_verified_tokens_and_leaves_a_small_card_its_pool
     cuda, bf = torch.device("cuda"), torch.bfloat16
     free = int(7.4 * 2**30)                    # Llama-3.1-8B on a 24 GB card, after the weights
     monkeypatch.setattr(pool, "memory_budget",
-                        lambda device, reserve, utilization=None: max(int(free * 0.9) - reserve, 0))
+                        lambda device, reserve, utilization=None, held=0: max(int(free * 0.9) - reserve, 0))
     args = dict(dtype=bf, device=cuda, max_model_len=None, page_size=None, kv_rows=None, prefill_tokens=8192)
     reserve = pool._reserve(cfg, bf, cuda, 4, 8192, 100, drafting=True)
     widest = 7 * cfg.hidden_size + 3 * cfg.intermediate_size          # a drafting forward's, per token
@@ -239,10 +240,11 @@ def test_more_slots_than_pages_is_an_error_naming_the_flag(tiny_model):
         Engine(tiny_model, EngineOptions(device="cpu", dtype="float32", batch_size=10**8, kv_rows=480, page_size=8))
 
 
-def test_gpu_memory_utilization_is_a_share_of_the_whole_gpu(monkeypatch):
+def test_gpu_memory_utilization_is_this_engines_share_of_the_whole_gpu(monkeypatch):
     """As vLLM's: the engine may take that share of the GPU's whole memory, so the pool gets it
-    less what is in use (the weights, anything else on the GPU) and the reserve; without it the
-    pool takes 90% of what is free. A share the weights already fill is an error naming it."""
+    less what the engine holds already (its weights) and the reserve; memory other processes
+    hold is not counted in it, but the share must have been free when the engine started.
+    Without it the pool takes 90% of what is free. Each refusal names the setting."""
     from specbatch.bench.configs import BUILTIN
     from specbatch.engine import pool
     from specbatch.models.config import DecoderConfig, ModelError
@@ -250,17 +252,21 @@ def test_gpu_memory_utilization_is_a_share_of_the_whole_gpu(monkeypatch):
 
     G = 2**30
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * G, 24 * G))   # 16 GiB in use
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * G, 24 * G))
     cuda = torch.device("cuda")
     assert kv_cache.memory_budget(cuda, G) == int(8 * G * 0.9) - G
-    assert kv_cache.memory_budget(cuda, G, 0.95) == int(24 * G * 0.95) - 16 * G - G
-    assert kv_cache.memory_budget(cuda, G, 0.5) == 0                          # the weights alone pass half
+    assert kv_cache.memory_budget(cuda, G, 0.95, held=16 * G) == int(24 * G * 0.95) - 16 * G - G
     cfg = DecoderConfig.from_dict(BUILTIN["llama-3.1-8b"])
     args = dict(dtype=torch.bfloat16, device=cuda, headroom=1, drafting=False, batch_size=None, page_size=None,
-                kv_rows=None, prefill_tokens=8192)
-    roomy = pool.plan_pool(cfg, max_model_len=None, utilization=0.98, **args)
-    default = pool.plan_pool(cfg, max_model_len=None, **args)
-    tight = pool.plan_pool(cfg, max_model_len=None, utilization=0.8, **args)
+                kv_rows=None, prefill_tokens=8192, max_model_len=None)
+    roomy = pool.plan_pool(cfg, utilization=0.98, held=16 * G, **args)
+    default = pool.plan_pool(cfg, **args)
+    tight = pool.plan_pool(cfg, utilization=0.8, held=16 * G, **args)
     assert roomy.num_pages > default.num_pages > tight.num_pages
-    with pytest.raises(ModelError, match=r"within gpu_memory_utilization 0\.6 .*--gpu-memory-utilization"):
-        pool.plan_pool(cfg, max_model_len=4096, utilization=0.6, **args)
+    # another process holds 6 GiB: a share of 0.7 (16.8 GiB) still gets 6.8 GiB beside 10 of weights
+    assert kv_cache.memory_budget(cuda, 0, 0.7, held=10 * G) == int(24 * G * 0.7) - 10 * G
+    assert pool.plan_pool(cfg, utilization=0.7, held=10 * G, **args).num_pages > tight.num_pages
+    with pytest.raises(ModelError, match=r"gpu_memory_utilization 0\.95 asks for 22\.8 GiB .* 18\.0 GiB were free"):
+        pool.plan_pool(cfg, utilization=0.95, held=10 * G, **args)
+    with pytest.raises(ModelError, match=r"gpu_memory_utilization 0\.7 gives .* weights hold 16\.0 GiB .* raise it"):
+        pool.plan_pool(cfg, utilization=0.7, held=16 * G, **args)
