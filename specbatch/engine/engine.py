@@ -32,7 +32,7 @@ from ..models.mtp import MTPLayer
 from ..prompts import exception_line, load_tokenizer
 from ..records import OUTPUT_FAILED, error_record
 from ..request import Request, StopChecker
-from ..runtime.kv_cache import PagedKVCache, gpu_memory
+from ..runtime.kv_cache import PagedKVCache
 from ..runtime.pages import Grant, PageAllocator
 from ..params import DEFAULT_LOGPROBS_MODE, SamplingParams, check_logprobs_mode
 from ..scheduler import SlotScheduler
@@ -101,12 +101,9 @@ class Engine:
         and `tokenizer` replace loading from `model_dir` (bench: random weights), `draft_head`
         replaces loading `opts.spec.draft`."""
         self.opts = opts = opts or EngineOptions()
-        free_at_start = None        # GPU bytes free before this engine loaded anything
         if model is None:
             self.device = resolve_device(opts.device)
             self._on_device()
-            if self.device.type == "cuda":
-                free_at_start = gpu_memory(self.device)[0]
             self.model, _ = load_target(model_dir, opts.dtype, self.device)
             self.tokenizer = load_tokenizer(model_dir)
             eos = generation_eos_ids(model_dir) or self.model.cfg.eos_token_ids
@@ -143,8 +140,9 @@ class Engine:
                   f"{self.device.type} the KV pool takes a quarter of the available memory (at most 8 GiB)",
                   file=sys.stderr, flush=True)
         elif opts.gpu_memory_utilization is not None:
-            held = (free_at_start - gpu_memory(self.device)[0] if free_at_start is not None
-                    else module_bytes(self.model, draft_head))      # loaded by the caller (bench, tests)
+            # counted by the tensors, not by the device's free memory, which other processes on the
+            # same GPU (Ray actors sharing it, workers) move while this one loads
+            held = module_bytes(self.model, draft_head, getattr(drafter, "head", None))
         plan = plan_pool(self.cfg, self.dtype, self.device, headroom=self.headroom,
                          drafting=drafter is not None or opts.spec.module is not None,
                          batch_size=opts.batch_size, max_model_len=opts.max_model_len, page_size=opts.page_size,

@@ -50,7 +50,8 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
     nodes = verify_nodes or headroom
     share = total = None
     if utilization is not None and device.type == "cuda":
-        # as vLLM: the share must have been free when the engine started (before its weights)
+        # as vLLM: the share must have been free when the engine started (before its weights), so
+        # a share near 1 needs the whole card (the CUDA context alone takes some)
         free, total = gpu_memory(device)
         share = int(total * utilization)
         if free + held < share:
@@ -84,7 +85,7 @@ def plan_pool(cfg: DecoderConfig, dtype: torch.dtype, device: torch.device, *, h
     pool_rows = (budget_pages - 1 - dummy) * P
     max_len = max_model_len or limit
     if max_len + headroom > pool_rows:
-        if share is not None and pool_rows - headroom < 16:
+        if share is not None and kv_rows is None and pool_rows - headroom < 16:
             reserve = _reserve(cfg, dtype, device, nodes, prefill_tokens, most, drafting)
             raise ModelError(f"gpu_memory_utilization {utilization} gives this engine {share / GiB:.1f} GiB of the "
                              f"GPU's {total / GiB:.1f} GiB; its weights hold {held / GiB:.1f} GiB and activations "
