@@ -122,6 +122,9 @@ def print_summary(err: Console, s: dict[str, Any]) -> None:
         ("wall time", f"{s['wall_s']:.1f} s (model load {s['load_s']:.1f} s, generation {s['generate_s']:.1f} s)"), ("peak memory", f"{s['peak_memory_bytes'] / 2**20:.0f} MiB"),
         ("CUDA graphs", f"captured in {s['capture_s']:.2f} s" if s.get("graphs") else "off (eager)"),
     ]
+    if s.get("kv_rows"):                              # what memory (or --gpu-memory-utilization) gave the pool
+        where = f", {s['slots']} slots" if s.get("slots") else " in each worker's pool (the smallest)"
+        rows.append(("KV pool", f"{s['kv_rows']:,} token rows{where}"))
     if s.get("waited_for_pages"):                     # admission control, never out of memory
         pool = f" (KV pool: {s['kv_rows']:,} rows)" if s.get("kv_rows") else ""
         rows.append(("waited for KV pages", f"{s['waited_for_pages']} requests waited in the queue until pages freed{pool}"))

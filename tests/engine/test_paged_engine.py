@@ -210,6 +210,7 @@ def test_the_summary_says_how_many_admissions_waited_for_pages(tiny_model, tmp_p
     buf = io.StringIO()
     print_summary(Console(file=buf, width=200), s)
     assert "waited for KV pages" in buf.getvalue() and f"KV pool: {s['kv_rows']:,} rows" in buf.getvalue()
+    assert f"{s['kv_rows']:,} token rows, 8 slots" in buf.getvalue()
 
 
 def test_waited_for_pages_counts_requests_not_cycles(tiny_model):
