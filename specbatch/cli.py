@@ -178,7 +178,8 @@ def run(
         rec = rec.with_overrides(**overrides)
     except RecipeError as e:
         key = (e.key or "").removeprefix("sampling.").split("[")[0]
-        _fail(f"{_FLAGS[key]}: {e.detail}" if overrides.get(key) is not None else str(e))
+        # a flag cannot be null: the recipe key's "or null" is not the flag's to offer
+        _fail(f"{_FLAGS[key]}: {e.detail.replace(' or null', '')}" if overrides.get(key) is not None else str(e))
     if stats_json:
         _check_stats_path(stats_json)
         try:

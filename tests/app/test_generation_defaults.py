@@ -102,7 +102,7 @@ def test_run_flags(tiny_model, tmp_path):
     ("--repetition-penalty", "0", "--repetition-penalty: expected a number > 0 (1 = off), got 0.0"),
     ("--logit-bias", "5:1", "--logit-bias: expected ID=BIAS (a token id and a number), got str '5:1'"),
     ("--logit-bias", "5=300", "--logit-bias: expected a bias in [-100, 100] for token id 5, got 300.0"),
-    ("--logprobs", "21", "--logprobs: expected an integer in [0, 20] or null, got 21"),
+    ("--logprobs", "21", "--logprobs: expected an integer in [0, 20], got 21"),
     ("--n", "0", "--n: expected an integer in [1, 1024], got 0"),
 ])
 def test_run_flag_errors(flag, value, expected, tiny_model, tmp_path):

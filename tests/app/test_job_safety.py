@@ -219,6 +219,7 @@ def test_bad_flags_are_named_as_flags(tmp_path, base, flag, value, expect):
     inp = write(tmp_path / "in.jsonl", ROWS)
     line = one_line_cli_error(cli("run", inp, *base, flag, value), EXIT_USAGE)
     assert expect in line and "sampling." not in line.split(":")[0]
+    assert "or null" not in line                          # the recipe key's null is no value for a flag
 
 
 def test_gpu_memory_utilization_reaches_the_engine(tmp_path, base):
