@@ -232,13 +232,11 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
     if pool_rows:
         # the prefill emits a sequence's first token; the step that emits its t-th (t >= 2) holds
         # its prompt and t - 1 tokens. A prompt's prefix another prompt shares (and a row's prompt
-        # for its other choices) may be held once, so it counts for none of them
-        own = dict(zip(map(id, rows), unshared_prompt_lengths([r.prompt_token_ids for r in rows])))
-        firsts: set[int] = set()
-        held = 0.0
-        for r, o in seqs:
-            held += o * (o - 1) / 2 + ((o - 1) * own[id(r)] if id(r) not in firsts and o else 0)
-            firsts.add(id(r))
+        # for its other choices) may be held once, so it counts for none of them: a row's own
+        # prompt rows count once, whatever its choices
+        own = unshared_prompt_lengths([r.prompt_token_ids for r in rows])
+        held = (sum(o * (o - 1) / 2 for _, o in seqs)
+                + sum(max(output_tokens(r) - 1, 0) * u for r, u in zip(rows, own)))
         kv_steps = math.ceil(held / pool_rows)
     spread = max(math.ceil(out_tokens / slots), kv_steps)
     steps = max(spread, max(outputs, default=0))

@@ -6,7 +6,7 @@ ones (an EAGLE3 head, an MTP layer; both run by `LayerDrafter`) are here.
 """
 from __future__ import annotations
 
-from ..algorithms import AlgorithmError, get_drafter
+from ..algorithms import AlgorithmError, DrafterKind, get_drafter
 from ..models.config import ModelError
 from ..models.eagle3 import Eagle3Head, default_aux_layers, load_eagle3
 from ..models.llama import CausalLM
@@ -19,7 +19,8 @@ from .spec_config import SpecConfig
 __all__ = ["SpecConfig", "build_eagle3", "build_mtp", "load_draft_module", "make_drafter"]
 
 
-def _kind(spec: SpecConfig):
+def _kind(spec: SpecConfig) -> DrafterKind | None:
+    """The drafter kind `spec` runs (its own, else its algorithm's default); None: no drafter."""
     kind = spec.drafter or spec.entry.default_drafter
     try:
         return None if kind is None else get_drafter(kind)
