@@ -347,7 +347,7 @@ class SpecCycle:
         meta = AttnMetadata(slots=b.slots, positions=lens[:, None] + prop.depths, prefix_lens=lens,
                             kv_len=b.kv_bound + prop.width, tree_mask=prop.tree_mask, page_table=self.page_table)
         hidden, b.captured = self.target(prop.tokens, meta)
-        logits = raw = self.model.lm_head(hidden)                                # [B, N, V]
+        logits = raw = self.model.head_logits(hidden)                            # [B, N, V]
         proc = b.proc
         if proc is not None:
             # every node with its own path's state: generated = committed + 1 (the root) - prompt, + depth

@@ -9,8 +9,15 @@ programs for N = 4,096, about a wave of an H100), accumulating in fp32 with tens
 a 16-row tile (rows past M masked): 80%, 95% and ~100% there, a forward's GEMMs 5.57 -> 5.28 ms at
 one row. No split-K, so no second kernel, and a row's result does not depend on the other rows
 or on M: a verify of 4 tokens computes each token exactly as a plain step would.
+
+The tile follows the output width, never M: when BLOCK_N = 32 would need more than one wave of
+programs (qkv, gate_up, lm_head at 8B shapes), BLOCK_N = 64 over BLOCK_K = 256 (half the programs,
+the same bytes in flight each) saves the second wave's tail: `benchmarks/skinny_gemm.py` on an
+H200 at one row, qkv 15.1 us (80% of its bytes) where the narrow tile leaves a part-filled wave.
 """
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 import triton
@@ -19,8 +26,8 @@ import triton.language as tl
 from . import INTERPRET
 
 MAX_ROWS = 16           # one dot tile of rows
-BLOCK_N = 32
-BLOCK_K = 512
+NARROW = (32, 512)      # (BLOCK_N, BLOCK_K) while N / 32 programs fit in one wave
+WIDE = (64, 256)        # past one wave
 NUM_STAGES = 4
 NUM_WARPS = 4
 
@@ -55,6 +62,19 @@ def serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.stride(1) == 1)
 
 
+@lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1 << 30          # the interpreter: one tile for every width
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tile(n: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) for an output of n columns: a function of n and the GPU only, so a row's
+    result does not depend on how many rows share the call."""
+    return NARROW if triton.cdiv(n, NARROW[0]) <= _sm_count(device) else WIDE
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows) @ weight [N, K]^T -> [..., N] in x's dtype."""
     K = x.shape[-1]
@@ -69,8 +89,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
-        _skinny_kernel[(triton.cdiv(N, BLOCK_N),)](
+        bn, bk = tile(N, x.device)
+        _skinny_kernel[(triton.cdiv(N, bn),)](
             x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-            BM=MAX_ROWS, BN=BLOCK_N, BK=BLOCK_K, UPCAST=INTERPRET and x.dtype == torch.bfloat16,
+            BM=MAX_ROWS, BN=bn, BK=bk, UPCAST=INTERPRET and x.dtype == torch.bfloat16,
             num_stages=NUM_STAGES, num_warps=NUM_WARPS)
     return y.view(*x.shape[:-1], N)

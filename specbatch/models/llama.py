@@ -276,6 +276,10 @@ class CausalLM(nn.Module):
                 captured[i] = h + residual
         return self.model.norm(h, residual)[0], [captured[i] for i in capture]
 
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] in the weights' dtype (a verify's raw logits)."""
+        return linear(hidden, self.lm_head.weight, self.lm_head.bias)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> float32 [..., V]."""
-        return linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+        return self.head_logits(hidden).float()

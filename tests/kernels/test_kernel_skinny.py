@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from specbatch import kernels
-from specbatch.kernels.skinny import MAX_ROWS, serves, skinny_linear
+from specbatch.kernels import skinny
+from specbatch.kernels.skinny import MAX_ROWS, NARROW, WIDE, serves, skinny_linear, tile
 from specbatch.models.llama import linear
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -41,6 +42,19 @@ def test_leading_dims_strided_rows_and_row_independence_interpreter():
     torch.testing.assert_close(got.float(), (x.float() @ w.float().t()), atol=2e-2, rtol=2e-2)
     # a row's result does not depend on the rows beside it
     assert torch.equal(skinny_linear(x[1, 2:3], w)[0], got[1, 2])
+
+
+def test_tile_follows_the_output_width_and_the_wide_tile_interpreter(monkeypatch):
+    """Past one wave of narrow programs the wide tile: chosen by N and the GPU, never by M, and
+    the same values and row independence as the narrow one."""
+    monkeypatch.setattr(skinny, "_sm_count", lambda device: 3)     # a 3-SM GPU: 3 narrow programs a wave
+    dev = torch.device("cpu")
+    assert tile(3 * NARROW[0], dev) == NARROW and tile(3 * NARROW[0] + 1, dev) == WIDE
+    x, w = _case(5, 3 * NARROW[0] + 40, 2 * WIDE[1] + 70, torch.bfloat16)    # ragged N and K tails
+    got = skinny_linear(x, w)
+    torch.testing.assert_close(got.float(), (x.float() @ w.float().t()), atol=2e-2, rtol=2e-2)
+    for i in range(5):
+        assert torch.equal(skinny_linear(x[i: i + 1], w)[0], got[i])
 
 
 def test_refuses_what_it_does_not_serve():
