@@ -34,6 +34,7 @@ from ..prompts import exception_line
 from ..processors import Processors, count_tokens, processors_key
 from ..request import Request, StopChecker
 from .adaptive import WidthPolicy
+from .failures import out_of_memory
 from .logprobs import add_logprobs, emitted_logprobs
 from .graphs import GraphRunner, capture_sizes, padded_size
 from .profile import CycleTime, StageTimer
@@ -268,7 +269,9 @@ class SpecCycle:
                 failed = None
                 try:
                     return self._replays(active, bucket, first)
-                except torch.OutOfMemoryError as e:
+                except Exception as e:  # noqa: BLE001 - an allocation that failed; anything else goes on up
+                    if not out_of_memory(e):
+                        raise
                     failed = exception_line(e)
                 # past the handler: the failed capture's tensors, held by the traceback, are free
                 self._no_graphs(self._variant, failed)

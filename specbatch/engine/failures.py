@@ -4,8 +4,9 @@ A Python exception in a prefill or a cycle (a bug that some row's length or para
 CUDA out-of-memory) leaves the process usable: the engine puts the rows that were in flight
 aside, reruns them in halves (each half a job of its own, which recovers the same way) until a
 row fails alone, and that row becomes its error record; every other row runs to its end as it
-would have. A CUDA error (an illegal address, a device-side assert) leaves the device unusable
-for this process: it ends the job (DeviceFailed, naming the rows in flight), finished rows
+would have. A failed allocation is one of these, whichever layer reports it (`out_of_memory`).
+A CUDA error (an illegal address, a device-side assert) leaves the device unusable for this
+process: it ends the job (DeviceFailed, naming the rows in flight), finished rows
 committed; the rerun runs those rows one at a time before the rest, so a row that brings the
 device down alone is written as its error and the job goes past it.
 
@@ -62,16 +63,30 @@ class FailureCounts:
         return {"engine_failures": self.failures, "rows_rerun": self.rows_rerun, "rows_failed_alone": self.failed_alone}
 
 
+# an allocation outside torch's allocator that failed (a graph's instantiation, a library's
+# workspace), reported as a CUDA error: cudaErrorMemoryAllocation does not poison the context
+_ALLOCATION_FAILED = ("CUDA error: out of memory", "cudaErrorMemoryAllocation", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is an allocation that failed, the device unharmed: torch's own allocator
+    (OutOfMemoryError) or one outside it."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and any(t in str(e) for t in _ALLOCATION_FAILED))
+
+
 def survivable(e: BaseException, device: torch.device) -> bool:
-    """Whether the engine can go on after `e`: a Python exception, the device still answering."""
+    """Whether the engine can go on after `e`: a Python exception or a failed allocation, the
+    device still answering."""
     if not isinstance(e, Exception) or isinstance(e, (EngineFailed, DeviceFailed)):
         return False
-    accelerator_error = getattr(torch, "AcceleratorError", None)      # torch >= 2.8: CUDA errors
-    if accelerator_error is not None and isinstance(e, accelerator_error):
-        return False
-    text = str(e)
-    if "CUDA error" in text or "CUBLAS_STATUS" in text or "CUDNN_STATUS" in text:
-        return False
+    if not out_of_memory(e):
+        accelerator_error = getattr(torch, "AcceleratorError", None)      # torch >= 2.8: CUDA errors
+        if accelerator_error is not None and isinstance(e, accelerator_error):
+            return False
+        text = str(e)
+        if "CUDA error" in text or "CUBLAS_STATUS" in text or "CUDNN_STATUS" in text:
+            return False
     if device.type == "cuda":
         try:
             torch.cuda.synchronize(device)        # work still queued may fail too: the device decides

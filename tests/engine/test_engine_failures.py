@@ -153,6 +153,10 @@ def test_device_errors_are_not_survived():
     cpu = torch.device("cpu")
     assert survivable(RuntimeError("shape mismatch"), cpu) and survivable(torch.OutOfMemoryError("oom"), cpu)
     assert not survivable(RuntimeError("CUDA error: an illegal memory access was encountered"), cpu)
+    # a failed allocation outside torch's allocator leaves the device usable
+    assert survivable(RuntimeError("CUDA error: out of memory"), cpu)
+    assert survivable(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), cpu)
+    assert not survivable(RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED"), cpu)
     assert not survivable(KeyboardInterrupt(), cpu) and not survivable(EngineFailed("x"), cpu)
     assert not survivable(DeviceFailed([], RuntimeError("x"), cpu), cpu)
     accel = getattr(torch, "AcceleratorError", None)

@@ -89,13 +89,14 @@ def test_a_jobs_first_variant_is_captured_at_every_size_and_width(target_dir, ea
 class _OutOfMemoryFor(EmulatedGraphs):
     """Capturing a variant that `fails` picks raises CUDA's out-of-memory error."""
 
-    def __init__(self, cycle, fused, fails):
+    def __init__(self, cycle, fused, fails, error=None):
         super().__init__(cycle, fused)
         self.fails = fails
+        self.error = error or torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     def _check(self, variant):
         if self.fails(variant[0]):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise self.error
 
     def capture_all(self, variant, time_sizes=False):
         self._check(variant)
@@ -107,8 +108,15 @@ class _OutOfMemoryFor(EmulatedGraphs):
         return super().get(n, variant)
 
 
+# allocations that fail inside torch's allocator and outside it (a graph's instantiation, cuBLAS's workspace)
+_ALLOCATION_ERRORS = {"torch-allocator": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                      "cuda-malloc": torch.AcceleratorError("CUDA error: out of memory"),
+                      "cublas": RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")}
+
+
+@pytest.mark.parametrize("error", list(_ALLOCATION_ERRORS))
 @pytest.mark.parametrize("first", [True, False], ids=["job-first", "mid-job"])
-def test_a_variant_that_cannot_be_captured_runs_eagerly(first, target_dir, eagle3_dir, capsys):
+def test_a_variant_that_cannot_be_captured_runs_eagerly(first, error, target_dir, eagle3_dir, capsys):
     """Out of memory capturing a variant's graphs (at a job's start or first met mid-job) does not
     fail its rows: that variant's cycles run eagerly, with eager's tokens, and the job goes on."""
     spec = SpecConfig("eagle3", 3, 1, 4, str(eagle3_dir))
@@ -116,7 +124,8 @@ def test_a_variant_that_cannot_be_captured_runs_eagerly(first, target_dir, eagle
     r = rows(prompts(6), per_row)
     eager = _gen(_engine(target_dir, spec, False), r)
     eng = _engine(target_dir, spec, False)
-    eng.cycle.graphs = g = _OutOfMemoryFor(eng.cycle, eng.fused, lambda v: v.processors is not None)
+    eng.cycle.graphs = g = _OutOfMemoryFor(eng.cycle, eng.fused, lambda v: v.processors is not None,
+                                           _ALLOCATION_ERRORS[error])
     got = _gen(eng, r)
     assert ids(got) == ids(eager)
     bad = eng.cycle.eager_variants
@@ -125,6 +134,21 @@ def test_a_variant_that_cannot_be_captured_runs_eagerly(first, target_dir, eagle
     if not first:
         assert any(v.greedy for v in g.variants)            # the greedy cycles before it replayed graphs
     assert "out of memory capturing the graphs" in capsys.readouterr().err
+
+
+def test_a_capture_that_fails_otherwise_is_not_taken_for_out_of_memory(target_dir, eagle3_dir, capsys):
+    """Only a failed allocation sends a variant to eager cycles: any other error capturing its
+    graphs goes to the engine's failure handling (its rows rerun apart, then error records)."""
+    spec = SpecConfig("eagle3", 3, 1, 4, str(eagle3_dir))
+    eng = _engine(target_dir, spec, False)
+    eng.cycle.graphs = _OutOfMemoryFor(eng.cycle, eng.fused, lambda v: v.processors is not None,
+                                       RuntimeError("shape mismatch (planted)"))     # both rows have processors
+    got = {x["row"]: x["error"] for x in eng.generate(rows(prompts(6), [{}] * 4 + MIXED[2:4]),
+                                                       SamplingDefaults(max_tokens=16))}
+    assert not eng.cycle.eager_variants
+    assert "out of memory capturing the graphs" not in capsys.readouterr().err
+    assert [row for row, error in sorted(got.items()) if error] == [4, 5]      # the rows with processors
+    assert all("shape mismatch (planted)" in got[row] for row in (4, 5))
 
 
 def test_timing_a_jobs_first_variant_replays_no_rows_of_an_earlier_job(target_dir, eagle3_dir):
