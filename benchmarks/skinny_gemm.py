@@ -6,7 +6,8 @@ Llama-3.1-8B's per-layer GEMMs and its lm_head at M rows, each captured as a CUD
 calls (4 weight sets rotated, so weights come from HBM as in a forward), median of replays: torch
 (cuBLAS) against one Triton program per BLOCK_N output columns streaming its weight rows, no
 split-K (so no reduce kernel). Prints us a call and the share of the copy bandwidth reached, and
-whether each row's result is the same whatever M is (a verify of 4 tokens against a plain step).
+whether each row's result is the same whatever M is (a verify of 4 tokens against a plain step);
+beside the best tile of the sweep, the tile the engine runs at that width (`skinny.tile`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import triton
 
 from specbatch.bench.floor import copy_bandwidth
 from specbatch.bench.timing import graph_us
-from specbatch.kernels.skinny import _skinny_kernel
+from specbatch.kernels.skinny import NUM_STAGES, NUM_WARPS, _skinny_kernel, tile
 
 from gemm_rows import LAYERS, SETS, SHAPES as LAYER_SHAPES      # the layer GEMMs of gemm_rows.py
 
@@ -70,6 +71,8 @@ def main() -> None:
                     best = (t, cfg)
             cfg = best[1]
             t_tri = graph_us(tri_calls(cfg), args.reps)
+            landed = (*tile(o, dev), NUM_STAGES, NUM_WARPS)          # what the engine runs at this width
+            t_landed = graph_us(tri_calls(landed), args.reps)
             ref = x.float() @ ws[0].float().t()
             skinny(x, ws[0], y, *cfg)
             err = (y.float() - ref).abs().max().item()
@@ -77,7 +80,8 @@ def main() -> None:
             skinny(x[:1], ws[0], one, *cfg)
             same = torch.equal(one[0], y[0])
             print(f"M {m:3d} {name:8s} floor {floor:7.1f} us  torch {t_torch:7.1f} ({floor / t_torch:4.0%})  "
-                  f"triton {t_tri:7.1f} ({floor / t_tri:4.0%}) {cfg}  max err {err:.3g}  row 0 same at M=1: {same}")
+                  f"triton {t_tri:7.1f} ({floor / t_tri:4.0%}) {cfg}  engine's tile {t_landed:7.1f} {landed}  "
+                  f"max err {err:.3g}  row 0 same at M=1: {same}")
             mult = 1 if name == "lm_head" else LAYERS
             total_t += t_torch * mult
             total_s += t_tri * mult

@@ -65,7 +65,8 @@ class FailureCounts:
 
 # an allocation outside torch's allocator that failed (a graph's instantiation, a library's
 # workspace), reported as a CUDA error: cudaErrorMemoryAllocation does not poison the context
-_ALLOCATION_FAILED = ("CUDA error: out of memory", "cudaErrorMemoryAllocation", "CUBLAS_STATUS_ALLOC_FAILED")
+_ALLOCATION_FAILED = ("CUDA error: out of memory", "cudaErrorMemoryAllocation", "CUBLAS_STATUS_ALLOC_FAILED",
+                      "Triton Error [CUDA]: out of memory")
 
 
 def out_of_memory(e: BaseException) -> bool:

@@ -183,17 +183,22 @@ class GraphRunner:
                     stage(batch)
         torch.cuda.current_stream().wait_stream(side)
         graphs = []
-        for group in self.groups:
-            g = torch.cuda.CUDAGraph()
-            with warnings.catch_warnings():
-                # a stage with no device work (vanilla's extend) captures an empty graph
-                warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-                # on our own stream: torch's default capture stream is made once per process, on
-                # whichever device was current then
-                with torch.cuda.graph(g, pool=self._pool, stream=side):
-                    for stage in group:
-                        stage(batch)
-            graphs.append(g)
+        # The outer stream context puts the caller's stream back whatever happens: torch.cuda.graph's
+        # own exit instantiates the graph before it restores the stream, so an allocation failing
+        # there (a CUDA error: out of memory, which the caller survives) would leave the process on
+        # `side` for good.
+        with torch.cuda.stream(side):
+            for group in self.groups:
+                g = torch.cuda.CUDAGraph()
+                with warnings.catch_warnings():
+                    # a stage with no device work (vanilla's extend) captures an empty graph
+                    warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+                    # on our own stream: torch's default capture stream is made once per process, on
+                    # whichever device was current then
+                    with torch.cuda.graph(g, pool=self._pool, stream=side):
+                        for stage in group:
+                            stage(batch)
+                graphs.append(g)
         torch.cuda.synchronize()
         captured = self._graphs[(size, variant)] = Captured(batch, graphs)
         self.capture_seconds += time.perf_counter() - t0

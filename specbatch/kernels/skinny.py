@@ -12,8 +12,9 @@ or on M: a verify of 4 tokens computes each token exactly as a plain step would.
 
 The tile follows the output width, never M: when BLOCK_N = 32 would need more than one wave of
 programs (qkv, gate_up, lm_head at 8B shapes), BLOCK_N = 64 over BLOCK_K = 256 (half the programs,
-the same bytes in flight each) saves the second wave's tail: `benchmarks/skinny_gemm.py` on an
-H200 at one row, qkv 15.1 us (80% of its bytes) where the narrow tile leaves a part-filled wave.
+the same bytes in flight each) saves the second wave's tail: on an H200 at one row qkv 17.6 ->
+14.9 us, gate_up 60.3 -> 58.5 (benchmarks/results/h200-2026-11-28e.md; `benchmarks/skinny_gemm.py`
+times the engine's tile beside the sweep's best).
 """
 from __future__ import annotations
 

@@ -87,16 +87,16 @@ def test_a_jobs_first_variant_is_captured_at_every_size_and_width(target_dir, ea
 
 
 class _OutOfMemoryFor(EmulatedGraphs):
-    """Capturing a variant that `fails` picks raises CUDA's out-of-memory error."""
+    """Capturing a variant that `fails` picks raises `error()` (CUDA's out-of-memory error)."""
 
     def __init__(self, cycle, fused, fails, error=None):
         super().__init__(cycle, fused)
         self.fails = fails
-        self.error = error or torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        self.error = error or (lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
 
     def _check(self, variant):
         if self.fails(variant[0]):
-            raise self.error
+            raise self.error()                # a new one each time: no traceback carried over
 
     def capture_all(self, variant, time_sizes=False):
         self._check(variant)
@@ -108,10 +108,14 @@ class _OutOfMemoryFor(EmulatedGraphs):
         return super().get(n, variant)
 
 
-# allocations that fail inside torch's allocator and outside it (a graph's instantiation, cuBLAS's workspace)
-_ALLOCATION_ERRORS = {"torch-allocator": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-                      "cuda-malloc": torch.AcceleratorError("CUDA error: out of memory"),
-                      "cublas": RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")}
+# allocations that fail inside torch's allocator and outside it (a graph's instantiation, cuBLAS's
+# workspace, a Triton launch); a new one a raise, so no traceback carries frames from one into the next
+_ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", RuntimeError)      # torch >= 2.8
+_ALLOCATION_ERRORS = {
+    "torch-allocator": lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    "cuda-malloc": lambda: _ACCELERATOR_ERROR("CUDA error: out of memory"),
+    "cublas": lambda: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    "triton": lambda: RuntimeError("Triton Error [CUDA]: out of memory")}
 
 
 @pytest.mark.parametrize("error", list(_ALLOCATION_ERRORS))
@@ -142,7 +146,7 @@ def test_a_capture_that_fails_otherwise_is_not_taken_for_out_of_memory(target_di
     spec = SpecConfig("eagle3", 3, 1, 4, str(eagle3_dir))
     eng = _engine(target_dir, spec, False)
     eng.cycle.graphs = _OutOfMemoryFor(eng.cycle, eng.fused, lambda v: v.processors is not None,
-                                       RuntimeError("shape mismatch (planted)"))     # both rows have processors
+                                       lambda: RuntimeError("shape mismatch (planted)"))  # both rows: processors
     got = {x["row"]: x["error"] for x in eng.generate(rows(prompts(6), [{}] * 4 + MIXED[2:4]),
                                                        SamplingDefaults(max_tokens=16))}
     assert not eng.cycle.eager_variants

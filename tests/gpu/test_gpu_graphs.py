@@ -180,3 +180,29 @@ def test_engine_on_a_second_gpu_equals_the_first(target_dir, eagle3_dir):
         torch.cuda.set_device(0)
     assert eng.cache.layers[0][0].device == torch.device(last) and eng.graphs is not None
     assert [r["output_token_ids"] for r in recs] == ref
+
+
+def test_a_capture_failing_at_instantiation_gives_the_callers_stream_back(monkeypatch):
+    """torch.cuda.graph's exit instantiates the graph before it restores the stream: an allocation
+    failing there (a CUDA error: out of memory, which the cycle survives by running that variant
+    eagerly) must not leave the process on the runner's capture stream."""
+    from specbatch.engine.graphs import GraphRunner
+
+    real_end = torch.cuda.CUDAGraph.capture_end
+
+    def failing_end(self):
+        real_end(self)
+        raise getattr(torch, "AcceleratorError", RuntimeError)("CUDA error: out of memory")
+
+    runner = GraphRunner(make_batch=lambda size, variant: torch.zeros(size, device="cuda"),
+                         groups=[[lambda b: b.add_(1)]], sizes=[1, 2])
+    before = torch.cuda.current_stream()
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", failing_end)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        runner.get(1, "v")
+    assert torch.cuda.current_stream() == before
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", real_end)
+    cap = runner.get(1, "w")                                   # the runner still captures
+    cap.graphs[0].replay()
+    torch.cuda.synchronize()
+    assert cap.batch.tolist() == [2.0]                         # warm-up once, replay once
