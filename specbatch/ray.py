@@ -29,7 +29,9 @@ slots, so a 32-row batch never becomes a 32-slot engine. A row without its
 own seed gets one from its content (every input column) and the run seed, so a retried or resumed
 row writes the same bytes: Ray's at-least-once delivery then gives exactly-once results (resume with
 `ray.data.checkpoint.CheckpointConfig(id_column=...)`, see README). Rows identical in every column
-within a batch take the k-th such row's count into their seeds, so they draw independent samples.
+within a batch take the k-th such row's count into their seeds, so they draw independent samples;
+in different batches they draw the same one (a batch cannot see the others): pass@k by repeating a
+prompt wants a column that tells the repeats apart (an id, a sample index).
 """
 from __future__ import annotations
 
