@@ -71,9 +71,16 @@ _ALLOCATION_FAILED = ("CUDA error: out of memory", "cudaErrorMemoryAllocation", 
 
 def out_of_memory(e: BaseException) -> bool:
     """Whether `e` is an allocation that failed, the device unharmed: torch's own allocator
-    (OutOfMemoryError) or one outside it."""
-    return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and any(t in str(e) for t in _ALLOCATION_FAILED))
+    (OutOfMemoryError) or one outside it, or an error raised while one propagated (a graph
+    capture that the allocation invalidated fails again as the capture ends)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, torch.OutOfMemoryError) or (
+                isinstance(e, RuntimeError) and any(t in str(e) for t in _ALLOCATION_FAILED)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def survivable(e: BaseException, device: torch.device) -> bool:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specbatch.engine import Engine, EngineOptions
-from specbatch.engine.failures import DeviceFailed, EngineFailed, survivable
+from specbatch.engine.failures import DeviceFailed, EngineFailed, out_of_memory, survivable
 from specbatch.recipe import SamplingDefaults
 from specbatch.speculative.factory import SpecConfig
 
@@ -157,6 +157,15 @@ def test_device_errors_are_not_survived():
     assert survivable(RuntimeError("CUDA error: out of memory"), cpu)
     assert survivable(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), cpu)
     assert not survivable(RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED"), cpu)
+    # the capture an allocation invalidated fails again as it ends, raised while the first propagates
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        finally:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    except RuntimeError as e:
+        assert out_of_memory(e) and survivable(e, cpu)
+    assert not out_of_memory(RuntimeError("CUDA error: operation failed due to a previous error during capture"))
     assert not survivable(KeyboardInterrupt(), cpu) and not survivable(EngineFailed("x"), cpu)
     assert not survivable(DeviceFailed([], RuntimeError("x"), cpu), cpu)
     accel = getattr(torch, "AcceleratorError", None)

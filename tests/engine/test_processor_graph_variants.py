@@ -111,11 +111,20 @@ class _OutOfMemoryFor(EmulatedGraphs):
 # allocations that fail inside torch's allocator and outside it (a graph's instantiation, cuBLAS's
 # workspace, a Triton launch); a new one a raise, so no traceback carries frames from one into the next
 _ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", RuntimeError)      # torch >= 2.8
+
+
+def _capture_invalidated() -> RuntimeError:
+    # the capture an allocation invalidated fails again as it ends, raised while the first propagates
+    e = RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    e.__context__ = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return e
+
 _ALLOCATION_ERRORS = {
     "torch-allocator": lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
     "cuda-malloc": lambda: _ACCELERATOR_ERROR("CUDA error: out of memory"),
     "cublas": lambda: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
-    "triton": lambda: RuntimeError("Triton Error [CUDA]: out of memory")}
+    "triton": lambda: RuntimeError("Triton Error [CUDA]: out of memory"),
+    "capture-invalidated": _capture_invalidated}
 
 
 @pytest.mark.parametrize("error", list(_ALLOCATION_ERRORS))
