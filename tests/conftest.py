@@ -11,7 +11,24 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# Under pytest-xdist (the README's `-n auto`) the worker processes share the cores: torch's
+# default of a thread per core would put workers x cores threads, spin-waiting in OpenMP, on them
+# (measured on CI's 2-core box with 2 workers: the suite barely faster than one process, some
+# tests 15x slower). Set before torch is imported; the processes tests start inherit it.
+XDIST_THREADS = 0
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    XDIST_THREADS = max(1, _usable_cores() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ["OMP_NUM_THREADS"] = str(XDIST_THREADS)
+
 import torch  # noqa: E402
+
+if XDIST_THREADS:
+    torch.set_num_threads(XDIST_THREADS)
 
 # Without a GPU, Triton kernels run in the interpreter (small-size kernel tests in CI). Set
 # before anything imports triton: the mode is fixed when a kernel is decorated.
@@ -102,6 +119,16 @@ def bigram(tiny_model_factory):
     w[m + "shared_head.norm.weight"] = w["model.norm.weight"].clone()
     save_file(w, str(path), metadata={"format": "pt"})
     return d
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker where CUDA is (the GPU tests share one device and read its free
+    memory), else one per usable core up to 4 (the Ray tests start a 4-CPU local cluster, and
+    the subprocess tests several processes each)."""
+    if torch.cuda.is_available():
+        return 1
+    return max(1, min(4, _usable_cores()))
 
 
 def pytest_collection_modifyitems(config, items):
