@@ -101,6 +101,7 @@ def test_every_node_sees_its_own_path(shape):
     assert out.data_ptr() != raw.data_ptr()                   # a new tensor: raw logits stay for logprobs
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_penalty_kernel_path_gives_the_same_floats(shape, dtype, monkeypatch):

@@ -47,6 +47,7 @@ def _gen(model, graphs: bool, mode: str) -> list[dict]:
     return recs
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logprobs"])
 def test_the_kernel_sampler_in_the_engine_equals_the_torch_path(mode, target_dir, monkeypatch):
     want = _gen(target_dir, graphs=False, mode=mode)
@@ -73,6 +74,7 @@ def test_the_kernel_sampler_in_the_engine_equals_the_torch_path(mode, target_dir
                               torch.tensor([e["logprob"] for e in b["logprobs"]]), atol=1e-5)
 
 
+@pytest.mark.interpreter
 def test_rows_reporting_processed_logprobs_draw_from_the_distribution_they_report(monkeypatch):
     params = [SamplingParams(temperature=0.8, top_p=0.7, seed=i, logprobs=(1 if i % 2 else None)) for i in range(4)]
     g = torch.Generator().manual_seed(0)
@@ -89,6 +91,7 @@ def test_rows_reporting_processed_logprobs_draw_from_the_distribution_they_repor
     assert got.tolist() == [49, int(reference[1]), 49, int(reference[3])]
 
 
+@pytest.mark.interpreter
 def test_graph_rows_reporting_processed_logprobs_never_take_the_fused_draw(target_dir, monkeypatch):
     """The fused draw shifted by one token: sampled rows that report processed logprobs must still
     draw the torch path's tokens (eager prefill, then the graph variant's `built` buffer, laid out

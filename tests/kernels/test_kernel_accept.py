@@ -75,6 +75,7 @@ def _check(tokens, parents, am, max_depth, V, device=torch.device("cpu")):
     return ref
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("B,N,max_depth,V", [(16, 8, 3, 3), (12, 16, 5, 4), (6, 5, 4, 2)])
 def test_random_trees(B, N, max_depth, V):
     g = torch.Generator().manual_seed(B * N)
@@ -84,6 +85,7 @@ def test_random_trees(B, N, max_depth, V):
     assert ref[1].min() == 1 and ref[1].max() > 2            # stops early and goes deep
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("N", [1, 2, 7])
 def test_chains_stop_at_every_depth(N):
     B, V = N + 1, 50
@@ -99,6 +101,7 @@ def test_chains_stop_at_every_depth(N):
     _check(tokens, parents, am, N + 2, V)                      # a deeper bound than the tree
 
 
+@pytest.mark.interpreter
 def test_duplicate_sibling_tokens_take_the_first():
     #        root
     #   n1(4) n2(4) n3(4)      n2 has a child n4(6), n1 has none: the first child wins (n1)
@@ -109,6 +112,7 @@ def test_duplicate_sibling_tokens_take_the_first():
     assert tok.tolist() == [[4, 8, 0]] and num.tolist() == [2] and path.tolist() == [[0, 1, 1]]
 
 
+@pytest.mark.interpreter
 def test_out_is_fully_written_and_strided_inputs():
     g = torch.Generator().manual_seed(3)
     tokens, parents = _random_trees(5, 9, 4, 3, g)

@@ -125,12 +125,14 @@ CPU_CASES = [
 ]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("B,T,Hq,Hkv,D,dtype,prefix,mode,off,splits,window", CPU_CASES)
 def test_matches_torch_interpreter(B, T, Hq, Hkv, D, dtype, prefix, mode, off, splits, window):
     case = build_case(B, T, Hq, Hkv, D, dtype, prefix, mode, write_offset=off)
     check(case, window, num_splits=splits)
 
 
+@pytest.mark.interpreter
 def test_default_splits_and_empty_splits_interpreter():
     # max_rows far above the slots' real rows: most splits get no blocks and must add nothing
     case = build_case(2, 2, 4, 2, 16, torch.float32, [10, 100], "causal")
@@ -138,6 +140,7 @@ def test_default_splits_and_empty_splits_interpreter():
     check(case, num_splits=7)
 
 
+@pytest.mark.interpreter
 def test_the_last_split_merges_and_leaves_the_counters_zero_interpreter():
     # one counter buffer shared by calls (a forward's layers), as attend passes it; spare entries untouched
     counters = torch.zeros(3 * 2 + 5, dtype=torch.int32)
@@ -186,6 +189,7 @@ def to_pages(kv: torch.Tensor, page: int, seed: int = 0) -> tuple[torch.Tensor, 
     (2, 5, 4, 1, [0, 166], "tree", 0, 128),
     (2, 3, 4, 2, [70, 200], "causal", 0, 64),
 ])
+@pytest.mark.interpreter
 def test_paged_cache_and_prefill_tiles_interpreter(B, T, Hq, Hkv, prefix, mode, off, page):
     case = build_case(B, T, Hq, Hkv, 16, torch.float32, prefix, mode, write_offset=off)
     want = reference(case)
@@ -260,10 +264,12 @@ def check_tiled(case: dict, page: int | None = None, order: torch.Tensor | None 
     ([(0, 37), (70, 10)], 8, 2, 8, torch.float32, 64),                     # pages of whole blocks
     ([(0, 100), (90, 40)], 8, 2, 32, torch.bfloat16, 64),                  # 128-row tiles, 32-row blocks
 ])
+@pytest.mark.interpreter
 def test_query_tiles_give_what_one_token_a_sequence_gives_interpreter(parts, Hq, Hkv, size, dtype, page):
     check_tiled(build_tiled(parts, Hq, Hkv, 16, dtype, size), page)
 
 
+@pytest.mark.interpreter
 def test_query_tiles_in_any_order_interpreter():
     """Tiles started longest first (or in any order) give the same result; the metadata ranks
     a tile by its last sequence's prefix."""
@@ -286,6 +292,7 @@ def test_query_tiles_need_one_token_causal_sequences():
         slot_attention(q, kv[0], kv[1], lens, lens, 1.0, tile_start=lens, tile_count=lens, tile_size=4)
 
 
+@pytest.mark.interpreter
 def test_query_tiles_refuse_a_window_a_tile_could_cross():
     case = build_tiled([(0, 40)], 4, 2, 16, torch.float32, 8)
     m, tiles = case["meta"], case["tiles"]
@@ -300,6 +307,7 @@ def test_query_tiles_refuse_a_window_a_tile_could_cross():
     torch.testing.assert_close(got[:-1], want[:-1], atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("mode,splits", [("causal", 1), ("tree", 1), ("causal", 3), ("draft", 2)])
 def test_any_program_order_gives_the_same_result_interpreter(mode, splits):
     case = build_case(6, 2, 4, 2, 16, torch.float32, [10, 100, 250, 0, 64, 33], mode,
@@ -308,6 +316,7 @@ def test_any_program_order_gives_the_same_result_interpreter(mode, splits):
         check(case, num_splits=splits, order=torch.tensor(order, dtype=torch.int32))
 
 
+@pytest.mark.interpreter
 def test_attend_starts_programs_longest_first_once_a_forward_interpreter(monkeypatch):
     """The kernel path of `attend` finds the order once per metadata (every layer shares it)
     and passes it on; the result is the torch path's."""
@@ -344,6 +353,7 @@ def test_order_needs_one_entry_a_program():
         run_kernel(case, order=torch.arange(2, dtype=torch.int32))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("P,heads,top", [(17, 8, 40), (200, 1, 1_000), (300, 8, 4), (129, 2, 0)])
 def test_longest_first_interpreter(P, heads, top):
     """Program indices by length, longest first, ties in index order (one block of 128 programs

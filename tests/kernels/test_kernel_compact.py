@@ -61,6 +61,7 @@ def _check(kv, slots, start, path, num, device=torch.device("cpu")):
     return want
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_matches_reference(dtype, seed):
@@ -70,6 +71,7 @@ def test_matches_reference(dtype, seed):
     assert (num > 1).any() and (path != torch.arange(path.shape[1])).any()
 
 
+@pytest.mark.interpreter
 def test_chunked_rows_and_long_paths():
     # Hkv * D = 60 with a 32-element block: two chunks per row, one of them partial
     kv, slots, start, path, num = _case(P=2, H=3, D=20, B=3, N=12, W=8, pads=1, seed=5)
@@ -79,6 +81,7 @@ def test_chunked_rows_and_long_paths():
     assert torch.equal(kv, want)
 
 
+@pytest.mark.interpreter
 def test_overlapping_shift():
     # every destination is the previous copy's source: rows 2,3,4,5 -> 1,2,3,4 (and 7 -> 5)
     kv, slots, start, _, _ = _case(B=2, pads=0, W=6)
@@ -90,6 +93,7 @@ def test_overlapping_shift():
     assert torch.equal(kv, want)
 
 
+@pytest.mark.interpreter
 def test_nothing_to_move():
     kv, slots, start, _, _ = _case(B=3, pads=0)
     path = torch.arange(5).expand(3, 5).contiguous()                  # every node already in place
@@ -143,6 +147,7 @@ def _paged(kv: torch.Tensor, page: int, seed: int = 0):
     return pool, order.view(S, per).to(torch.int32)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("page", [4, 8])
 def test_paged_pool_matches_the_static_cache(page):
     kv, slots, start, path, num = _case(seed=3)

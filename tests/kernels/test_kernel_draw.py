@@ -36,6 +36,7 @@ def _keys(R: int, seed: int, device) -> torch.Tensor:
     return row_keys(sp.seed_lo, sp.seed_hi, torch.arange(R, device=device) + 17)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("R, V, splits", [(5, 3000, None), (6, 4099, 1), (4, 5000, 3), (1, 257, None)])
 def test_interpreted_draw_equals_the_torch_race(R, V, splits):
     probs, keys = _probs(R, V, seed=R + V, device="cpu"), _keys(R, 3, "cpu")

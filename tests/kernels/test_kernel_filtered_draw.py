@@ -56,6 +56,7 @@ def _explained(x, sp, pos, r: int, a: int, b: int, tol: float = 1e-5) -> bool:
     return abs(float(score[a] / score[b]) - 1.0) < tol
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kcap", [0, tkp.KCAP])          # 0: every top-k by the radix descent
 @pytest.mark.parametrize("R, V, seed", [(12, 700, 0), (12, 1024, 1), (9, 257, 2), (2, 33, 3)])
 def test_interpreted_filtered_draw_equals_the_reference(R, V, seed, kcap, monkeypatch):
@@ -66,6 +67,7 @@ def test_interpreted_filtered_draw_equals_the_reference(R, V, seed, kcap, monkey
         assert draw_filtered(x, sp.top_k, sp.top_p, keys).tolist() == _reference(x, sp, pos).tolist()
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("R, V, seed", [(12, 700, 0), (12, 1024, 1), (9, 257, 2), (2, 33, 3)])
 def test_interpreted_top_k_rows_draw_from_the_candidates_alone(R, V, seed, monkeypatch):
     """A row whose top-k set lies among torch.topk's KCAP candidates reads nothing else: with the
@@ -94,6 +96,7 @@ def test_interpreted_top_k_rows_draw_from_the_candidates_alone(R, V, seed, monke
                 assert int(got[r]) == int(want[r]), r
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kcap", [0, tkp.KCAP])
 @pytest.mark.parametrize("R, Vd, V, seed", [(12, 300, 1100, 0), (9, 257, 700, 2), (12, 80, 2500, 4)])
 def test_interpreted_compact_rows_draw_as_their_full_layout(R, Vd, V, seed, kcap, monkeypatch):
@@ -121,6 +124,7 @@ def test_interpreted_compact_rows_draw_as_their_full_layout(R, Vd, V, seed, kcap
         monkeypatch.setattr(kernels, "active", real)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_interpreted_filtered_draw_scales_as_it_reads(dtype):
     # the kernel reads the logits in their own dtype and divides by the temperature as it goes:
@@ -139,6 +143,7 @@ def test_draw_target_uses_the_kernel_only_on_cuda():
     assert draw_target(x, sp, pos).tolist() == _reference(x, sp, pos).tolist()
 
 
+@pytest.mark.interpreter
 def test_batches_without_top_k_skip_the_kth_search(monkeypatch):
     """BatchSampling.any_top_k (a host fact) decides whether the draw asks torch.topk for k-th
     logits; a batch flagged without top-k still filters a top-k row right (by the descent)."""
@@ -179,6 +184,7 @@ def _tree_case(B: int, V: int, seed: int, device: str):
     return x, sp, node_tokens, parents, start, params
 
 
+@pytest.mark.interpreter
 def test_sampled_acceptance_takes_the_fused_draw(monkeypatch):
     # accept's draws on the kernel, which the interpreter runs on CPU tensors once `active` says so:
     # the same tokens, counts and paths as the torch draws, drafts accepted at every depth
@@ -256,6 +262,7 @@ def test_cuda_filtered_draw_replays_in_a_graph():
     assert not torch.equal(got, first)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("V", [10, 64, 100])
 def test_interpreted_rows_without_a_finite_max_draw_as_the_full_read(V, monkeypatch):
     """A row of -inf (or whose largest entry is NaN or +inf) has no race winner among the top-k

@@ -14,6 +14,7 @@ from kernel_fused_helpers import DTYPES, _poisoned, assert_rounding_equal, ref_r
 
 # ----------------------------------------------------------------------------- CPU: rms_norm
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(2, 3, 48), (5, 48), (3, 100)])
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -32,6 +33,7 @@ def test_rms_norm_matches_reference(dtype, shape, with_residual):
     assert_rounding_equal(y, ry, 0.99)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_strided_rows_and_out(dtype):
     g = torch.Generator().manual_seed(1)
@@ -48,6 +50,7 @@ def test_rms_norm_strided_rows_and_out(dtype):
     assert_rounding_equal(y, ry, 0.99)
 
 
+@pytest.mark.interpreter
 def test_rms_norm_weight_promotes_and_errors():
     x = torch.randn(4, 48).to(torch.bfloat16)
     w = torch.randn(48)                             # float32 weight: the reference gives float32
@@ -63,6 +66,7 @@ def test_rms_norm_weight_promotes_and_errors():
 
 # ----------------------------------------------------------------------------- CPU: silu_mul
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(2, 3, 96), (5, 80)])
 def test_silu_mul_matches_reference(dtype, shape):
@@ -71,6 +75,7 @@ def test_silu_mul_matches_reference(dtype, shape):
     assert_rounding_equal(silu_mul(x), ref_silu_mul(x), 0.99)
 
 
+@pytest.mark.interpreter
 def test_silu_mul_strided_out_and_blocks():
     g = torch.Generator().manual_seed(2)
     big = (torch.randn(3, 4, 130, generator=g) * 6).to(torch.bfloat16)

@@ -23,6 +23,7 @@ def _small_cfg(D: int) -> DecoderConfig:
     return dataclasses.replace(LLAMA31_8B, hidden_size=4 * D, num_heads=4, num_kv_heads=2, head_dim=D)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [24, 16])
 def test_rope_write_kv_matches_model_path(dtype, D):
@@ -49,6 +50,7 @@ def test_rope_write_kv_matches_model_path(dtype, D):
     assert torch.equal(v_cache, vr_cache)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_write_kv_any_rows_slots_and_out(dtype):
     """Rows and slots in any order (tree nodes: rows apart from positions), q_out given, caches
@@ -78,6 +80,7 @@ def test_rope_write_kv_any_rows_slots_and_out(dtype):
     assert (kv[2:][:, written] != SENTINEL).any()
 
 
+@pytest.mark.interpreter
 def test_rope_write_kv_into_pages():
     """A paged pool: row r of slot s lands at row r % P of page table[s, r // P], the same values
     the static cache gets, and the torch path's write_kv agrees."""

@@ -32,6 +32,7 @@ def _inputs(B: int, N: int, V: int, dtype: torch.dtype, device: str, seed: int =
     return t(x.to(dtype)), t(counts.to(torch.int32)), t(prompt_mask), t(slots), t(rep), t(freq), t(pres)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,N,V", [(6, 1, 300), (3, 4, 2 * BLOCK + 5)])
 def test_penalties_kernel_equals_torch(dtype, B, N, V):
@@ -42,6 +43,7 @@ def test_penalties_kernel_equals_torch(dtype, B, N, V):
     assert torch.isneginf(got[0, 0, 0]) and torch.isfinite(got[0, 0, 1:6]).all()
 
 
+@pytest.mark.interpreter
 def test_penalties_kernel_strided_logits():
     x, *rest = _inputs(4, 2, 700, torch.bfloat16, "cpu")
     wide = torch.zeros(4, 3, 700, dtype=torch.bfloat16)

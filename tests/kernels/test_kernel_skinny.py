@@ -23,6 +23,7 @@ def _case(M: int, N: int, K: int, dtype: torch.dtype, device="cpu", lead=()):
     return x, w
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("M,N,K", [(1, 48, 600), (3, 40, 1100), (16, 96, 512), (5, 33, 70)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_matches_torch_interpreter(M, N, K, dtype):
@@ -33,6 +34,7 @@ def test_matches_torch_interpreter(M, N, K, dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.interpreter
 def test_leading_dims_strided_rows_and_row_independence_interpreter():
     x, w = _case(6, 40, 300, torch.float16, lead=(2,))             # [2, 6, 300]: 12 rows
     wide = torch.zeros(2, 6, 400, dtype=torch.float16)
@@ -44,6 +46,7 @@ def test_leading_dims_strided_rows_and_row_independence_interpreter():
     assert torch.equal(skinny_linear(x[1, 2:3], w)[0], got[1, 2])
 
 
+@pytest.mark.interpreter
 def test_tile_follows_the_output_width_and_the_wide_tile_interpreter(monkeypatch):
     """Past one wave of narrow programs the wide tile: chosen by N and the GPU, never by M, and
     the same values and row independence as the narrow one."""

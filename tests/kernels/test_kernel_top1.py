@@ -55,11 +55,13 @@ def _check(x: torch.Tensor, idx: torch.Tensor, logp: torch.Tensor) -> None:
     (3, 1000, 128, 1),        # one program per row, no partials
     (8, 300, 4096, None),     # block clipped to the vocabulary
 ])
+@pytest.mark.interpreter
 def test_top1_matches_reference(dtype, R, V, block, splits):
     x = _planted(R, V, dtype, seed=R + V, block=block)
     _check(x, *top1(x, splits, block=block))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("splits", [1, 3, 1000])
 def test_top1_any_split_count(splits):
     x = _planted(8, 1000, torch.float32, seed=splits, block=128)
@@ -75,6 +77,7 @@ def test_split_plan_fills_and_clips():
     assert plan(64, 100, cpu, block=4096) == (64, 1, 1)               # block clipped to V / 2
 
 
+@pytest.mark.interpreter
 def test_strided_rows_out_and_empty():
     big = torch.randn(4, 600) * 2
     x = big[:, :500]                                        # row stride 600
@@ -89,6 +92,7 @@ def test_strided_rows_out_and_empty():
         top1(big.t())
 
 
+@pytest.mark.interpreter
 def test_nan_documented_behaviour():
     x = torch.randn(3, 400)
     x[0, 10] = float("nan")

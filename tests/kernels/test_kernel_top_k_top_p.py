@@ -61,6 +61,7 @@ def _params(R: int, seed: int, device):
             torch.tensor(ps, dtype=torch.float32, device=device))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kcap", [0, tkp.KCAP])          # 0: every top-k by the radix descent
 @pytest.mark.parametrize("R, V, seed", [(8, 1000, 0), (8, 257, 1), (3, 40, 2), (1, 5, 3), (12, 300, 4)])
 def test_interpreted_filter_keeps_the_reference_set(R, V, seed, kcap, monkeypatch):
@@ -70,6 +71,7 @@ def test_interpreted_filter_keeps_the_reference_set(R, V, seed, kcap, monkeypatc
     assert _same_kept_set(top_k_top_p(x, k, p), x, k, p) == 0
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kcap", [0, tkp.KCAP])
 def test_ties_at_either_threshold_are_kept_in_index_order(kcap, monkeypatch):
     monkeypatch.setattr(tkp, "KCAP", kcap)
@@ -85,6 +87,7 @@ def test_ties_at_either_threshold_are_kept_in_index_order(kcap, monkeypatch):
     assert torch.equal(got, _reference(x, k, p))
 
 
+@pytest.mark.interpreter
 def test_rows_without_a_filter_are_copied_and_the_top_entry_always_stays():
     x = torch.tensor([[3.0, -0.0, 7.5, NEG, 7.5], [0.0, 9.0, 1.0, 2.0, 3.0]])
     got = top_k_top_p(x, torch.tensor([0, 0]), torch.tensor([1.0, 1e-6]))
@@ -92,6 +95,7 @@ def test_rows_without_a_filter_are_copied_and_the_top_entry_always_stays():
     assert (got[1] > NEG).tolist() == [False, True, False, False, False]
 
 
+@pytest.mark.interpreter
 def test_top_p_zero_keeps_the_first_top_entry_alone():
     # a top_p below float32's least denormal (1e-46 passes `0 < top_p`) is 0 on the device: the
     # reference keeps rank 0 alone (exclusive mass 0 >= 0 drops the rest); the descent's limit is 0

@@ -268,6 +268,7 @@ def test_a_sampled_trees_winners_chain_survives_a_draft_sure_of_another_token(ta
     assert torch.equal(drafter.propose(slots, first, lengths, width=2).tokens, full.prefix(2).tokens)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("k", [1, 3])
 def test_the_race_reads_the_heads_own_vocabulary(target, head_dir, k, monkeypatch):
     """Draft ids in target-id order: on the kernel path the race draws over the head's own
