@@ -10,25 +10,20 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-
-def _usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 # Under pytest-xdist (the README's `-n auto`) the worker processes share the cores: torch's
 # default of a thread per core would put workers x cores threads, spin-waiting in OpenMP, on them
 # (measured on CI's 2-core box with 2 workers: the suite barely faster than one process, some
-# tests 15x slower). Set before torch is imported; the processes tests start inherit it.
-XDIST_THREADS = 0
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    XDIST_THREADS = max(1, _usable_cores() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-    os.environ["OMP_NUM_THREADS"] = str(XDIST_THREADS)
+# tests 15x slower). One thread a worker (tiny matmuls gain nothing from more; a CPU quota the
+# core count does not show cannot oversubscribe it), unless OMP_NUM_THREADS says otherwise. Set
+# before torch is imported; the processes tests start inherit it.
+XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if XDIST_WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-if XDIST_THREADS:
-    torch.set_num_threads(XDIST_THREADS)
+if XDIST_WORKER and os.environ["OMP_NUM_THREADS"].isdigit():      # torch already imported by a plugin, say
+    torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
 
 # Without a GPU, Triton kernels run in the interpreter (small-size kernel tests in CI). Set
 # before anything imports triton: the mode is fixed when a kernel is decorated.
@@ -122,13 +117,24 @@ def bigram(tiny_model_factory):
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_xdist_auto_num_workers(config) -> int:
+def pytest_xdist_auto_num_workers(config) -> int | None:
     """`-n auto`: one worker where CUDA is (the GPU tests share one device and read its free
     memory), else one per usable core up to 4 (the Ray tests start a 4-CPU local cluster, and
-    the subprocess tests several processes each)."""
+    the subprocess tests several processes each); PYTEST_XDIST_AUTO_NUM_WORKERS overrides."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None                              # xdist's own hook reads it
     if torch.cuda.is_available():
         return 1
-    return max(1, min(4, _usable_cores()))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
+def pytest_configure(config) -> None:
+    # A test file stays in one worker (`-n` alone distributes single tests): module fixtures (the
+    # Ray cluster, the resume runs) would run once a worker, and test_ray finds its actors among
+    # the machine's processes. Runs before xdist's (trylast) configure reads the mode.
+    if getattr(config.option, "dist", None) == "load":
+        config.option.dist = "loadfile"
 
 
 def pytest_collection_modifyitems(config, items):

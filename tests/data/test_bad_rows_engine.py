@@ -85,16 +85,18 @@ def test_tiny_temperature_is_greedy(engine, temperature):
 
 def test_huge_prompt_is_rejected_without_tokenizing(engine):
     text = "def add(a, b):\n    return a + b\n" * 100_000                # 3.2 MB
-    t0 = time.perf_counter()
+    # CPU time, not wall time: tokenizing it would take seconds of CPU; a worker descheduled on
+    # a busy box (tests run in parallel) must not fail the bound
+    t0 = time.process_time()
     rec = engine.rows.request(RowRequest(row=0, id=0, prompt=text, where="in.jsonl:1"), SamplingDefaults())
-    took = time.perf_counter() - t0
+    took = time.process_time() - t0
     assert rec["error"].startswith(f"in.jsonl:1: prompt has {len(text)} bytes, more than a context of "
                                    f"{engine.max_len} tokens")
     assert took < 0.3, took
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     rec = engine.rows.request(RowRequest(row=1, id=1, messages=msgs), SamplingDefaults())
-    assert f"prompt has {len(text) + 8} bytes" in rec["error"] and time.perf_counter() - t0 < 0.3
+    assert f"prompt has {len(text) + 8} bytes" in rec["error"] and time.process_time() - t0 < 0.3
 
 
 def test_long_prompt_is_tokenized_by_a_prefix_first(engine, monkeypatch):
@@ -110,9 +112,9 @@ def test_long_prompt_is_tokenized_by_a_prefix_first(engine, monkeypatch):
         return real(self, t, *a, **kw)
 
     monkeypatch.setattr(type(engine.tokenizer), "__call__", spy)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     rec = engine.rows.request(RowRequest(row=0, id=0, prompt=text, where="in.jsonl:1"), SamplingDefaults())
-    assert time.perf_counter() - t0 < 0.5
+    assert time.process_time() - t0 < 0.5
     assert rec["error"] == (f"in.jsonl:1: prompt has more than {engine.max_len} tokens but the context is "
                             f"{engine.max_len} tokens (the model's limit, --max-model-len, or what the KV pool holds)")
     assert calls == [engine.max_len * 8]
