@@ -260,6 +260,9 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
     t0 = time.perf_counter()
     runner = _Runner(recipe, opts, devices)
     stats.start_generation(time.perf_counter() - t0)
+    changed = writer.set_context(runner.max_len)
+    if changed:
+        print(changed, file=sys.stderr)
     done = writer.done_rows
     limit = opts.limit
     total = source.total if limit is None or source.total is None else min(source.total, limit)

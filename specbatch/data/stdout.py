@@ -44,6 +44,9 @@ class StdoutWriter:
     def set_suspects(self, rows: dict[int, str]) -> None:
         pass
 
+    def set_context(self, tokens: int) -> str | None:
+        return None                                   # nothing written before this run
+
     def add(self, record: dict, digest: bytes = b"") -> None:
         self._pending[record["row"]] = record
         self._digests[record["row"]] = digest          # in an OpenAI line's ids, as the file writer's

@@ -113,6 +113,8 @@ class OutputWriter:
         self._final_rows: int | None = None
         self.error_rows: int | None = None    # rows of the finished output that hold an error (finalize)
         self._final_manifest: dict | None = None
+        self.context: int | None = None        # tokens a row may hold in the engine writing (set_context)
+        self._stored_context: int | None = None   # what the rows written before had, where recorded
 
         if os.path.isdir(path):
             raise OutputError(f"{path} is a directory; choose an output file path (.parquet or .jsonl)")
@@ -170,6 +172,7 @@ class OutputWriter:
             self._check_manifest(final, self.path, "pass --overwrite to replace it, or choose another --output")
             self.complete = True
             self._final_manifest = final
+            self._stored_context = final.get("context")
             self.done_rows = RowSet(self._final_file_rows())
             self._final_rows = len(self.done_rows)
         elif os.path.lexists(self.path):
@@ -216,7 +219,27 @@ class OutputWriter:
             "save_token_ids": self.save_token_ids,
             "output_format": self.output_format,
             "keep_columns": list(self.keep_columns),
+            **({} if self.context is None else {"context": self.context}),
         }
+
+    def set_context(self, tokens: int) -> str | None:
+        """Record the context (prompt + completion tokens a row may hold) of the engine writing this
+        job's rows, in the manifest. -> a one-line warning where the rows written before had another:
+        unset, --max-model-len follows the model and the memory the KV pool gets, which a resume on
+        another GPU may change (not a setting the fingerprint can hold before the engine is built)."""
+        self.context = int(tokens)
+        if os.path.isdir(self.parts_dir):
+            try:
+                write_atomic(os.path.join(self.parts_dir, manifest.MANIFEST), lambda f: f.write(self._dump_manifest()))
+            except OSError as e:
+                raise fs_error(self.parts_dir, e) from None
+        old = self._stored_context
+        if not isinstance(old, int) or old == self.context:
+            return None
+        return (f"warning: {self.path}: its rows so far were written with a context of {old} tokens and this "
+                f"engine's is {self.context} (--max-model-len unset: the model's limit or what the KV pool "
+                f"holds); rows reaching past {min(old, self.context)} tokens end differently in the two runs: "
+                "resume where the first context fits, or pass --overwrite to redo every row")
 
     def _create_parts_dir(self, first: pa.Table | None = None) -> None:
         """The parts directory with the job's manifest and, when given, a `first` part: both are
@@ -270,6 +293,7 @@ class OutputWriter:
             return
         self._check_manifest(stored, self.parts_dir, "rerun the same command to resume, or pass --overwrite")
         self.job = stored["job"]
+        self._stored_context = stored.get("context")
         for part in parts:
             try:
                 rows = pq.read_table(part, columns=["row"]).column("row").to_numpy()
