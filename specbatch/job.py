@@ -209,6 +209,13 @@ class _Runner:
                 self.pool.close()
                 raise JobError(str(e)) from None
             self.device, self.max_len = ",".join(devices), first["max_model_len"]
+            held = [(w["device"], w["max_model_len"]) for w in self.pool.per_worker() if "max_model_len" in w]
+            if len({n for _, n in held}) > 1:      # GPUs of different memory, --max-model-len unset
+                self.max_len = min(n for _, n in held)
+                print("warning: the workers' engines hold different contexts ("
+                      + ", ".join(f"{d}: {n}" for d, n in held) + " tokens): rows reaching past "
+                      f"{self.max_len} tokens end differently by worker; pass --max-model-len {self.max_len} "
+                      "for one context", file=sys.stderr)
             self.capture_s = max(w.get("capture_s", 0.0) for w in self.pool.per_worker())
         else:
             from .llm import LLM

@@ -299,3 +299,32 @@ def test_a_worker_that_ends_after_done_is_not_buried(capsys):
     assert pool._drain([]) == []
     assert w.done and not w.dead and spawned == [] and w.stats["tokens_emitted"] == 5
     assert "died" not in capsys.readouterr().err
+
+
+def test_workers_holding_different_contexts_are_named_and_the_smallest_recorded(monkeypatch, capsys):
+    """GPUs of different memory with --max-model-len unset: each engine's pool sets its own context;
+    the job says so in one line and records the smallest (the output's manifest compares it)."""
+    from specbatch import workers
+    from specbatch.job import JobOptions, _Runner
+    from specbatch.recipe import load_recipe
+
+    class Pool:
+        def __init__(self, *a, **kw):
+            pass
+
+        def wait_ready(self):
+            return self.per_worker()[0]
+
+        def per_worker(self):
+            return [{"device": "cuda:0", "max_model_len": 131072, "capture_s": 1.0},
+                    {"device": "cuda:1", "max_model_len": 60000, "capture_s": 2.0}]
+
+    monkeypatch.setattr(workers, "WorkerPool", Pool)
+    runner = _Runner(load_recipe("vanilla"), JobOptions(gpus="0,1"), ["cuda:0", "cuda:1"])
+    assert runner.max_len == 60000 and runner.capture_s == 2.0
+    assert capsys.readouterr().err == (
+        "warning: the workers' engines hold different contexts (cuda:0: 131072, cuda:1: 60000 tokens): rows "
+        "reaching past 60000 tokens end differently by worker; pass --max-model-len 60000 for one context\n")
+    monkeypatch.setattr(Pool, "per_worker", lambda self: [{"device": "cpu", "max_model_len": 512}] * 2)
+    assert _Runner(load_recipe("vanilla"), JobOptions(gpus="0,1"), ["cpu", "cpu"]).max_len == 512
+    assert capsys.readouterr().err == ""
