@@ -209,13 +209,15 @@ class _Runner:
                 self.pool.close()
                 raise JobError(str(e)) from None
             self.device, self.max_len = ",".join(devices), first["max_model_len"]
-            held = [(w["device"], w["max_model_len"]) for w in self.pool.per_worker() if "max_model_len" in w]
-            if len({n for _, n in held}) > 1:      # GPUs of different memory, --max-model-len unset
-                self.max_len = min(n for _, n in held)
-                print("warning: the workers' engines hold different contexts ("
-                      + ", ".join(f"{d}: {n}" for d, n in held) + " tokens): rows reaching past "
-                      f"{self.max_len} tokens end differently by worker; pass --max-model-len {self.max_len} "
-                      "for one context", file=sys.stderr)
+            live = [w for w in self.pool.per_worker() if "max_model_len" in w and not w["died"]]
+            if len({w["max_model_len"] for w in live}) > 1:      # GPUs of different memory, --max-model-len unset
+                self.max_len = min(w["max_model_len"] for w in live)
+                names = [w["device"] for w in live]
+                held = ", ".join(f"{d if names.count(d) == 1 else f'{d} #{i}'}: {w['max_model_len']}"
+                                 for i, (d, w) in enumerate(zip(names, live)))
+                print(f"warning: the workers' engines hold different contexts ({held} tokens): rows reaching past "
+                      f"{self.max_len} tokens end differently by worker; a new output started with --max-model-len "
+                      f"{self.max_len} has one", file=sys.stderr)
             self.capture_s = max(w.get("capture_s", 0.0) for w in self.pool.per_worker())
         else:
             from .llm import LLM

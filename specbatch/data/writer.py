@@ -58,6 +58,12 @@ _OUR_NAMES = re.compile(r"^(part-.*\.parquet(\.tmp)?|manifest\.json(\.tmp)?|susp
 SUSPECTS = "suspects.json"               # inside the parts directory: rows in flight when the device failed
 
 
+def _contexts(stored: dict) -> list[int]:
+    """The contexts a manifest names (none before specbatch recorded them)."""
+    found = stored.get("contexts")
+    return sorted({int(c) for c in found if isinstance(c, int)}) if isinstance(found, list) else []
+
+
 def output_file_format(path: str) -> str:
     """"parquet" or "jsonl" by the output path's ending (a ValueError naming it otherwise)."""
     low = path.lower()
@@ -114,7 +120,7 @@ class OutputWriter:
         self.error_rows: int | None = None    # rows of the finished output that hold an error (finalize)
         self._final_manifest: dict | None = None
         self.context: int | None = None        # tokens a row may hold in the engine writing (set_context)
-        self._stored_context: int | None = None   # what the rows written before had, where recorded
+        self._contexts: list[int] = []         # the contexts of the engines that wrote the committed rows
 
         if os.path.isdir(path):
             raise OutputError(f"{path} is a directory; choose an output file path (.parquet or .jsonl)")
@@ -172,7 +178,7 @@ class OutputWriter:
             self._check_manifest(final, self.path, "pass --overwrite to replace it, or choose another --output")
             self.complete = True
             self._final_manifest = final
-            self._stored_context = final.get("context")
+            self._contexts = _contexts(final)
             self.done_rows = RowSet(self._final_file_rows())
             self._final_rows = len(self.done_rows)
         elif os.path.lexists(self.path):
@@ -219,27 +225,23 @@ class OutputWriter:
             "save_token_ids": self.save_token_ids,
             "output_format": self.output_format,
             "keep_columns": list(self.keep_columns),
-            **({} if self.context is None else {"context": self.context}),
+            **({"contexts": self._contexts} if self._contexts else {}),
         }
 
     def set_context(self, tokens: int) -> str | None:
-        """Record the context (prompt + completion tokens a row may hold) of the engine writing this
-        job's rows, in the manifest. -> a one-line warning where the rows written before had another:
-        unset, --max-model-len follows the model and the memory the KV pool gets, which a resume on
-        another GPU may change (not a setting the fingerprint can hold before the engine is built)."""
+        """The context (prompt + completion tokens a row may hold) of the engine writing this run's
+        rows; the manifest names it once its first rows are committed. -> a one-line warning where
+        the rows committed before came from engines with another: unset, --max-model-len follows the
+        model and the memory the KV pool gets, which a resume on another GPU may change (not a
+        setting the fingerprint can hold: it is known once the engine is built)."""
         self.context = int(tokens)
-        if os.path.isdir(self.parts_dir):
-            try:
-                write_atomic(os.path.join(self.parts_dir, manifest.MANIFEST), lambda f: f.write(self._dump_manifest()))
-            except OSError as e:
-                raise fs_error(self.parts_dir, e) from None
-        old = self._stored_context
-        if not isinstance(old, int) or old == self.context:
+        if not self._contexts or self.context in self._contexts:
             return None
-        return (f"warning: {self.path}: its rows so far were written with a context of {old} tokens and this "
-                f"engine's is {self.context} (--max-model-len unset: the model's limit or what the KV pool "
-                f"holds); rows reaching past {min(old, self.context)} tokens end differently in the two runs: "
-                "resume where the first context fits, or pass --overwrite to redo every row")
+        before = " and ".join(map(str, self._contexts))
+        return (f"warning: {self.path}: its rows so far were written with a context of {before} tokens and this "
+                f"engine's is {self.context} (--max-model-len unset: the model's limit or what the KV pool holds); "
+                f"rows reaching past {min(self.context, *self._contexts)} tokens end differently: resume on a GPU "
+                "that holds the earlier context, or pass --overwrite to redo every row")
 
     def _create_parts_dir(self, first: pa.Table | None = None) -> None:
         """The parts directory with the job's manifest and, when given, a `first` part: both are
@@ -293,7 +295,7 @@ class OutputWriter:
             return
         self._check_manifest(stored, self.parts_dir, "rerun the same command to resume, or pass --overwrite")
         self.job = stored["job"]
-        self._stored_context = stored.get("context")
+        self._contexts = _contexts(stored)
         for part in parts:
             try:
                 rows = pq.read_table(part, columns=["row"]).column("row").to_numpy()
@@ -407,6 +409,15 @@ class OutputWriter:
             return
         if self.complete:
             raise OutputError(f"{self.path} is already complete; pass --overwrite to regenerate it")
+        if self.context is not None and self.context not in self._contexts:
+            # named before its first rows land: a crash between the two leaves a context no row has
+            # (at worst a warning too many), never rows whose context the manifest does not name
+            before, self._contexts = self._contexts, sorted([*self._contexts, self.context])
+            try:
+                write_atomic(os.path.join(self.parts_dir, manifest.MANIFEST), lambda f: f.write(self._dump_manifest()))
+            except BaseException:
+                self._contexts = before
+                raise
         # Taken off the buffer first: an interrupt after the rename must not commit them twice.
         items, self._buffer = self._buffer, []
         part = os.path.join(self.parts_dir, self._part_name())

@@ -316,15 +316,21 @@ def test_workers_holding_different_contexts_are_named_and_the_smallest_recorded(
             return self.per_worker()[0]
 
         def per_worker(self):
-            return [{"device": "cuda:0", "max_model_len": 131072, "capture_s": 1.0},
-                    {"device": "cuda:1", "max_model_len": 60000, "capture_s": 2.0}]
+            return [{"device": "cuda:0", "max_model_len": 131072, "capture_s": 1.0, "died": False},
+                    {"device": "cuda:1", "max_model_len": 60000, "capture_s": 2.0, "died": False},
+                    {"device": "cuda:2", "max_model_len": 9000, "died": True}]      # died after its start: not counted
 
     monkeypatch.setattr(workers, "WorkerPool", Pool)
     runner = _Runner(load_recipe("vanilla"), JobOptions(gpus="0,1"), ["cuda:0", "cuda:1"])
     assert runner.max_len == 60000 and runner.capture_s == 2.0
     assert capsys.readouterr().err == (
         "warning: the workers' engines hold different contexts (cuda:0: 131072, cuda:1: 60000 tokens): rows "
-        "reaching past 60000 tokens end differently by worker; pass --max-model-len 60000 for one context\n")
-    monkeypatch.setattr(Pool, "per_worker", lambda self: [{"device": "cpu", "max_model_len": 512}] * 2)
+        "reaching past 60000 tokens end differently by worker; a new output started with --max-model-len 60000 "
+        "has one\n")
+    cpu = [{"device": "cpu", "max_model_len": 512, "died": False}, {"device": "cpu", "max_model_len": 500, "died": False}]
+    monkeypatch.setattr(Pool, "per_worker", lambda self: cpu)
+    assert _Runner(load_recipe("vanilla"), JobOptions(gpus="0,1"), ["cpu", "cpu"]).max_len == 500
+    assert "(cpu #0: 512, cpu #1: 500 tokens)" in capsys.readouterr().err      # the same name: told apart
+    cpu[1]["max_model_len"] = 512
     assert _Runner(load_recipe("vanilla"), JobOptions(gpus="0,1"), ["cpu", "cpu"]).max_len == 512
     assert capsys.readouterr().err == ""

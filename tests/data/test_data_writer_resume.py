@@ -350,15 +350,20 @@ def test_an_edited_jsonl_output_is_named_as_edited(tmp_path):
 
 def test_the_engines_context_is_recorded_and_a_resume_with_another_is_named(tmp_path):
     """Unset, --max-model-len follows the model and the memory the KV pool gets: a resume on another
-    GPU may run with another context. The manifest records each engine's; a different one is a
-    one-line warning (rows reaching past the smaller end differently), the same one none."""
+    GPU may run with another context. The manifest names the contexts of the engines whose rows
+    were committed; another one is a one-line warning (rows reaching past the smaller end
+    differently), the same one none."""
+    def stored(out):
+        return json.loads((tmp_path / (os.path.basename(out) + ".parts") / "manifest.json").read_text()).get("contexts")
+
     for ext in ("parquet", "jsonl"):
         out = str(tmp_path / f"ctx.{ext}")
         w = OutputWriter(out, fingerprint=FP)
         assert w.set_context(4096) is None                      # nothing written before
-        assert json.loads((tmp_path / f"ctx.{ext}.parts" / "manifest.json").read_text())["context"] == 4096
+        assert stored(out) is None                             # named with its first rows
         w.add(rec(0))
         w.commit()
+        assert stored(out) == [4096]
         w.close()
         w = OutputWriter(out, fingerprint=FP)                  # resumed from the parts
         assert w.set_context(4096) is None
@@ -367,21 +372,32 @@ def test_the_engines_context_is_recorded_and_a_resume_with_another_is_named(tmp_
         warning = w.set_context(1500)
         assert warning == (f"warning: {out}: its rows so far were written with a context of 4096 tokens and this "
                            "engine's is 1500 (--max-model-len unset: the model's limit or what the KV pool holds); "
-                           "rows reaching past 1500 tokens end differently in the two runs: resume where the "
-                           "first context fits, or pass --overwrite to redo every row")
+                           "rows reaching past 1500 tokens end differently: resume on a GPU that holds the earlier "
+                           "context, or pass --overwrite to redo every row")
+        w.close()                                              # stopped on the warning: no row at 1500
+        assert stored(out) == [4096]
+        w = OutputWriter(out, fingerprint=FP)
+        assert w.set_context(4096) is None                     # so back at 4096 nothing is mixed
+        w.close()
+        w = OutputWriter(out, fingerprint=FP)
+        assert w.set_context(1500) is not None
         w.add(rec(1))
         assert w.finalize() == 2
         w.close()
-        w = OutputWriter(out, fingerprint=FP)                  # the finished output keeps the last one
-        assert w.complete and "1500 tokens" in w.set_context(4096)
+        w = OutputWriter(out, fingerprint=FP)                  # the finished output names both
+        assert w.complete
+        assert "a context of 1500 and 4096 tokens and this engine's is 2000" in w.set_context(2000)
+        assert w.set_context(1500) is None
+        w.reopen({0: b"", 1: b""})                             # back into parts, before any engine: kept
         w.close()
+        assert stored(out) == [1500, 4096]
     # a manifest from before contexts were recorded: nothing to compare
     out = str(tmp_path / "old.parquet")
     w = OutputWriter(out, fingerprint=FP)
     w.add(rec(0))
     w.commit()
     w.close()
-    assert "context" not in json.loads((tmp_path / "old.parquet.parts" / "manifest.json").read_text())
+    assert stored(out) is None
     assert OutputWriter(out, fingerprint=FP).set_context(64) is None
 
 
@@ -391,15 +407,15 @@ def test_a_job_resumed_with_another_context_says_so(tiny_model, tmp_path, capsys
     summary = _job(tiny_model, inp, out, limit=2)[2]
     sidecar = tmp_path / "out.jsonl.manifest.json"
     stored = json.loads(sidecar.read_text())
-    assert stored["context"] == summary["max_model_len"]
+    assert stored["contexts"] == [summary["max_model_len"]]
     capsys.readouterr()
     _job(tiny_model, inp, out, limit=2)                                 # complete: no engine, no word
     assert "context" not in capsys.readouterr().err
-    stored["context"] = summary["max_model_len"] + 100                  # as if begun on a larger GPU
+    stored["contexts"] = [summary["max_model_len"] + 100]               # as if begun on a larger GPU
     sidecar.write_text(json.dumps(stored))
     _job(tiny_model, inp, out)
     err = capsys.readouterr().err
     assert f"written with a context of {summary['max_model_len'] + 100} tokens and this engine's is " \
            f"{summary['max_model_len']}" in err, err
     assert [json.loads(x)["row"] for x in out.read_text().splitlines()] == [0, 1, 2]
-    assert json.loads(sidecar.read_text())["context"] == summary["max_model_len"]
+    assert json.loads(sidecar.read_text())["contexts"] == [summary["max_model_len"], summary["max_model_len"] + 100]
