@@ -204,21 +204,21 @@ class _Runner:
             self.pool = WorkerPool(recipe, devices, eager=opts.eager, bucket=opts.bucket_window,
                                    prefix_caching=opts.prefix_caching, logprobs_mode=opts.logprobs_mode)
             try:
-                first = self.pool.wait_ready()
+                self.pool.wait_ready()
             except WorkerError as e:         # e.g. every engine refused the settings: one line, exit 2
                 self.pool.close()
                 raise JobError(str(e)) from None
-            self.device, self.max_len = ",".join(devices), first["max_model_len"]
-            live = [w for w in self.pool.per_worker() if "max_model_len" in w and not w["died"]]
+            per = self.pool.per_worker()
+            live = [w for w in per if "max_model_len" in w and not w["died"]]
+            self.device, self.max_len = ",".join(devices), min(w["max_model_len"] for w in live)
             if len({w["max_model_len"] for w in live}) > 1:      # GPUs of different memory, --max-model-len unset
-                self.max_len = min(w["max_model_len"] for w in live)
                 names = [w["device"] for w in live]
                 held = ", ".join(f"{d if names.count(d) == 1 else f'{d} #{i}'}: {w['max_model_len']}"
                                  for i, (d, w) in enumerate(zip(names, live)))
                 print(f"warning: the workers' engines hold different contexts ({held} tokens): rows reaching past "
                       f"{self.max_len} tokens end differently by worker; a new output started with --max-model-len "
                       f"{self.max_len} has one", file=sys.stderr)
-            self.capture_s = max(w.get("capture_s", 0.0) for w in self.pool.per_worker())
+            self.capture_s = max(w.get("capture_s", 0.0) for w in per)
         else:
             from .llm import LLM
 

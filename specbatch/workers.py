@@ -226,14 +226,13 @@ class WorkerPool:
 
     # ---- the facts a summary wants ---------------------------------------------------------------
 
-    def wait_ready(self) -> dict[str, Any]:
-        """Block until every worker loaded its engine (or died); -> the first one's facts."""
+    def wait_ready(self) -> None:
+        """Block until every worker loaded its engine (or died); a WorkerError where none did.
+        Their facts: per_worker()."""
         while not all(w.ready or w.dead for w in self.workers):
             self._drain([])
-        alive = [w for w in self.workers if w.ready and not w.dead]
-        if not alive:
+        if not any(w.ready and not w.dead for w in self.workers):
             raise WorkerError(f"every worker failed to start: {self.last_error}")
-        return alive[0].stats
 
     def per_worker(self) -> list[dict[str, Any]]:
         return [{"device": w.device, "records": w.records, "died": w.dead, **w.stats} for w in self.workers]

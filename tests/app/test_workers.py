@@ -313,7 +313,7 @@ def test_workers_holding_different_contexts_are_named_and_the_smallest_recorded(
             pass
 
         def wait_ready(self):
-            return self.per_worker()[0]
+            pass
 
         def per_worker(self):
             return [{"device": "cuda:0", "max_model_len": 131072, "capture_s": 1.0, "died": False},
