@@ -219,6 +219,7 @@ class _Runner:
                       f"{self.max_len} tokens end differently by worker; a new output started with --max-model-len "
                       f"{self.max_len} has one", file=sys.stderr)
             self.capture_s = max(w.get("capture_s", 0.0) for w in per)
+            self.pool.context = self.max_len     # a worker restarted mid-job is compared with it
         else:
             from .llm import LLM
 
@@ -322,8 +323,10 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
             notify("record", {"record": rec, "tokens": runner.tokens if runner.llm else stats.completion_tokens,
                               "errors": stats.errors})
     except BaseException as e:
-        if isinstance(e, OutputError):
-            raise                # the output itself failed (disk full...): committed parts stay as they are
+        if isinstance(e, OutputError):     # the output itself failed (disk full...): committed parts stay
+            if runner.pool:
+                runner.pool.close()          # now, not once the caller lets go of the traceback
+            raise
         from .engine.failures import DeviceFailed, EngineFailed
 
         failure = None

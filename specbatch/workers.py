@@ -212,6 +212,7 @@ class WorkerPool:
         # alone on one worker, so a row that brings a device down alone is written as its error
         self.suspects: set[int] = set()
         self.eager = eager
+        self.context: int | None = None      # the job's context (the smallest at start): a restart is held to it
         self.last_error = ""
         self.errors: list[str] = []
 
@@ -345,6 +346,12 @@ class WorkerPool:
         if kind == "ready":
             w.ready, w.stats = True, dict(payload)
             w.cap = max(8, 2 * int(payload.get("slots", 32)) + 8)
+            held = payload.get("max_model_len")
+            if w.restarts and self.context is not None and held is not None and held != self.context:
+                print(f"warning: the new worker on {w.device} holds a context of {held} tokens where the job's "
+                      f"is {self.context}: rows reaching past {min(held, self.context)} tokens end differently on "
+                      f"it; a new output started with --max-model-len {min(held, self.context)} has one",
+                      file=sys.stderr)
         elif kind in ("rec", "failed_alone"):       # payload: the row's record
             item = w.held.pop(payload["row"], None)
             if w.alone == payload["row"]:

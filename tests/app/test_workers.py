@@ -334,3 +334,68 @@ def test_workers_holding_different_contexts_are_named_and_the_smallest_recorded(
     cpu[1]["max_model_len"] = 512
     assert _Runner(load_recipe("vanilla"), JobOptions(gpus="0,1"), ["cpu", "cpu"]).max_len == 512
     assert capsys.readouterr().err == ""
+
+
+def test_a_failing_output_stops_the_workers_before_the_error_leaves_the_job(tmp_path, monkeypatch):
+    """Disk full under --gpus: the workers stop before the OutputError reaches the caller, not when
+    the pool's stream is collected (a library caller may hold the traceback for a long time)."""
+    from specbatch import workers
+    from specbatch.data import OutputError, writer as writer_mod
+    from specbatch.job import JobOptions, run_job
+    from specbatch.recipe import load_recipe
+
+    events = []
+
+    class Pool:
+        suspects: set = set()
+        eager = False
+
+        def __init__(self, *a, **kw):
+            pass
+
+        def wait_ready(self):
+            pass
+
+        def per_worker(self):
+            return [{"device": "cpu", "max_model_len": 512, "died": False}] * 2
+
+        def stream(self, rows):
+            for r in rows:
+                yield {"row": r.row, "id": r.id, "text": "x", "error": None, "finish_reason": "length",
+                       "prompt_tokens": 1, "completion_tokens": 1, "output_token_ids": [1]}
+            events.append("stream ended")
+
+        def close(self):
+            events.append("closed")
+
+    def full(*a, **kw):
+        raise OutputError("o.jsonl: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(workers, "WorkerPool", Pool)
+    monkeypatch.setattr(writer_mod.OutputWriter, "add", full)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(3)))
+    with pytest.raises(OutputError) as caught:
+        run_job(str(inp), load_recipe("vanilla"), JobOptions(workers=2, output=str(tmp_path / "o.jsonl")))
+    assert events == ["closed"] and caught.value is not None     # closed while the traceback is still held
+
+
+def test_a_restarted_worker_holding_another_context_is_named(capsys):
+    """A worker restarted mid-job builds its engine again; with --max-model-len unset its context
+    follows the memory free then. One that differs from the job's is said, a first start is not
+    (the job compares those together)."""
+    from specbatch.workers import WorkerPool, _Worker
+
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.context = 60000
+    first = _Worker(proc=Proc(0), inbox=Inbox(), reader=None, device="cuda:1")
+    pool._heard(first, "ready", {"max_model_len": 50000, "slots": 8}, [])
+    assert first.ready and capsys.readouterr().err == ""
+    again = _Worker(proc=Proc(0), inbox=Inbox(), reader=None, device="cuda:1", restarts=1)
+    pool._heard(again, "ready", {"max_model_len": 60000, "slots": 8}, [])
+    assert capsys.readouterr().err == ""
+    shrunk = _Worker(proc=Proc(0), inbox=Inbox(), reader=None, device="cuda:1", restarts=2)
+    pool._heard(shrunk, "ready", {"max_model_len": 50000, "slots": 8}, [])
+    assert capsys.readouterr().err == (
+        "warning: the new worker on cuda:1 holds a context of 50000 tokens where the job's is 60000: rows reaching "
+        "past 50000 tokens end differently on it; a new output started with --max-model-len 50000 has one\n")
