@@ -130,6 +130,36 @@ class PagedCase:
                                     page_table=self.table, **kw)
 
 
+def paged_configs(dev: torch.device, bw: float) -> None:
+    """Decode and a width-2 verify at job batch sizes over (BLOCK_N, warps, stages), to check the
+    default tile against this GPU (the split plan as the engine chooses it)."""
+    print("\npaged tile sweep, mixed contexts 100-1100: us and fraction of bandwidth (* = default)")
+    default = kattn._config
+    configs = [(bn, w, st) for bn in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3, 4)]
+    for T, B in ((1, 128), (1, 320), (1, 512), (2, 320)):
+        case = PagedCase(B, T, dev)
+        floor_us = case.read_bytes / bw * 1e6
+        base = default(max(16, T * HQ // HKV), D, DTYPE.itemsize)
+        cells = []
+        for cfg in configs:
+            kattn._config = lambda *a, cfg=cfg: cfg
+            try:
+                us = graph_us(case.kernel, case.layers)
+            except Exception as e:          # out of shared memory / registers: say so, go on
+                cells.append((cfg, float("nan"), type(e).__name__))
+                continue
+            finally:
+                kattn._config = default
+            cells.append((cfg, us, ""))
+        cells.sort(key=lambda c: (c[1] != c[1], c[1]))
+        print(f"T {T} B {B:4d} floor {floor_us:8.1f} us; default {base}")
+        for cfg, us, err in cells[:8] + [c for c in cells[8:] if c[0] == base]:
+            mark = "*" if cfg == base else " "
+            print(f"  {mark}{cfg}: " + (err or f"{us:8.1f} us {floor_us / us:6.1%}"))
+        del case
+        torch.cuda.empty_cache()
+
+
 def paged(dev: torch.device, bw: float) -> None:
     print("\npaged, mixed contexts 100-1100 (the job's decode and verify); 'longest first': the "
           "programs started in longest_first's order (found once a forward: 'order us')")
@@ -247,7 +277,8 @@ def prefill(dev: torch.device, rate: float, sweep: bool, tiles: list[int]) -> No
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time split counts for decode / verify at 1-16 rows")
-    ap.add_argument("--paged", action="store_true", help="only the paged job shapes (decode / verify, 64-512 rows)")
+    ap.add_argument("--paged", action="store_true",
+                    help="only the paged job shapes (decode / verify, 64-512 rows; --sweep: tile shapes)")
     ap.add_argument("--prefill", action="store_true", help="only packed prefill forwards (--sweep: tile shapes too)")
     ap.add_argument("--tiles", default="32", help="--prefill: prompt tokens a query tile (comma-separated)")
     args = ap.parse_args()
@@ -257,7 +288,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(dev)} ({sms} SMs); copy bandwidth {bw / 1e9:.0f} GB/s; "
           f"Hq {HQ} Hkv {HKV} D {D} {DTYPE}; kernels from {kattn.__file__}")
     if args.paged:
-        paged(dev, bw)
+        paged_configs(dev, bw) if args.sweep else paged(dev, bw)
         return
     if args.prefill:
         prefill(dev, matmul_rate(dev, DTYPE), args.sweep, [int(c) for c in args.tiles.split(",")])
