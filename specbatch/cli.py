@@ -214,9 +214,9 @@ def run(
     except OSError as e:
         _fail(f"{e.filename or 'specbatch'}: {e.strerror or e}")
     except KeyboardInterrupt:
-        _fail(f"interrupted; {view.done} finished rows are committed, rerun the same command to resume", 130)
+        _fail(f"interrupted; {_kept(view, output)}", 130)
     except Terminated:
-        _fail(f"terminated (SIGTERM); {view.done} finished rows are committed, rerun the same command to resume", 143)
+        _fail(f"terminated (SIGTERM); {_kept(view, output)}", 143)
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not quiet:
@@ -230,6 +230,17 @@ def run(
     if summary.get("requests") and summary["errors"] == summary["requests"]:
         _fail(f"every row failed ({summary['errors']} rows); see the error column of {summary['output']}",
               EXIT_FAILED)
+
+
+def _kept(view: ProgressView, output: str | None) -> str:
+    """What a stopped run leaves: committed parts to resume from, or lines already on stdout."""
+    if output != "-":
+        return f"{view.done} finished rows are committed, rerun the same command to resume"
+    written = view.on_stdout or 0
+    behind = view.done - written
+    held = f" ({behind} finished rows waited behind unfinished ones and were not)" if behind else ""
+    return (f"{written} rows were written to stdout{held}; -o - keeps nothing to resume from, so a rerun starts "
+            "over (-o PATH writes parts a rerun resumes)")
 
 
 @app.command()

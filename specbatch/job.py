@@ -321,7 +321,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
             writer.add(rec, digests.pop(rec["row"], b""))
             stats.add(rec)
             notify("record", {"record": rec, "tokens": runner.tokens if runner.llm else stats.completion_tokens,
-                              "errors": stats.errors})
+                              "errors": stats.errors, "on_stdout": getattr(writer, "count", None)})
     except BaseException as e:
         if isinstance(e, OutputError):     # the output itself failed (disk full...): committed parts stay
             if runner.pool:

@@ -26,6 +26,7 @@ class ProgressView:
         self.task = None
         self.total: int | None = None
         self.done = 0
+        self.on_stdout: int | None = None      # -o -: rows written (in input order) so far
         self.errors = 0
         self.tokens = 0
         self.completion_tokens = 0
@@ -64,6 +65,7 @@ class ProgressView:
         elif event == "record":
             rec = info["record"]
             self.done += 1
+            self.on_stdout = info.get("on_stdout")
             self.errors = info.get("errors", self.errors)
             self.tokens = info["tokens"]
             if rec.get("spec"):

@@ -157,6 +157,38 @@ def test_output_on_stdout_in_input_order(tmp_path, base):
     assert [g["completion"] for g in got] == [x["completion"] for x in read(ref)]
 
 
+@pytest.mark.parametrize("stop, code, said", [(KeyboardInterrupt, 130, "interrupted"),
+                                              ("Terminated", 143, "terminated (SIGTERM)")])
+def test_a_stopped_stdout_run_says_what_it_wrote_and_that_a_rerun_starts_over(tmp_path, base, monkeypatch,
+                                                                             stop, code, said):
+    """-o - keeps no parts: the stop's line counts the lines on stdout (rows finished behind an
+    unfinished one are not among them) and does not promise a resume."""
+    from specbatch import cli as cli_mod
+    from specbatch.progress import ProgressView
+
+    stop = getattr(cli_mod, stop) if isinstance(stop, str) else stop
+    real, seen = ProgressView.update, []
+
+    def update(self, event, info):
+        real(self, event, info)
+        if event == "record":
+            seen.append(info["record"]["row"])
+            if sorted(seen) != list(range(len(seen))) or len(seen) == 7:     # at the first gap
+                raise stop()
+
+    monkeypatch.setattr(ProgressView, "update", update)
+    inp = write(tmp_path / "in.jsonl", [dict(r, max_tokens=1 + 5 * (i % 3 == 0)) for i, r in enumerate(ROWS)])
+    i = base.index("--max-tokens")
+    r = cli("run", inp, "-o", "-", *base[:i], *base[i + 2:])          # the rows' own max_tokens: out of order
+    line = one_line_cli_error(r, code)
+    written = next(n for n in range(8) if n not in seen)          # rows go out in order: up to the first gap
+    assert 0 < written < len(seen), seen                           # the rows' lengths finish them out of order
+    assert [json.loads(x)["row"] for x in r.stdout.splitlines()] == list(range(written))
+    assert line.startswith(f"error: {said}; {written} rows were written to stdout") and "starts over" in line
+    assert f"({len(seen) - written} finished rows waited behind unfinished ones and were not)" in line
+    assert "committed" not in line and "rerun the same command" not in line
+
+
 # ---------------------------------------------------------------- what the user sees
 
 def test_quiet_prints_nothing_and_logs_get_progress_lines(tmp_path, base):
