@@ -5,6 +5,7 @@ row's error."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -109,7 +110,24 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "return_token_ids": ("false", _false),
     "repetition_detection": ("null", _empty),
     "vllm_xargs": ("null", _empty),
+    "verbosity": ("null", _empty),              # OpenAI's newer chat parameters
+    "web_search_options": ("null", _empty),
 }
+
+# The fields parse_overrides and parse_chat_options read (a test holds the two to this list).
+REQUEST_FIELDS = frozenset({
+    "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+    "stop_token_ids", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "logprobs", "top_logprobs", "prompt_logprobs", "n", "best_of", "include_stop_str_in_output",
+    "skip_special_tokens", "add_special_tokens", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs"})
+# Keys of an OpenAI body that change nothing about the completion here: the prompt forms, the model
+# (echoed), who asked, storage and caching hints, vLLM's scheduling and transfer extras, and the
+# guided-decoding options that only qualify a guided field (which is refused on its own).
+INERT_BODY_FIELDS = frozenset({
+    "messages", "prompt", "model", "user", "metadata", "store", "service_tier", "safety_identifier",
+    "prompt_cache_key", "request_id", "priority", "cache_salt", "kv_transfer_params", "guided_decoding_backend",
+    "guided_whitespace_pattern"})
 
 # Chat-template options of a messages row (vLLM's chat completion extras), passed to the
 # tokenizer's apply_chat_template: name -> its default.
@@ -515,6 +533,26 @@ def parse_chat_options(src: dict, prefix: str, chat: bool, exempt: Sequence[str]
         raise BadField(f"field '{prefix}continue_final_message': true needs '{prefix}add_generation_prompt': "
                        "false (the final message is continued, not followed by a new turn)")
     return out
+
+
+def check_body_keys(body: dict, prefix: str) -> None:
+    """Every key of an OpenAI body is part of the request (OpenAI's API refuses one it does not
+    know): a key specbatch neither reads, refuses nor knows to be inert is an error naming it, with
+    the closest field, never a silently ignored typo."""
+    for key in body:
+        if key in REQUEST_FIELDS or key in UNSUPPORTED_FIELDS or key in INERT_BODY_FIELDS:
+            continue
+        near = difflib.get_close_matches(str(key), sorted(REQUEST_FIELDS | UNSUPPORTED_FIELDS.keys()), 1, 0.7)
+        hint = f" (did you mean '{prefix}{near[0]}'?)" if near else ""
+        raise BadField(f"field '{prefix}{key}': not a request field specbatch knows{hint}; remove it")
+
+
+def check_batch_line_keys(obj: dict, exempt: Sequence[str]) -> None:
+    """A request field beside an OpenAI line's body (not in it) would be silently ignored."""
+    for key in obj:
+        if key in REQUEST_FIELDS and key not in exempt and obj[key] is not None:
+            raise BadField(f"field '{key}': an OpenAI batch line's request fields go inside 'body' "
+                           f"(as 'body.{key}'); a column of your own by that name: name it in --keep-columns")
 
 
 def check_unsupported(src: dict, prefix: str, exempt: Sequence[str] = ()) -> None:

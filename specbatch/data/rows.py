@@ -10,6 +10,8 @@ from .fields import (
     MESSAGES_EXPECTED,
     BadField,
     bad,
+    check_batch_line_keys,
+    check_body_keys,
     check_messages,
     check_prompt,
     check_token_ids,
@@ -146,6 +148,7 @@ def _parse_body(obj: dict, req: RowRequest) -> None:
     req.overrides = parse_overrides(body, "body.", endpoint=req.endpoint)
     req.chat = parse_chat_options(body, "body.", req.messages is not None)
     check_unsupported(body, "body.")
+    check_body_keys(body, "body.")
 
 
 def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequence[str],
@@ -208,6 +211,7 @@ def parse_row(
     try:
         if batch_line:
             _parse_body(obj, req)
+            check_batch_line_keys(obj, keep_columns)
         else:
             # The prompt and id columns are the user's data, not sampling fields.
             exempt = (prompt_column, *((id_column,) if id_column is not None else ()))

@@ -26,6 +26,7 @@ NON_DEFAULT = {
     "logits_processors": ["my.module:Proc"], "prompt_embeds": "AAAA",
     # vLLM's request extras that change the response or the generation (review: they were dropped silently)
     "return_token_ids": True, "repetition_detection": {"max_pattern_size": 4}, "vllm_xargs": {"k": 1},
+    "verbosity": "low", "web_search_options": {"search_context_size": "low"},
 }
 DEFAULTS = {
     "n": 1, "best_of": None, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0.0,
@@ -80,8 +81,58 @@ def test_metadata_and_named_columns_stay_allowed():
     # a column the user names (id or keep) is their data, not a sampling field
     r = parse({"prompt": "x", "n": 7, "echo": "yes"}, id_column="n", keep_columns=["echo"])
     assert isinstance(r, RowRequest) and r.id == 7 and r.keep == {"echo": "yes"}
-    # top-level fields of an OpenAI batch line are not its sampling fields
-    assert isinstance(parse({"custom_id": "c", "n": 3, "body": {"prompt": "x"}}), RowRequest)
+    # beside an OpenAI line's body a request field would be ignored: an error, unless the user keeps it
+    e = err({"custom_id": "c", "n": 3, "body": {"prompt": "x"}})
+    assert e.error == (f"{WHERE}: field 'n': an OpenAI batch line's request fields go inside 'body' (as 'body.n'); "
+                       "a column of your own by that name: name it in --keep-columns")
+    r = parse({"custom_id": "c", "n": 3, "body": {"prompt": "x"}}, keep_columns=["n"])
+    assert isinstance(r, RowRequest) and r.keep == {"n": 3} and "n" not in r.overrides
+    assert isinstance(parse({"custom_id": "c", "n": None, "category": "x", "body": {"prompt": "x"}}), RowRequest)
+
+
+def test_an_unknown_body_key_is_an_error_naming_the_closest_field():
+    """Every key of an OpenAI body is part of the request (OpenAI refuses an unknown one): a typo
+    must not run the row without what it meant."""
+    e = err({"custom_id": "c", "body": {"prompt": "x", "temprature": 0.7}})
+    assert e.id == "c" and e.batch_line
+    assert e.error == (f"{WHERE}: field 'body.temprature': not a request field specbatch knows "
+                       "(did you mean 'body.temperature'?); remove it")
+    assert "did you mean 'body.top_p'?" in err({"body": {"messages": MESSAGES, "topp": 0.5}}).error
+    assert "did you mean 'body.response_format'?" in err({"body": {"prompt": "x", "response_fromat": {}}}).error
+    assert err({"body": {"prompt": "x", "xyzzy": 1}}).error.endswith("field 'body.xyzzy': not a request field "
+                                                                    "specbatch knows; remove it")
+    # keys that change nothing here: who asked, storage hints, the echoed model, vLLM's scheduling extras
+    inert = {"model": "m", "user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+             "safety_identifier": "s", "prompt_cache_key": "k", "request_id": "r", "priority": 0, "cache_salt": "x"}
+    assert isinstance(parse({"custom_id": "c", "body": {"prompt": "x", **inert}}), RowRequest)
+    assert isinstance(parse({"prompt": "x", "temprature": 0.7}), RowRequest)       # plain rows: metadata
+
+
+def test_request_fields_are_the_keys_the_parsers_read():
+    """REQUEST_FIELDS (what an OpenAI body may hold besides the refused and the inert keys) is the
+    set of keys parse_overrides and parse_chat_options read: a field added to them is added there."""
+    from specbatch.data.fields import REQUEST_FIELDS, UNSUPPORTED_FIELDS, parse_chat_options, parse_overrides
+
+    class Reads(dict):
+        seen: set = set()
+
+        def get(self, key, default=None):
+            Reads.seen.add(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key):
+            Reads.seen.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            Reads.seen.add(key)
+            return super().__contains__(key)
+
+    for endpoint, chat in (("chat", True), ("completion", False), (None, True)):
+        body = Reads(messages=MESSAGES) if chat else Reads(prompt="x")
+        parse_overrides(body, "body.", endpoint=endpoint)
+        parse_chat_options(body, "body.", chat)
+    assert Reads.seen - {"messages", "prompt"} - set(UNSUPPORTED_FIELDS) == REQUEST_FIELDS
 
 
 def test_method_must_be_post():

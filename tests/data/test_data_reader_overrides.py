@@ -33,8 +33,8 @@ def test_openai_body_overrides():
     assert parse({"body": {"prompt": "x", "max_tokens": 9, "max_completion_tokens": 9}}).overrides == {"max_tokens": 9}
     e = err({"body": {"prompt": "x", "max_tokens": 9, "max_completion_tokens": 10}})
     assert "max_tokens" in e and "max_completion_tokens" in e
-    # top-level sampling fields are ignored when body is given
-    assert parse({"temperature": "hot", "body": {"prompt": "x"}}).overrides == {}
+    # a sampling field beside the body (not in it) is the row's error, not silently ignored
+    assert "go inside 'body' (as 'body.temperature')" in err({"temperature": "hot", "body": {"prompt": "x"}})
     assert parse({"body": {"prompt": [1, 2]}}).prompt_token_ids == [1, 2]
     assert parse({"body": {"prompt": ["only"]}}).prompt == "only"
 
