@@ -539,9 +539,9 @@ def check_body_keys(body: dict, prefix: str) -> None:
     """Every key of an OpenAI body is part of the request (OpenAI's API refuses one it does not
     know): a key specbatch neither reads, refuses nor knows to be inert is an error naming it, with
     the closest field, never a silently ignored typo."""
-    for key in body:
-        if key in REQUEST_FIELDS or key in UNSUPPORTED_FIELDS or key in INERT_BODY_FIELDS:
-            continue
+    for key, value in body.items():
+        if key in REQUEST_FIELDS or key in UNSUPPORTED_FIELDS or key in INERT_BODY_FIELDS or value is None:
+            continue         # (null: asks nothing; a Parquet struct fills every row's keys with it)
         near = difflib.get_close_matches(str(key), sorted(REQUEST_FIELDS | UNSUPPORTED_FIELDS.keys()), 1, 0.7)
         hint = f" (did you mean '{prefix}{near[0]}'?)" if near else ""
         raise BadField(f"field '{prefix}{key}': not a request field specbatch knows{hint}; remove it")

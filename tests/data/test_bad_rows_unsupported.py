@@ -106,6 +106,8 @@ def test_an_unknown_body_key_is_an_error_naming_the_closest_field():
              "safety_identifier": "s", "prompt_cache_key": "k", "request_id": "r", "priority": 0, "cache_salt": "x"}
     assert isinstance(parse({"custom_id": "c", "body": {"prompt": "x", **inert}}), RowRequest)
     assert isinstance(parse({"prompt": "x", "temprature": 0.7}), RowRequest)       # plain rows: metadata
+    # null asks for nothing (a Parquet body struct gives every row the keys of any row)
+    assert isinstance(parse({"custom_id": "c", "body": {"prompt": "x", "temprature": None}}), RowRequest)
 
 
 def test_request_fields_are_the_keys_the_parsers_read():
