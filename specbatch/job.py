@@ -283,8 +283,10 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
         rows = iter(source)
         if limit is not None:
             rows = itertools.takewhile(lambda r: r.row < limit, rows)
+        named = _ModelNames(recipe)
         for r in rows:
             if r.row not in done:
+                named.check(r)
                 digests[r.row] = getattr(r, "digest", b"")
                 yield r
 
@@ -356,6 +358,30 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
                          resumed=resumed, device=runner.device, max_model_len=runner.max_len,
                          recipe=recipe.name, model=str(resolve_model(recipe.model)),
                          draft=describe_draft(recipe, spec_config(recipe).draft), **runner.facts())
+
+
+class _ModelNames:
+    """An OpenAI body naming another model than the one running is said once per name (the
+    response echoes the request's name, as a served model's alias): a file prepared for another
+    model does not pass for that model's answers without a word."""
+
+    SAID_AT_MOST = 3
+
+    def __init__(self, recipe: Recipe):
+        self.running = model_name(recipe)
+        self.seen: set[str] = set()
+
+    def check(self, row: Any) -> None:
+        name = getattr(row, "request_model", None)
+        if (name is None or name in self.seen or len(self.seen) > self.SAID_AT_MOST
+                or os.path.basename(os.path.normpath(name)) == self.running):       # the directory, or org/name
+            return
+        self.seen.add(name)
+        if len(self.seen) > self.SAID_AT_MOST:
+            print("warning: more rows name other models in body.model; not said again", file=sys.stderr)
+            return
+        print(f"warning: {row.where}: body.model is {name!r}, but the rows run on {self.running!r}; their "
+              "responses echo the request's name", file=sys.stderr)
 
 
 def _device_failed(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[int, bytes],

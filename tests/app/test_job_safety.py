@@ -282,3 +282,23 @@ def test_disk_full_is_one_line_and_keeps_the_committed_rows(tmp_path, base, monk
     stats = tmp_path / "s.json"
     ok("run", inp, "-o", out, *base, "--stats-json", stats)        # after freeing space: resumes
     assert json.loads(stats.read_text())["resumed"] == 256 and len(read(out)) == 360
+
+
+def test_bodies_naming_another_model_are_said_once_per_name(tmp_path, base):
+    """The response echoes body.model (as a served alias); a file prepared for another model is
+    named once per model name, the running model's own name (or org/name of it) is not."""
+    model = base[base.index("--model") + 1]
+    own = os.path.basename(os.path.normpath(str(model)))
+    names = ["gpt-4o-mini", own, f"org/{own}", "gpt-4o-mini", "a", "b", "c", "d"]
+    inp = write(tmp_path / "b.jsonl", [{"custom_id": f"c{i}", "body": {"model": m, "prompt": "def f():"}}
+                                      for i, m in enumerate(names)])
+    out = tmp_path / "b.out.jsonl"
+    r = ok("run", inp, "-o", out, *base)
+    warned = [x for x in r.stderr.splitlines() if x.startswith("warning:")]
+    assert warned == [
+        f"warning: {inp}:1: body.model is 'gpt-4o-mini', but the rows run on '{own}'; their responses echo the "
+        "request's name",
+        f"warning: {inp}:5: body.model is 'a', but the rows run on '{own}'; their responses echo the request's name",
+        f"warning: {inp}:6: body.model is 'b', but the rows run on '{own}'; their responses echo the request's name",
+        "warning: more rows name other models in body.model; not said again"]
+    assert [json.loads(x)["response"]["body"]["model"] for x in open(out)] == names
