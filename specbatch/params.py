@@ -22,6 +22,9 @@ _CHOICE_MIX = 0x94D049BB133111EB
 # max_new_tokens / min_p), and what an unset one falls back to without it.
 MODEL_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 FALLBACK = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+# An OpenAI batch line reads as its API does: an unset temperature is 1 (OpenAI's default, and vLLM's
+# server's without a generation config), as its unset max_tokens is the API's (default_max_tokens).
+API_FALLBACK = {**FALLBACK, "temperature": 1.0}
 MAX_TOKENS_FALLBACK = 256          # rows of specbatch's own forms, when nothing sets max_tokens
 COMPLETIONS_MAX_TOKENS = 16        # an OpenAI /v1/completions body without max_tokens (OpenAI's, vLLM's server's)
 
@@ -107,21 +110,24 @@ class SamplingParams:
         d["logit_bias"] = {int(t): float(b) for t, b in self.logit_bias}
         return d
 
-    def resolved(self, model: Mapping[str, Any] | None = None) -> "SamplingParams":
-        """Unset fields from `model` (generation_config.json's sampling values), else FALLBACK."""
+    def resolved(self, model: Mapping[str, Any] | None = None,
+                 fallback: Mapping[str, Any] = FALLBACK) -> "SamplingParams":
+        """Unset fields from `model` (generation_config.json's sampling values), else `fallback`."""
         model = model or {}
-        fill = {k: model.get(k, FALLBACK[k]) for k in MODEL_DEFAULT_KEYS if getattr(self, k) is None}
+        fill = {k: model.get(k, fallback[k]) for k in MODEL_DEFAULT_KEYS if getattr(self, k) is None}
         return replace(self, **fill) if fill else self
 
     def for_row(self, overrides: Mapping[str, Any], row: int, model: Mapping[str, Any] | None = None,
-                unset_max_tokens: "UnsetMaxTokens | None" = None) -> "SamplingParams":
+                unset_max_tokens: "UnsetMaxTokens | None" = None, *, batch_line: bool = False) -> "SamplingParams":
         """These defaults with a row's own (validated) fields applied, resolved to run: unset
-        fields from the model's generation config (`model`), max_tokens, if still unset, from
-        `unset_max_tokens` (default_max_tokens: what the row's form defaults to; None: a plain row's), a
-        seed for every row (from the run seed, which these defaults carry, and the row number:
-        reruns and resumes draw the same tokens) and tiny temperatures made greedy. Every
-        temperature (row, recipe, CLI) passes here: dividing logits by 1e-40 overflows."""
-        p = replace(self, **{k: _field_value(k, v) for k, v in overrides.items()}).resolved(model)
+        fields from the model's generation config (`model`), else FALLBACK (API_FALLBACK for an
+        OpenAI `batch_line`), max_tokens, if still unset, from `unset_max_tokens`
+        (default_max_tokens: what the row's form defaults to; None: a plain row's), a seed for every
+        row (from the run seed, which these defaults carry, and the row number: reruns and resumes
+        draw the same tokens) and tiny temperatures made greedy. Every temperature (row, recipe,
+        CLI) passes here: dividing logits by 1e-40 overflows."""
+        p = replace(self, **{k: _field_value(k, v) for k, v in overrides.items()})
+        p = p.resolved(model, API_FALLBACK if batch_line else FALLBACK)
         unset = unset_max_tokens or default_max_tokens(model or {}, 0, batch_line=False, endpoint=None)
         if p.max_tokens is None:
             p = replace(p, max_tokens=unset.value)
@@ -213,6 +219,8 @@ def describe_defaults(sampling: SamplingParams, model: Mapping[str, Any]) -> str
             parts.append(f"{k} {v} (recipe)")
         elif k in model:
             parts.append(f"{k} {model[k]} (generation_config.json)")
+        elif FALLBACK[k] != API_FALLBACK[k]:
+            parts.append(f"{k} {FALLBACK[k]} (default; OpenAI batch lines {API_FALLBACK[k]}, the API's)")
         else:
             parts.append(f"{k} {FALLBACK[k]} (default)")
     return ", ".join(parts)

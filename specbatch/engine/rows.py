@@ -60,7 +60,8 @@ class RowConverter:
         try:
             unset = default_max_tokens(self.model_defaults, self.max_len - len(ids), batch_line=item.batch_line,
                                        endpoint=item.endpoint)
-            params = defaults.for_row(item.overrides, item.row, self.model_defaults, unset)
+            params = defaults.for_row(item.overrides, item.row, self.model_defaults, unset,
+                                      batch_line=bool(item.batch_line))
         except SamplingError as e:
             prefix = "body." if item.batch_line else ""
             return error_record(item.row, item.id, f"{where}: field '{prefix}{e.field}': {e.detail}",

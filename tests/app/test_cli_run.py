@@ -218,7 +218,7 @@ def test_messages_and_openai_batch_rows(tiny_model, tmp_path, tokenizer):
     rows = [
         {"id": "chat-1", "messages": messages},
         {"custom_id": "req-7", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "whatever", "messages": messages, "max_tokens": 3}},
+         "body": {"model": "whatever", "messages": messages, "max_tokens": 3, "temperature": 0}},
         {"custom_id": "req-8", "method": "POST", "url": "/v1/completions",
          "body": {"model": "whatever", "prompt": "import os", "max_completion_tokens": 2}},
         {"prompt": "class Point:"},
@@ -237,6 +237,22 @@ def test_messages_and_openai_batch_rows(tiny_model, tmp_path, tokenizer):
     assert got[2]["prompt_tokens"] == len(tokenizer("import os")["input_ids"])
     # same prompt through both forms, greedy: the shorter completion is a prefix of the longer
     assert got[0]["output_token_ids"][:3] == got[1]["output_token_ids"]
+
+
+def test_an_openai_line_without_temperature_samples_at_the_apis_default(tiny_model, tmp_path):
+    """As OpenAI and `vllm run-batch` read a body with no temperature (and no generation config):
+    1.0, not specbatch's greedy default for its own row forms; a flag or the body's own still rule."""
+    body = {"prompt": "def add(a, b):", "max_tokens": 12, "ignore_eos": True}
+    rows = lambda extra: [{"custom_id": f"c{i}", "body": {**body, **extra}} for i in range(4)]     # noqa: E731
+    outs = {}
+    for name, extra, flags in (("unset", {}, []), ("one", {"temperature": 1.0}, []), ("zero", {"temperature": 0}, []),
+                               ("flag", {}, ["--temperature", "0"])):
+        inp = write_jsonl(tmp_path / f"{name}.jsonl", rows(extra))
+        ok("run", inp, "--model", tiny_model, "--device", "cpu", "-o", tmp_path / f"{name}.parquet", "-q", *flags)
+        outs[name] = [r["completion"] for r in read_out(tmp_path / f"{name}.parquet")]
+    assert outs["unset"] == outs["one"]                    # the same rows, seeds and temperature
+    assert outs["zero"] == outs["flag"] and len(set(outs["zero"])) == 1      # greedy: one answer
+    assert outs["unset"] != outs["zero"] and len(set(outs["unset"])) > 1
 
 
 def test_logprobs_mode_flag(tiny_model, tmp_path):

@@ -53,7 +53,7 @@ def test_inspect_shows_the_defaults(gen_model, tiny_model):
     assert "temperature 0.7 (generation_config.json)" in out and "top_p 1.0 (default)" in out
     assert "top_k 5 (generation_config.json)" in out and "repetition_penalty 1.3 (generation_config.json)" in out
     out = _table_text(ok("inspect", "--model", tiny_model).stdout)
-    assert "temperature 0.0 (default)" in out
+    assert "temperature 0.0 (default; OpenAI batch lines 1.0, the API's)" in out
 
 
 @pytest.mark.parametrize("key,expected", [("top_p", "a number in (0, 1]"), ("max_new_tokens", "an integer >= 1")])
