@@ -201,6 +201,10 @@ def run(
     try:
         with view:
             summary = run_job(input, rec, opts, progress=view.update)
+        # the output is complete: a SIGTERM from here on (a scheduler's, at the job's end) does not
+        # turn it into a failure, nor cut the summary and --stats-json short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _report(summary, quiet, stats_json)
     except JobError as e:
         if isinstance(e, DeviceLost) and e.hard_exit:   # the CUDA context failed: its teardown may abort the exit
             _restart(e)
@@ -219,6 +223,10 @@ def run(
         _fail(f"terminated (SIGTERM); {_kept(view, output)}", 143)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _report(summary: dict, quiet: bool, stats_json: str | None) -> None:
+    """A finished job's summary on stderr, its --stats-json, and exit 1 when every row failed."""
     if not quiet:
         print_summary(err, summary)
     if stats_json:

@@ -302,3 +302,27 @@ def test_bodies_naming_another_model_are_said_once_per_name(tmp_path, base):
         f"warning: {inp}:6: body.model is 'b', but the rows run on '{own}'; their responses echo the request's name",
         "warning: more rows name other models in body.model; not said again"]
     assert [json.loads(x)["response"]["body"]["model"] for x in open(out)] == names
+
+
+def test_a_sigterm_after_the_output_is_complete_does_not_fail_the_job(tmp_path, base):
+    """A scheduler's SIGTERM landing as the job ends (the output complete, the summary being
+    printed): the summary and --stats-json are still written and the exit is 0, not a silent 143."""
+    import signal
+    import subprocess
+    import sys
+
+    inp, out, stats = write(tmp_path / "in.jsonl", ROWS[:3]), tmp_path / "o.jsonl", tmp_path / "s.json"
+    loud = [str(a) for a in base if a != "-q"]
+    code = ("import os, signal, sys\n"
+            "import specbatch.cli as c\n"
+            "real = c.print_summary\n"
+            "def late(*a, **k):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return real(*a, **k)\n"
+            "c.print_summary = late\n"
+            "sys.argv = ['specbatch'] + sys.argv[1:]\n"
+            "c.app()\n")
+    r = subprocess.run([sys.executable, "-c", code, "run", str(inp), "-o", str(out), "--stats-json", str(stats), *loud],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.returncode != -signal.SIGTERM, r.stderr
+    assert "error:" not in r.stderr and json.loads(stats.read_text())["requests"] == 3 and len(read(out)) == 3

@@ -88,8 +88,29 @@ def test_different_fingerprint_refused(tmp_path):
         OutputWriter(str(out), fingerprint=FP, save_token_ids=True)
     with pytest.raises(OutputError, match="keep_columns"):
         OutputWriter(str(out), fingerprint=FP, keep_columns=["lang"])
+    # the same setting spelled two ways: no run seed is seed 0
+    seeded = tmp_path / "seeded.parquet"
+    fp = lambda seed: {**FP, "sampling": {**FP["sampling"], "seed": seed}}      # noqa: E731
+    w = OutputWriter(str(seeded), fingerprint=fp(None), commit_rows=1)
+    w.add(rec(0))
+    w.close()
+    for seed in (0, None):
+        OutputWriter(str(seeded), fingerprint=fp(seed)).close()
+    with pytest.raises(OutputError, match=r"sampling.seed: null -> 1\)"):
+        OutputWriter(str(seeded), fingerprint=fp(1))
     # parts survive the refusals
     assert parts(out) == ["part-000000.parquet"]
+
+
+def test_a_refusal_names_a_differing_kept_column_list_once(tmp_path):
+    """keep_columns sits in the job's settings and beside them in the manifest: one mention."""
+    out = tmp_path / "out.parquet"
+    w = OutputWriter(str(out), fingerprint={**FP, "keep_columns": ["a"]}, keep_columns=["a"], commit_rows=1)
+    w.add(rec(0))
+    w.close()
+    with pytest.raises(OutputError) as ei:
+        OutputWriter(str(out), fingerprint={**FP, "keep_columns": ["b"]}, keep_columns=["b"])
+    assert str(ei.value).count("keep_columns") == 1, ei.value
 
 
 def test_different_fingerprint_without_parts_is_adopted(tmp_path):
