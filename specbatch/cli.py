@@ -446,7 +446,24 @@ def train(
 
 
 def main() -> None:
-    app()
+    """The console script: a malformed flag or argument is one line naming it (the CLI framework's
+    own form is a usage block and a box), as every other error here is."""
+    # click's exception classes, whether typer vendors click (0.2x) or imports it
+    usage_error, click_error = (next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
+                                for name in ("UsageError", "ClickException"))
+    try:
+        code = app(standalone_mode=False)
+    except click_error as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # a bare command: its help
+            e.show()
+            sys.exit(e.exit_code)
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if isinstance(e, usage_error) and ctx is not None else ""
+        err.print(f"[bold red]error:[/] {escape(e.format_message())}{escape(hint)}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

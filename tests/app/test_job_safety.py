@@ -326,3 +326,25 @@ def test_a_sigterm_after_the_output_is_complete_does_not_fail_the_job(tmp_path, 
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.returncode != -signal.SIGTERM, r.stderr
     assert "error:" not in r.stderr and json.loads(stats.read_text())["requests"] == 3 and len(read(out)) == 3
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["run", "IN", "--max-tokens", "abc"], "error: Invalid value for '--max-tokens': "),
+    (["run", "IN", "--workers", "0"], "error: Invalid value for '--workers': "),
+    (["run", "IN", "--no-such-flag"], "error: No such option: --no-such-flag"),
+    (["run"], "error: Missing argument 'input'."),
+    (["no-such-command"], "error: No such command 'no-such-command'.")])
+def test_a_malformed_flag_is_one_line_from_the_console_script(tmp_path, monkeypatch, capsys, args, expect):
+    """The CLI framework's own form for a flag it cannot parse is a usage block and a box; the
+    console script answers one line naming the flag, as every other error, with exit 2."""
+    import sys
+
+    from specbatch.cli import main
+
+    inp = write(tmp_path / "in.jsonl", ROWS[:1])
+    monkeypatch.setattr(sys, "argv", ["specbatch", *[str(inp) if a == "IN" else a for a in args]])
+    with pytest.raises(SystemExit) as ex:
+        main()
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert ex.value.code == EXIT_USAGE and len(lines) == 1 and lines[0].startswith(expect), lines
+    assert lines[0].endswith("--help')")
