@@ -16,6 +16,7 @@ from .data.reader import Row
 from .data.writer import output_file_format
 from .params import DEFAULT_LOGPROBS_MODE
 from .recipe import Recipe
+from .row_notes import ModelNames, RepeatedIds
 from .resolve import DEMO_DIR, DeviceLost, JobError, describe_draft, resolve_draft, resolve_model, spec_config
 from .stats import RunStats
 from .workers import WorkerError
@@ -278,13 +279,14 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
     total = source.total if limit is None or source.total is None else min(source.total, limit)
     resumed = len(done) if limit is None else done.count_below(limit)
     digests: dict[int, bytes] = {}
+    named, ids = ModelNames(model_name(recipe)), RepeatedIds()
 
     def todo() -> Iterator[Row]:
         rows = iter(source)
         if limit is not None:
             rows = itertools.takewhile(lambda r: r.row < limit, rows)
-        named = _ModelNames(recipe)
         for r in rows:
+            ids.add(r)
             if r.row not in done:
                 named.check(r)
                 digests[r.row] = getattr(r, "digest", b"")
@@ -351,37 +353,19 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
             raise JobError(f"{e}; finished rows are committed, rerun the same command to resume") from None
         raise
     rows_written = writer.finalize()
+    repeated, first = ids.count()
+    if first is not None:
+        print(f"warning: {repeated} rows have the id of an earlier row (the first: row {first[0]}, the id of row "
+              f"{first[1]}); results joined back by id would reach the wrong rows: the output's row column tells "
+              "them apart", file=sys.stderr)
     import torch
 
     return stats.summary(torch.device(runner.device.split(",")[0]), output=output, rows_in_output=rows_written,
+                         repeated_ids=repeated,
                          errors_in_output=getattr(writer, "error_rows", None),
                          resumed=resumed, device=runner.device, max_model_len=runner.max_len,
                          recipe=recipe.name, model=str(resolve_model(recipe.model)),
                          draft=describe_draft(recipe, spec_config(recipe).draft), **runner.facts())
-
-
-class _ModelNames:
-    """An OpenAI body naming another model than the one running is said once per name (the
-    response echoes the request's name, as a served model's alias): a file prepared for another
-    model does not pass for that model's answers without a word."""
-
-    SAID_AT_MOST = 3
-
-    def __init__(self, recipe: Recipe):
-        self.running = model_name(recipe)
-        self.seen: set[str] = set()
-
-    def check(self, row: Any) -> None:
-        name = getattr(row, "request_model", None)
-        if (name is None or name in self.seen or len(self.seen) > self.SAID_AT_MOST
-                or os.path.basename(os.path.normpath(name)) == self.running):       # the directory, or org/name
-            return
-        self.seen.add(name)
-        if len(self.seen) > self.SAID_AT_MOST:
-            print("warning: more rows name other models in body.model; not said again", file=sys.stderr)
-            return
-        print(f"warning: {row.where}: body.model is {name!r}, but the rows run on {self.running!r}; their "
-              "responses echo the request's name", file=sys.stderr)
 
 
 def _device_failed(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[int, bytes],

@@ -117,6 +117,7 @@ def print_summary(err: Console, s: dict[str, Any]) -> None:
         ("draft", s["draft"] or "-"), ("device", s["device"]),
         ("requests", f"{s['requests']} ({s['resumed']} resumed from an earlier run)" if s["resumed"] else s["requests"]),
         ("errors", _errors(s)), ("prompt tokens", s["prompt_tokens"]), ("completion tokens", s["completion_tokens"]),
+        ("finish reasons", ", ".join(f"{r} {n}" for r, n in (s.get("finish_reasons") or {}).items()) or "-"),
         ("output tokens/s", f"{s['output_tokens_per_s']:.1f} while generating ({s['job_output_tokens_per_s']:.1f} over the whole job)"),
         ("mean accept length", f"{s['mean_accept_length']:.3f}"),
         ("acceptance per draft position", " ".join(f"{r:.2f}" for r in s["acceptance_per_position"]) or "-"),
@@ -142,6 +143,9 @@ def print_summary(err: Console, s: dict[str, Any]) -> None:
         rows.append(("prefix cache", f"{cached:,} of {admitted:,} prompt tokens admitted found in the KV pool "
                                      f"({100 * cached / admitted:.0f}%; a row's n choices each count its prompt): "
                                      "not prefilled again"))
+    if s.get("repeated_ids"):                         # ids are the user's join key: say when they are not one
+        rows.append(("repeated ids", f"{s['repeated_ids']} rows have the id of an earlier row (the row column "
+                                     "tells them apart)"))
     if len(s.get("verify_widths") or {}) > 1:         # adaptive: how many draft nodes the cycles verified
         rows.append(("verify widths", ", ".join(f"{w} nodes: {n} cycles" for w, n in s["verify_widths"].items())))
     for k, v in rows:

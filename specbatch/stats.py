@@ -49,6 +49,7 @@ class RunStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     histogram: list[int] = field(default_factory=list)
+    finish_reasons: dict[str, int] = field(default_factory=dict)     # over completions (a row's n choices)
     started: float = field(default_factory=time.perf_counter)
     generation_started: float | None = None     # after the model loaded
     load_s: float = 0.0
@@ -64,6 +65,9 @@ class RunStats:
             return
         self.prompt_tokens += rec["prompt_tokens"]
         self.completion_tokens += rec["completion_tokens"]
+        for c in rec.get("choices") or [rec]:
+            reason = c.get("finish_reason") or "unknown"
+            self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
         spec = rec["spec"]
         self.verify_steps += spec["verify_steps"]
         self.generated_tokens += emitted_tokens(spec)
@@ -106,6 +110,7 @@ class RunStats:
             "accepted_tokens": self.accepted_tokens,
             "mean_accept_length": self.accept_length,
             "accept_histogram": self.histogram,
+            "finish_reasons": dict(sorted(self.finish_reasons.items())),
             "draft_acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
             "acceptance_per_position": self.acceptance_per_position(),
             "wall_s": wall,

@@ -348,3 +348,35 @@ def test_a_malformed_flag_is_one_line_from_the_console_script(tmp_path, monkeypa
     lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert ex.value.code == EXIT_USAGE and len(lines) == 1 and lines[0].startswith(expect), lines
     assert lines[0].endswith("--help')")
+
+
+def test_repeated_ids_are_counted_and_the_first_named(tmp_path, base):
+    """Ids are what users join results back by: rows repeating an earlier row's id (a row without
+    one takes its row number, which can meet a given id) are said once, counted in the summary."""
+    rows = [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}, {"id": "a", "prompt": "z"},
+            {"prompt": "no id: row 3"}, {"id": 3, "prompt": "w"}, {"id": "c", "prompt": "v"}]
+    inp, stats = write(tmp_path / "ids.jsonl", rows), tmp_path / "s.json"
+    r = ok("run", inp, "-o", tmp_path / "o.jsonl", *base, "--stats-json", stats)
+    assert [x for x in r.stderr.splitlines() if x.startswith("warning:")] == [
+        "warning: 2 rows have the id of an earlier row (the first: row 2, the id of row 0); results joined back by "
+        "id would reach the wrong rows: the output's row column tells them apart"]
+    s = json.loads(stats.read_text())
+    assert s["repeated_ids"] == 2 and sum(s["finish_reasons"].values()) == 6
+    r = ok("run", write(tmp_path / "fine.jsonl", rows[:2]), "-o", tmp_path / "f.jsonl", *base)
+    assert "warning" not in r.stderr
+
+
+def test_repeated_ids_counting():
+    from types import SimpleNamespace
+
+    from specbatch.row_notes import RepeatedIds
+
+    def count(ids):
+        r = RepeatedIds()
+        for i in ids:
+            r.add(SimpleNamespace(id=i))
+        return r.count()
+
+    assert count([]) == (0, None) and count(["a"]) == (0, None) and count(["a", "b", 1]) == (0, None)
+    assert count(["x", "a", "b", "a", "a", "b"]) == (3, (3, 1))
+    assert count([7, "q", "7"]) == (1, (2, 0))                  # 7 and "7": one id in a Parquet column

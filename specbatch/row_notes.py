@@ -1,0 +1,59 @@
+"""What a job notices about its input rows as they stream past, to say once: bodies naming
+another model than the one running, ids that repeat."""
+from __future__ import annotations
+
+import os
+import sys
+from array import array
+from typing import Any
+
+
+class ModelNames:
+    """An OpenAI body naming another model than the one running is said once per name (the
+    response echoes the request's name, as a served model's alias): a file prepared for another
+    model does not pass for that model's answers without a word."""
+
+    SAID_AT_MOST = 3
+
+    def __init__(self, running: str):
+        self.running = running
+        self.seen: set[str] = set()
+
+    def check(self, row: Any) -> None:
+        name = getattr(row, "request_model", None)
+        if (name is None or name in self.seen or len(self.seen) > self.SAID_AT_MOST
+                or os.path.basename(os.path.normpath(name)) == self.running):       # the directory, or org/name
+            return
+        self.seen.add(name)
+        if len(self.seen) > self.SAID_AT_MOST:
+            print("warning: more rows name other models in body.model; not said again", file=sys.stderr)
+            return
+        print(f"warning: {row.where}: body.model is {name!r}, but the rows run on {self.running!r}; their "
+              "responses echo the request's name", file=sys.stderr)
+
+
+class RepeatedIds:
+    """Rows whose id another row has too (a row without one takes its row number, which can meet a
+    given id; 1 and "1" count as one, as a Parquet id column of mixed types stores them): results
+    joined back by id would go to the wrong rows. 8 bytes a row: a 64-bit hash of each id, in row
+    order, compared once at the end."""
+
+    def __init__(self) -> None:
+        self.hashes = array("q")
+
+    def add(self, row: Any) -> None:
+        self.hashes.append(hash(str(row.id)))
+
+    def count(self) -> tuple[int, tuple[int, int] | None]:
+        """(rows whose id an earlier row has, (the first such row, the first row of that id) or None)."""
+        import numpy as np
+
+        h = np.frombuffer(self.hashes, dtype=np.int64)
+        order = np.argsort(h, kind="stable")               # equal ids keep row order: each run's first is first
+        hs = h[order]
+        same = hs[1:] == hs[:-1]
+        repeats = int(same.sum())
+        if not repeats:
+            return 0, None
+        later = int(order[1:][same].min())
+        return repeats, (later, int(order[np.searchsorted(hs, h[later])]))
