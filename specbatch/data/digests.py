@@ -138,8 +138,10 @@ def check_input(items: Iterable, expected: Expected, *, input_name: str, output:
             raise InputChanged(f"{input_name}: rows {lo}-{min(hi, last)} differ from the rows {output} "
                                f"was made from (a row edited, inserted or deleted); {how}")
 
+    read = 0                                 # rows the input has, as far as it was read
     for item in items:
         r = item.row
+        read = r + 1
         if r > last:
             more = limit is None or r < limit
             break
@@ -158,9 +160,12 @@ def check_input(items: Iterable, expected: Expected, *, input_name: str, output:
                 block_h, block_i = hashlib.blake2b(digest_size=8), b
             block_h.update(_pair(r, digest))
         seen[r] = digest
-    close_block()
-    if len(seen) < len(expected.done):
+    if len(seen) < len(expected.done):       # before the block check: a short input is named as such
         missing = next(r for r in expected.done if r not in seen)
+        if missing >= read:
+            raise InputChanged(f"{input_name}: the input ends after {read} rows, but {output} holds row {missing} "
+                               f"(rows deleted?); {how}")
         raise InputChanged(f"{input_name}: the input has no row {missing}, which {output} holds "
                            f"(rows deleted?); {how}")
+    close_block()
     return seen, more

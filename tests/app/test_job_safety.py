@@ -380,3 +380,20 @@ def test_repeated_ids_counting():
     assert count([]) == (0, None) and count(["a"]) == (0, None) and count(["a", "b", 1]) == (0, None)
     assert count(["x", "a", "b", "a", "a", "b"]) == (3, (3, 1))
     assert count([7, "q", "7"]) == (1, (2, 0))                  # 7 and "7": one id in a Parquet column
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_shortened_input_is_named_as_such(tmp_path, base, finished):
+    """Rows cut off the end of the input: the refusal says where the input ends and what the output
+    holds past it, not that a block of rows differs."""
+    inp, out = write(tmp_path / "in.jsonl", ROWS), tmp_path / "o.parquet"
+    if finished:
+        ok("run", inp, "-o", out, *base)
+    else:
+        _interrupted(inp, out, base, after=6)
+    committed = len(read(out)) if finished else None
+    write(inp, ROWS[:3])
+    line = one_line_cli_error(cli("run", inp, "-o", out, *base), EXIT_USAGE)
+    assert f"{inp}: the input ends after 3 rows, but {out}" in line and "(rows deleted?)" in line, line
+    if finished:
+        assert committed == len(ROWS) and "holds row 3 " in line
