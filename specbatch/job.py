@@ -162,7 +162,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
         writer = OutputWriter(output, fingerprint=fingerprint(recipe, model_dir, spec.draft, opts),
                               save_token_ids=opts.save_token_ids, keep_columns=opts.keep_columns,
                               overwrite=opts.overwrite, output_format=opts.output_format,
-                              model_name=model_name(recipe))
+                              model_name=model_name(recipe), keep_types=source.column_types)
     spooled = None
     try:
         if len(writer.done_rows) or writer.complete:      # complete with no rows: --limit 0, an empty input

@@ -69,9 +69,22 @@ def _infer_array(values: list) -> pa.Array:
     return _json_strings(values) if _has_empty_struct(arr.type) else arr
 
 
+def _typed_array(values: list, type_: pa.DataType | None) -> pa.Array:
+    """A kept column's values as the input typed them (uint8 stays uint8, a decimal keeps its
+    precision in every part), else as their values infer."""
+    if type_ is not None:
+        try:
+            return pa.array(values, type=type_)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            pass
+    return _infer_array(values)
+
+
 def part_table(recs: list[dict], digests: list[bytes], *, options: dict[str, bool],
-               keep_columns: Sequence[str], json_typed: bool) -> pa.Table:
-    """One part: the standard columns `options` turn on, the typed columns, and each row's input digest."""
+               keep_columns: Sequence[str], json_typed: bool,
+               keep_types: dict[str, pa.DataType] | None = None) -> pa.Table:
+    """One part: the standard columns `options` turn on, the typed columns, and each row's input
+    digest; `keep_types`: the input's types of kept columns (a Parquet input's schema)."""
     standard = records.columns(options)
     arrays, names = [], []
     for c in standard:
@@ -85,7 +98,8 @@ def part_table(recs: list[dict], digests: list[bytes], *, options: dict[str, boo
     typed = [c.name for c in standard if c.type is None]
     for c in (*typed, *keep_columns):
         values = [r.get(c) for r in recs]
-        arrays.append(pa.array([_json_text(v) for v in values], pa.string()) if json_typed else _infer_array(values))
+        arrays.append(pa.array([_json_text(v) for v in values], pa.string()) if json_typed
+                      else _typed_array(values, (keep_types or {}).get(c)))
         names.append(c)
     arrays.append(pa.array(digests, pa.binary()))
     names.append(DIGEST_COLUMN)

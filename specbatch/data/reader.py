@@ -46,10 +46,13 @@ Row = RowRequest | RowError
 class RowSource:
     """Iterable of RowRequest | RowError in input order; `total` is the row count when cheaply known."""
 
-    def __init__(self, path: str, total: int | None, rows: Callable[[], Iterator[Row]]) -> None:
+    def __init__(self, path: str, total: int | None, rows: Callable[[], Iterator[Row]],
+                 column_types: dict[str, pa.DataType] | None = None) -> None:
+        """`column_types`: the input's own types of the kept columns, where it has them (Parquet)."""
         self.path = path
         self.total = total
         self._rows = rows
+        self.column_types = column_types or {}
 
     def __iter__(self) -> Iterator[Row]:
         return self._rows()
@@ -305,7 +308,7 @@ def _open_parquet(path: str, opts: dict) -> RowSource:
                 yield out
                 row += 1
 
-    return RowSource(path, total, rows)
+    return RowSource(path, total, rows, {c: pf.schema_arrow.field(c).type for c in opts["keep_columns"]})
 
 
 def _parquet_digest(obj: dict) -> bytes:

@@ -89,10 +89,12 @@ class OutputWriter:
         overwrite: bool = False,
         output_format: str = "native",
         model_name: str = "specbatch",
+        keep_types: dict[str, pa.DataType] | None = None,
     ) -> None:
         """`output_format`: native rows, "openai" (OpenAI Batch output lines, JSONL only), or "auto"
         (openai when the job's first row is an OpenAI batch line and the output is JSONL);
-        `model_name`: the response's model when a line names none."""
+        `model_name`: the response's model when a line names none; `keep_types`: the input's
+        types of kept columns (RowSource.column_types), which a Parquet output keeps."""
         self.format = output_file_format(path)
         check_output_format(output_format)
         if output_format == "openai" and self.format != "jsonl":
@@ -107,6 +109,7 @@ class OutputWriter:
         self.fingerprint = dict(fingerprint)
         self.save_token_ids = save_token_ids
         self.keep_columns = keep_columns
+        self.keep_types = dict(keep_types or {})
         self.commit_rows = max(1, commit_rows)
         self.commit_seconds = commit_seconds
         self.done_rows = RowSet()
@@ -395,7 +398,8 @@ class OutputWriter:
         return part_table([r for r, _ in items], [d for _, d in items],
                           options={"save_token_ids": self.save_token_ids, "openai": True,
                                    **{name: True for name in ON_REQUEST}},
-                          keep_columns=self.keep_columns, json_typed=self.format == "jsonl")
+                          keep_columns=self.keep_columns, json_typed=self.format == "jsonl",
+                          keep_types=self.keep_types)
 
     def _part_name(self) -> str:
         name = f"part-{self._token}-{self._next_part:06d}.parquet"

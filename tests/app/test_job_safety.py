@@ -397,3 +397,27 @@ def test_a_shortened_input_is_named_as_such(tmp_path, base, finished):
     assert f"{inp}: the input ends after 3 rows, but {out}" in line and "(rows deleted?)" in line, line
     if finished:
         assert committed == len(ROWS) and "holds row 3 " in line
+
+
+def test_a_parquet_input_s_kept_columns_keep_their_types(tmp_path, base):
+    import datetime
+    import decimal
+
+    import pyarrow as pa
+
+    t = pa.table({
+        "prompt": ["a", "b", "c"],
+        "u8": pa.array([1, 2, 3], pa.uint8()),
+        "f32": pa.array([1.5, None, 2.25], pa.float32()),
+        "dec": pa.array([decimal.Decimal("1.25"), decimal.Decimal("12345678.90"), None], pa.decimal128(10, 2)),
+        "cat": pa.array(["x", "y", "x"]).dictionary_encode(),
+        "ts": pa.array([datetime.datetime(2026, 1, 1, 12), None, datetime.datetime(2026, 2, 1)], pa.timestamp("us")),
+        "blob": pa.array([b"\x00\xff", None, b""], pa.binary()),
+    })
+    inp, out = tmp_path / "in.parquet", tmp_path / "o.parquet"
+    pq.write_table(t, inp)
+    kept = [c for c in t.column_names if c != "prompt"]
+    ok("run", inp, "-o", out, *base, "--keep-columns", ",".join(kept))
+    got = pq.read_table(out)
+    assert {c: got.schema.field(c).type for c in kept} == {c: t.schema.field(c).type for c in kept}
+    assert got.select(kept).to_pylist() == t.select(kept).to_pylist()

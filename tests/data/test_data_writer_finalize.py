@@ -83,6 +83,31 @@ def test_keep_columns_unify_across_parts(tmp_path):
     assert t.column("mixed").to_pylist() == ["1", "2", "two", None, None]
 
 
+def test_kept_columns_keep_the_inputs_types_in_every_part(tmp_path):
+    """With the input's types (a Parquet input's schema), each part holds them: uint8 stays uint8,
+    a decimal keeps its precision whatever a part's values are, a dictionary column stays one."""
+    import decimal
+
+    out = tmp_path / "out.parquet"
+    types = {"u8": pa.uint8(), "dec": pa.decimal128(10, 2), "cat": pa.dictionary(pa.int32(), pa.string()),
+             "mp": pa.map_(pa.string(), pa.int64())}
+    w = OutputWriter(str(out), fingerprint=FP, keep_columns=list(types), commit_rows=1, keep_types=types)
+    w.add(rec(0, u8=1, dec=decimal.Decimal("1.25"), cat="x", mp=[("k", 1)]))
+    w.add(rec(1, u8=None, dec=decimal.Decimal("12345678.90"), cat="y", mp=[]))
+    w.add(rec(2, u8=3, dec=None, cat=None, mp=None))
+    assert pq.read_schema(part_file(out, 0)).field("dec").type == pa.decimal128(10, 2)
+    w.finalize()
+    t = pq.read_table(out)
+    assert {c: t.schema.field(c).type for c in types} == types
+    assert t.column("dec").to_pylist() == [decimal.Decimal("1.25"), decimal.Decimal("12345678.90"), None]
+    assert t.column("mp").to_pylist() == [[("k", 1)], [], None] and t.column("cat").to_pylist() == ["x", "y", None]
+    # a value the input's type cannot hold (not from that column): the part infers, as without types
+    w = OutputWriter(str(tmp_path / "o2.parquet"), fingerprint=FP, keep_columns=["u8"], keep_types={"u8": pa.uint8()})
+    w.add(rec(0, u8="not a number"))
+    w.finalize()
+    assert pq.read_table(tmp_path / "o2.parquet").column("u8").to_pylist() == ["not a number"]
+
+
 def test_mixed_types_within_one_part(tmp_path):
     out = tmp_path / "out.jsonl"
     w = OutputWriter(str(out), fingerprint=FP, keep_columns=["meta"])
