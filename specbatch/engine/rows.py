@@ -77,6 +77,13 @@ class RowConverter:
                 else "logit_bias (--logit-bias or the recipe's sampling.logit_bias)"
             return error_record(item.row, item.id, f"{where}: field '{name}': token id {outside[0]} is outside "
                                 f"the model's vocabulary (size {self.cfg.vocab_size})", item.keep, prompt_tokens=len(ids))
+        asked = item.overrides.get("max_tokens")
+        if item.batch_line and asked is not None and len(ids) + asked > self.max_len:
+            # as OpenAI and vLLM's server (so `vllm run-batch`) answer it; a plain row ends at the context
+            return error_record(item.row, item.id, f"{where}: field 'body.max_tokens' (or max_completion_tokens): "
+                                f"{asked} tokens after a prompt of {len(ids)} pass the model's context of "
+                                f"{self.max_len} tokens; ask for at most {self.max_len - len(ids)}", item.keep,
+                                prompt_tokens=len(ids))
         return Request(row=item.row, id=item.id, prompt_ids=ids, params=params,
                        max_new=min(params.max_tokens, self.max_len - len(ids)), keep=item.keep,
                        endpoint=item.endpoint, request_model=item.request_model, batch_line=item.batch_line,

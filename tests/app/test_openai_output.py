@@ -274,3 +274,26 @@ def test_two_batches_reusing_custom_ids_get_different_ids(tiny_model, tmp_path, 
         ids.append((line.id, line.response.request_id, line.response.body["id"]))
     assert ids[0] == ids[2]
     assert all(x != y for x, y in zip(ids[0], ids[1]))
+
+
+def test_a_batch_line_asking_past_the_context_is_its_error_a_plain_row_ends_there(tmp_path, tiny_model):
+    """As vLLM's server (so `vllm run-batch`) and OpenAI answer a request whose max_tokens does not
+    fit the context after its prompt; a plain row keeps running to the context (finish_reason length)."""
+    import pyarrow.parquet as pq
+
+    big = 100000
+    rows = [{"custom_id": "far", "body": {"prompt": "def f():", "max_tokens": big}},
+            {"custom_id": "chat", "body": {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": big}},
+            {"custom_id": "near", "body": {"prompt": "def f():", "max_tokens": 3}},
+            {"id": "plain", "prompt": "def f():", "max_tokens": big}]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "o.parquet"
+    ok("run", inp, "-o", out, "--model", tiny_model, "--device", "cpu", "-q", "--max-model-len", 64)
+    got = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+    for rid in ("far", "chat"):
+        e = got[rid]["error"]
+        assert "field 'body.max_tokens' (or max_completion_tokens): 100000 tokens after a prompt of " in e, e
+        assert "pass the model's context of 64 tokens; ask for at most " in e
+    assert got["near"]["error"] is None and got["near"]["completion_tokens"] <= 3
+    assert got["plain"]["error"] is None and got["plain"]["prompt_tokens"] + got["plain"]["completion_tokens"] <= 64
