@@ -14,7 +14,7 @@ from typing import Any
 from .data import InputChanged, OutputError, OutputWriter, StdoutWriter, check_input, open_rows
 from .data.reader import Row
 from .data.writer import output_file_format
-from .params import DEFAULT_LOGPROBS_MODE
+from .params import DEFAULT_LOGPROBS_MODE, OPENAI_LINES
 from .recipe import Recipe
 from .row_notes import ModelNames, RepeatedIds
 from .resolve import DEMO_DIR, DeviceLost, JobError, describe_draft, resolve_draft, resolve_model, spec_config
@@ -64,7 +64,7 @@ def fingerprint(recipe: Recipe, model: Any, draft: str | None, opts: JobOptions)
         "max_model_len": r["max_model_len"], "sampling": r["sampling"],
         "prompt_column": opts.prompt_column, "id_column": opts.id_column,
         "keep_columns": list(opts.keep_columns), "save_token_ids": opts.save_token_ids,
-        "output_format": opts.output_format, "logprobs_mode": opts.logprobs_mode,
+        "output_format": opts.output_format, "logprobs_mode": opts.logprobs_mode, "openai_lines": OPENAI_LINES,
     }
 
 
@@ -350,7 +350,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
         if failure is not None:
             raise failure from None
         if isinstance(e, (WorkerError, EngineFailed)):
-            raise JobError(f"{e}; finished rows are committed, rerun the same command to resume") from None
+            raise JobError(f"{e}; {_resume_note(writer)}") from None
         raise
     rows_written = writer.finalize()
     repeated, first = ids.count()
@@ -368,6 +368,13 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
                          draft=describe_draft(recipe, spec_config(recipe).draft), **runner.facts())
 
 
+def _resume_note(writer: OutputWriter | StdoutWriter) -> str:
+    """What a stopped job leaves for a rerun: committed parts, or (-o -) nothing."""
+    if writer.path == "-":
+        return "finished rows went to stdout; -o - keeps nothing to resume from, so a rerun starts over"
+    return "finished rows are committed, rerun the same command to resume"
+
+
 def _device_failed(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[int, bytes],
                    suspects: dict[int, str], fail_fast: bool) -> DeviceLost:
     """The device failed (engine.failures.DeviceFailed) and the process cannot go on: a row that
@@ -377,8 +384,7 @@ def _device_failed(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[in
     from .engine.failures import device_failed_alone
 
     if not e.items:                          # an asynchronous error surfacing once every row had finished
-        line = (f"the device failed ({e.cause}) with no row in flight; finished rows are committed: "
-                "rerun the same command to resume")
+        line = f"the device failed ({e.cause}) with no row in flight; {_resume_note(writer)}"
     elif len(e.items) == 1:
         item = e.items[0]
         if fail_fast:                        # a failing row stops --fail-fast, never an error row
@@ -387,8 +393,7 @@ def _device_failed(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[in
         else:
             writer.add(device_failed_alone(item, e.cause), digests.pop(item.row, b""))
             writer.set_suspects({r: m for r, m in suspects.items() if r != item.row})
-            how = ("; that row is written as its error, finished rows are committed: rerun the same command "
-                   "to resume")
+            how = f"; that row is written as its error, {_resume_note(writer)}"
         line = f"the device failed while {item.place} ran alone ({e.cause}), and this process cannot go on{how}"
     else:
         writer.set_suspects({**suspects, **{i.row: e.cause for i in e.items}})

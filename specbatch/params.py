@@ -25,6 +25,10 @@ FALLBACK = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 
 # An OpenAI batch line reads as its API does: an unset temperature is 1 (OpenAI's default, and vLLM's
 # server's without a generation config), as its unset max_tokens is the API's (default_max_tokens).
 API_FALLBACK = {**FALLBACK, "temperature": 1.0}
+# How OpenAI batch lines read, a setting a resume must match (job.fingerprint): an output begun
+# before they read as the API does would otherwise mix its greedy rows with sampled ones.
+OPENAI_LINES = "as the API: unset temperature 1, unknown body keys and max_tokens past the context refused"
+OPENAI_LINES_BEFORE = "unset temperature 0, unknown body keys ignored, max_tokens cut at the context"
 MAX_TOKENS_FALLBACK = 256          # rows of specbatch's own forms, when nothing sets max_tokens
 COMPLETIONS_MAX_TOKENS = 16        # an OpenAI /v1/completions body without max_tokens (OpenAI's, vLLM's server's)
 

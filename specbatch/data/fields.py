@@ -126,8 +126,8 @@ REQUEST_FIELDS = frozenset({
 # guided-decoding options that only qualify a guided field (which is refused on its own).
 INERT_BODY_FIELDS = frozenset({
     "messages", "prompt", "model", "user", "metadata", "store", "service_tier", "safety_identifier",
-    "prompt_cache_key", "request_id", "priority", "cache_salt", "kv_transfer_params", "guided_decoding_backend",
-    "guided_whitespace_pattern"})
+    "prompt_cache_key", "prompt_cache_retention", "request_id", "priority", "cache_salt", "kv_transfer_params",
+    "guided_decoding_backend", "guided_whitespace_pattern", "include_reasoning", "media_io_kwargs"})
 
 # Chat-template options of a messages row (vLLM's chat completion extras), passed to the
 # tokenizer's apply_chat_template: name -> its default.
@@ -540,8 +540,8 @@ def check_body_keys(body: dict, prefix: str) -> None:
     know): a key specbatch neither reads, refuses nor knows to be inert is an error naming it, with
     the closest field, never a silently ignored typo."""
     for key, value in body.items():
-        if key in REQUEST_FIELDS or key in UNSUPPORTED_FIELDS or key in INERT_BODY_FIELDS or value is None:
-            continue         # (null: asks nothing; a Parquet struct fills every row's keys with it)
+        if key in REQUEST_FIELDS or key in UNSUPPORTED_FIELDS or key in INERT_BODY_FIELDS or _empty(value):
+            continue         # (null or empty asks nothing; a Parquet struct fills every row's keys with null)
         near = difflib.get_close_matches(str(key), sorted(REQUEST_FIELDS | UNSUPPORTED_FIELDS.keys()), 1, 0.7)
         hint = f" (did you mean '{prefix}{near[0]}'?)" if near else ""
         raise BadField(f"field '{prefix}{key}': not a request field specbatch knows{hint}; remove it")

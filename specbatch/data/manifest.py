@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from ..params import OPENAI_LINES_BEFORE
 from .rows import OutputError
 
 MANIFEST = "manifest.json"               # inside the parts directory
@@ -11,8 +12,9 @@ MANIFEST_KEY = b"specbatch.manifest"     # inside a finished Parquet output's fo
 MANIFEST_VERSION = 2
 _UNSET = object()
 # Settings added to the fingerprint later: what a manifest written before them meant (logprobs
-# were the processed ones before --logprobs-mode), so `--logprobs-mode processed_logprobs` resumes it.
-_LEGACY = {"settings.logprobs_mode": "processed_logprobs"}
+# were the processed ones before --logprobs-mode, so `--logprobs-mode processed_logprobs` resumes
+# it; OpenAI lines read otherwise before, so such an output is refused, naming how).
+_LEGACY = {"settings.logprobs_mode": "processed_logprobs", "settings.openai_lines": OPENAI_LINES_BEFORE}
 # Spellings of one setting that run the same rows: no run seed is seed 0 (params.for_row).
 _SAME = {"settings.sampling.seed": (None, 0)}
 

@@ -211,7 +211,7 @@ def parse_row(
     try:
         if batch_line:
             _parse_body(obj, req)
-            check_batch_line_keys(obj, keep_columns)
+            check_batch_line_keys(obj, (*keep_columns, *((id_column,) if id_column is not None else ())))
         else:
             # The prompt and id columns are the user's data, not sampling fields.
             exempt = (prompt_column, *((id_column,) if id_column is not None else ()))

@@ -81,8 +81,9 @@ class RowConverter:
         if item.batch_line and asked is not None and len(ids) + asked > self.max_len:
             # as OpenAI and vLLM's server (so `vllm run-batch`) answer it; a plain row ends at the context
             return error_record(item.row, item.id, f"{where}: field 'body.max_tokens' (or max_completion_tokens): "
-                                f"{asked} tokens after a prompt of {len(ids)} pass the model's context of "
-                                f"{self.max_len} tokens; ask for at most {self.max_len - len(ids)}", item.keep,
+                                f"{asked} tokens after a prompt of {len(ids)} pass this engine's context of "
+                                f"{self.max_len} tokens (--max-model-len, else what the model and the KV pool "
+                                f"hold); ask for at most {self.max_len - len(ids)}", item.keep,
                                 prompt_tokens=len(ids))
         return Request(row=item.row, id=item.id, prompt_ids=ids, params=params,
                        max_new=min(params.max_tokens, self.max_len - len(ids)), keep=item.keep,

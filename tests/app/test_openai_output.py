@@ -294,6 +294,6 @@ def test_a_batch_line_asking_past_the_context_is_its_error_a_plain_row_ends_ther
     for rid in ("far", "chat"):
         e = got[rid]["error"]
         assert "field 'body.max_tokens' (or max_completion_tokens): 100000 tokens after a prompt of " in e, e
-        assert "pass the model's context of 64 tokens; ask for at most " in e
+        assert "pass this engine's context of 64 tokens (--max-model-len, else" in e and "ask for at most " in e
     assert got["near"]["error"] is None and got["near"]["completion_tokens"] <= 3
     assert got["plain"]["error"] is None and got["plain"]["prompt_tokens"] + got["plain"]["completion_tokens"] <= 64

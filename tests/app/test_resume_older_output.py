@@ -18,3 +18,24 @@ def test_output_written_before_logprobs_mode_can_be_resumed(tiny_model, tmp_path
     side.write_text(json.dumps(m))
     r = cli(*args, "--logprobs-mode", "processed_logprobs")    # the mode d5010a9's logprobs were in
     assert r.exit_code == 0, r.output
+
+
+def test_an_output_begun_before_openai_lines_read_as_the_api_is_refused_naming_it(tiny_model, tmp_path):
+    """Batch lines read otherwise before (greedy when unset, unknown body keys ignored): resuming
+    such an output would mix its rows with rows read the new way, so the refusal names how."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"custom_id": f"c{i}", "body": {"prompt": "def f(x):", "max_tokens": 2}}) + "\n"
+                           for i in range(3)))
+    out = tmp_path / "o.jsonl"
+    args = ("run", inp, "-o", out, "--model", tiny_model, "--device", "cpu", "-q")
+    ok(*args, "--limit", "1")
+    side = tmp_path / "o.jsonl.manifest.json"
+    m = json.loads(side.read_text())
+    del m["fingerprint"]["openai_lines"]                # as 2cd7aab and before wrote it
+    side.write_text(json.dumps(m))
+    r = cli(*args)
+    assert r.exit_code != 0 and "openai_lines: \"unset temperature 0, unknown body keys ignored" in r.output
+    m["fingerprint"]["openai_lines"] = json.loads(side.read_text()).get("fingerprint", {}).get("openai_lines") or \
+        "as the API: unset temperature 1, unknown body keys and max_tokens past the context refused"
+    side.write_text(json.dumps(m))
+    ok(*args)                                          # written the new way: resumes

@@ -399,3 +399,49 @@ def test_a_restarted_worker_holding_another_context_is_named(capsys):
     assert capsys.readouterr().err == (
         "warning: the new worker on cuda:1 holds a context of 50000 tokens where the job's is 60000: rows reaching "
         "past 50000 tokens end differently on it; a new output started with --max-model-len 50000 has one\n")
+
+
+@pytest.mark.parametrize("output", ["o.jsonl", "-"])
+def test_the_workers_failing_says_what_a_rerun_finds(tmp_path, monkeypatch, capsys, output):
+    """Every worker died: committed parts for a rerun to resume from, or (-o -) nothing: the job's
+    line says which, never promising a resume that stdout cannot give."""
+    from specbatch import workers
+    from specbatch.job import JobOptions, run_job
+    from specbatch.recipe import load_recipe
+    from specbatch.resolve import JobError
+
+    class Pool:
+        suspects: set = set()
+        eager = False
+
+        def __init__(self, *a, **kw):
+            pass
+
+        def wait_ready(self):
+            pass
+
+        def per_worker(self):
+            return [{"device": "cpu", "max_model_len": 512, "died": False}] * 2
+
+        def stream(self, rows):
+            r = next(iter(rows))
+            yield {"row": r.row, "id": r.id, "text": "x", "completion": "x", "error": None, "finish_reason": "length",
+                   "prompt_tokens": 1, "completion_tokens": 1, "output_token_ids": [1],
+                   "spec": {"verify_steps": 1, "draft_tokens": 0, "accepted_tokens": 0, "accept_length": 1.0,
+                            "accept_histogram": [1]}}
+            raise workers.WorkerError("every worker died; the last said: boom")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(workers, "WorkerPool", Pool)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(3)))
+    out = output if output == "-" else str(tmp_path / output)
+    with pytest.raises(JobError) as caught:
+        run_job(str(inp), load_recipe("vanilla"), JobOptions(workers=2, output=out))
+    if output == "-":
+        assert str(caught.value).endswith("boom; finished rows went to stdout; -o - keeps nothing to resume from, so "
+                                          "a rerun starts over")
+    else:
+        assert str(caught.value).endswith("boom; finished rows are committed, rerun the same command to resume")

@@ -87,6 +87,8 @@ def test_metadata_and_named_columns_stay_allowed():
                        "a column of your own by that name: name it in --keep-columns")
     r = parse({"custom_id": "c", "n": 3, "body": {"prompt": "x"}}, keep_columns=["n"])
     assert isinstance(r, RowRequest) and r.keep == {"n": 3} and "n" not in r.overrides
+    r = parse({"seed": "job-1", "body": {"prompt": "x"}}, id_column="seed")      # the named id column: data
+    assert isinstance(r, RowRequest) and r.id == "job-1" and "seed" not in r.overrides
     assert isinstance(parse({"custom_id": "c", "n": None, "category": "x", "body": {"prompt": "x"}}), RowRequest)
 
 
@@ -98,12 +100,16 @@ def test_an_unknown_body_key_is_an_error_naming_the_closest_field():
     assert e.error == (f"{WHERE}: field 'body.temprature': not a request field specbatch knows "
                        "(did you mean 'body.temperature'?); remove it")
     assert "did you mean 'body.top_p'?" in err({"body": {"messages": MESSAGES, "topp": 0.5}}).error
-    assert "did you mean 'body.response_format'?" in err({"body": {"prompt": "x", "response_fromat": {}}}).error
+    assert "did you mean 'body.response_format'?" in err({"body": {"prompt": "x",
+                                                                  "response_fromat": {"type": "json_object"}}}).error
+    # empty asks for nothing, as null does
+    assert isinstance(parse({"body": {"prompt": "x", "response_fromat": {}, "extra_list": [], "note": ""}}), RowRequest)
     assert err({"body": {"prompt": "x", "xyzzy": 1}}).error.endswith("field 'body.xyzzy': not a request field "
                                                                     "specbatch knows; remove it")
     # keys that change nothing here: who asked, storage hints, the echoed model, vLLM's scheduling extras
     inert = {"model": "m", "user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
-             "safety_identifier": "s", "prompt_cache_key": "k", "request_id": "r", "priority": 0, "cache_salt": "x"}
+             "safety_identifier": "s", "prompt_cache_key": "k", "prompt_cache_retention": "24h", "request_id": "r",
+             "priority": 0, "cache_salt": "x", "include_reasoning": True, "media_io_kwargs": {"image": {}}}
     assert isinstance(parse({"custom_id": "c", "body": {"prompt": "x", **inert}}), RowRequest)
     assert isinstance(parse({"prompt": "x", "temprature": 0.7}), RowRequest)       # plain rows: metadata
     # null asks for nothing (a Parquet body struct gives every row the keys of any row)
