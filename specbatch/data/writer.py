@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import manifest
@@ -56,6 +57,23 @@ __all__ = ["OutputWriter", "output_schema", "STANDARD_COLUMNS"]
 _PART_RE = re.compile(r"^part-(?:[0-9a-f]{8}-)?(\d{6,})\.parquet$")
 _OUR_NAMES = re.compile(r"^(part-.*\.parquet(\.tmp)?|manifest\.json(\.tmp)?|suspects\.json(\.tmp)?)$")
 SUSPECTS = "suspects.json"               # inside the parts directory: rows in flight when the device failed
+
+
+def _without_batch_lines(stored: dict, parts: list[str], mine: dict) -> dict:
+    """Parts written before the manifest named how OpenAI lines read (`openai_lines`): when none of
+    their rows was a batch line, that reading changed nothing they hold, so they resume."""
+    key = "openai_lines"
+    fp = stored.get("fingerprint")
+    if not isinstance(fp, dict) or key in fp or key not in mine["fingerprint"]:
+        return stored
+    for part in parts:
+        try:
+            col = pq.read_table(part, columns=["batch_line"]).column("batch_line")
+        except (OSError, pa.ArrowException, ValueError, KeyError):
+            return stored                    # cannot tell: the refusal names the setting
+        if pc.any(pc.fill_null(col, False)).as_py():
+            return stored
+    return {**stored, "fingerprint": {**fp, key: mine["fingerprint"][key]}}
 
 
 def _contexts(stored: dict) -> list[int]:
@@ -296,6 +314,11 @@ class OutputWriter:
             # Nothing was committed: adopt the new job instead of refusing.
             write_atomic(os.path.join(self.parts_dir, manifest.MANIFEST), lambda f: f.write(self._dump_manifest()))
             return
+        adopted = _without_batch_lines(stored, parts, self._manifest())
+        if adopted is not stored:            # recorded, so rows this run adds are read the new way
+            stored = adopted
+            write_atomic(os.path.join(self.parts_dir, manifest.MANIFEST),
+                         lambda f: f.write(json.dumps(stored, indent=2, sort_keys=True).encode()))
         self._check_manifest(stored, self.parts_dir, "rerun the same command to resume, or pass --overwrite")
         self.job = stored["job"]
         self._contexts = _contexts(stored)

@@ -39,3 +39,49 @@ def test_an_output_begun_before_openai_lines_read_as_the_api_is_refused_naming_i
         "as the API: unset temperature 1, unknown body keys and max_tokens past the context refused"
     side.write_text(json.dumps(m))
     ok(*args)                                          # written the new way: resumes
+
+
+def _stopped(tiny_model, inp, out, after=2):
+    """A run stopped (Ctrl-C) after `after` finished rows, its parts left for a resume."""
+    import pytest
+
+    from specbatch.job import JobOptions, run_job
+    from specbatch.recipe import load_recipe
+
+    seen = []
+
+    def stop(event, info):
+        if event == "record":
+            seen.append(1)
+            if len(seen) == after:
+                raise KeyboardInterrupt
+
+    recipe = load_recipe("vanilla").with_overrides(model=str(tiny_model), batch_size=1)
+    with pytest.raises(KeyboardInterrupt):
+        run_job(str(inp), recipe, JobOptions(output=str(out), device="cpu"), progress=stop)
+
+
+def _forget_openai_lines(parts_manifest):
+    m = json.loads(parts_manifest.read_text())
+    del m["fingerprint"]["openai_lines"]                # as 2cd7aab and before wrote it
+    parts_manifest.write_text(json.dumps(m))
+
+
+def test_parts_without_batch_lines_begun_before_openai_lines_resume(tiny_model, tmp_path):
+    """The reading of OpenAI lines changed nothing the parts of a plain-row job hold: they resume
+    (and the record is added, so later resumes compare it)."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.parquet"
+    inp.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "max_tokens": 2}) + "\n" for i in range(6)))
+    _stopped(tiny_model, inp, out)
+    _forget_openai_lines(tmp_path / "o.parquet.parts" / "manifest.json")
+    ok("run", inp, "-o", out, "--model", tiny_model, "--device", "cpu", "-q")
+
+
+def test_parts_with_batch_lines_begun_before_openai_lines_are_refused(tiny_model, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.parquet"
+    inp.write_text("".join(json.dumps({"custom_id": f"c{i}", "body": {"prompt": "def f(x):", "max_tokens": 2}}) + "\n"
+                           for i in range(6)))
+    _stopped(tiny_model, inp, out)
+    _forget_openai_lines(tmp_path / "o.parquet.parts" / "manifest.json")
+    r = cli("run", inp, "-o", out, "--model", tiny_model, "--device", "cpu", "-q")
+    assert r.exit_code != 0 and "openai_lines: \"unset temperature 0" in r.output
