@@ -336,6 +336,32 @@ def test_workers_holding_different_contexts_are_named_and_the_smallest_recorded(
     assert capsys.readouterr().err == ""
 
 
+class _StubPool:
+    """A WorkerPool of two CPU workers that are always ready; tests give it a stream."""
+    suspects: set = set()
+    eager = False
+
+    def __init__(self, *a, **kw):
+        pass
+
+    def wait_ready(self):
+        pass
+
+    def per_worker(self):
+        return [{"device": "cpu", "max_model_len": 512, "died": False}] * 2
+
+    def close(self):
+        pass
+
+
+def _record(r) -> dict:
+    """A finished row's record as a worker sends it."""
+    return {"row": r.row, "id": r.id, "text": "x", "completion": "x", "error": None, "finish_reason": "length",
+            "prompt_tokens": 1, "completion_tokens": 1, "output_token_ids": [1],
+            "spec": {"verify_steps": 1, "draft_tokens": 0, "accepted_tokens": 0, "accept_length": 1.0,
+                     "accept_histogram": [1]}}
+
+
 def test_a_failing_output_stops_the_workers_before_the_error_leaves_the_job(tmp_path, monkeypatch):
     """Disk full under --gpus: the workers stop before the OutputError reaches the caller, not when
     the pool's stream is collected (a library caller may hold the traceback for a long time)."""
@@ -346,23 +372,10 @@ def test_a_failing_output_stops_the_workers_before_the_error_leaves_the_job(tmp_
 
     events = []
 
-    class Pool:
-        suspects: set = set()
-        eager = False
-
-        def __init__(self, *a, **kw):
-            pass
-
-        def wait_ready(self):
-            pass
-
-        def per_worker(self):
-            return [{"device": "cpu", "max_model_len": 512, "died": False}] * 2
-
+    class Pool(_StubPool):
         def stream(self, rows):
             for r in rows:
-                yield {"row": r.row, "id": r.id, "text": "x", "error": None, "finish_reason": "length",
-                       "prompt_tokens": 1, "completion_tokens": 1, "output_token_ids": [1]}
+                yield _record(r)
             events.append("stream ended")
 
         def close(self):
@@ -410,29 +423,10 @@ def test_the_workers_failing_says_what_a_rerun_finds(tmp_path, monkeypatch, caps
     from specbatch.recipe import load_recipe
     from specbatch.resolve import JobError
 
-    class Pool:
-        suspects: set = set()
-        eager = False
-
-        def __init__(self, *a, **kw):
-            pass
-
-        def wait_ready(self):
-            pass
-
-        def per_worker(self):
-            return [{"device": "cpu", "max_model_len": 512, "died": False}] * 2
-
+    class Pool(_StubPool):
         def stream(self, rows):
-            r = next(iter(rows))
-            yield {"row": r.row, "id": r.id, "text": "x", "completion": "x", "error": None, "finish_reason": "length",
-                   "prompt_tokens": 1, "completion_tokens": 1, "output_token_ids": [1],
-                   "spec": {"verify_steps": 1, "draft_tokens": 0, "accepted_tokens": 0, "accept_length": 1.0,
-                            "accept_histogram": [1]}}
+            yield _record(next(iter(rows)))
             raise workers.WorkerError("every worker died; the last said: boom")
-
-        def close(self):
-            pass
 
     monkeypatch.setattr(workers, "WorkerPool", Pool)
     inp = tmp_path / "in.jsonl"
