@@ -217,9 +217,11 @@ def run(
         _fail(str(e))
     except OSError as e:
         _fail(f"{e.filename or 'specbatch'}: {e.strerror or e}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        _stopped_stats(e, stats_json, "interrupted")
         _fail(f"interrupted; {_kept(view, output)}", 130)
-    except Terminated:
+    except Terminated as e:
+        _stopped_stats(e, stats_json, "terminated")
         _fail(f"terminated (SIGTERM); {_kept(view, output)}", 143)
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -238,6 +240,20 @@ def _report(summary: dict, quiet: bool, stats_json: str | None) -> None:
     if summary.get("requests") and summary["errors"] == summary["requests"]:
         _fail(f"every row failed ({summary['errors']} rows); see the error column of {summary['output']}",
               EXIT_FAILED)
+
+
+def _stopped_stats(e: BaseException, stats_json: str | None, how: str) -> None:
+    """A stopped run's --stats-json: what it did before the stop (`stopped` says how); best effort,
+    the stop's own line follows either way."""
+    summary = getattr(e, "partial_summary", None)
+    if not stats_json or summary is None:
+        return
+    try:
+        with open(stats_json, "w", encoding="utf-8") as f:
+            f.write(json.dumps({**summary, "stopped": how}, indent=2) + "\n")
+    except OSError as failed:
+        err.print(f"warning: --stats-json {escape(stats_json)}: {escape(failed.strerror or str(failed))}",
+                  highlight=False, soft_wrap=True)
 
 
 def _kept(view: ProgressView, output: str | None) -> str:

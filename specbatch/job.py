@@ -351,6 +351,9 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
             raise failure from None
         if isinstance(e, (WorkerError, EngineFailed)):
             raise JobError(f"{e}; {_resume_note(writer)}") from None
+        # a stop (Ctrl-C, SIGTERM): what this run did, for --stats-json (a scheduler's log of it)
+        e.partial_summary = stats.summary(output=output, resumed=resumed, device=runner.device,
+                                          max_model_len=runner.max_len, recipe=recipe.name)
         raise
     rows_written = writer.finalize()
     repeated, first = ids.count()

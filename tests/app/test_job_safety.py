@@ -421,3 +421,27 @@ def test_a_parquet_input_s_kept_columns_keep_their_types(tmp_path, base):
     got = pq.read_table(out)
     assert {c: got.schema.field(c).type for c in kept} == {c: t.schema.field(c).type for c in kept}
     assert got.select(kept).to_pylist() == t.select(kept).to_pylist()
+
+
+@pytest.mark.parametrize("stop, how", [(KeyboardInterrupt, "interrupted"), ("Terminated", "terminated")])
+def test_a_stopped_run_still_writes_its_stats_json(tmp_path, base, monkeypatch, stop, how):
+    """A scheduler reads --stats-json after the job: a stop leaves what the run did, marked as stopped."""
+    from specbatch import cli as cli_mod
+    from specbatch.progress import ProgressView
+
+    stop = getattr(cli_mod, stop) if isinstance(stop, str) else stop
+    real, seen = ProgressView.update, []
+
+    def update(self, event, info):
+        real(self, event, info)
+        if event == "record":
+            seen.append(1)
+            if len(seen) == 3:
+                raise stop()
+
+    monkeypatch.setattr(ProgressView, "update", update)
+    inp, out, stats = write(tmp_path / "in.jsonl", ROWS), tmp_path / "o.parquet", tmp_path / "s.json"
+    r = cli("run", inp, "-o", out, *base, "--stats-json", stats)
+    assert r.exit_code in (130, 143)
+    s = json.loads(stats.read_text())
+    assert s["stopped"] == how and s["requests"] == 3 and s["output"] == str(out) and s["resumed"] == 0
