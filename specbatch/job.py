@@ -180,6 +180,10 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
                 if not pending:
                     return stats.summary(output=output, complete_before=True, resumed=len(writer.done_rows))
                 writer.reopen(digests)       # finished before with a smaller --limit, or new rows: add them
+            elif not pending:                # every row (below --limit) is committed: assemble, no model
+                rows = writer.finalize()
+                return stats.summary(output=output, assembled=True, resumed=len(writer.done_rows),
+                                     rows_in_output=rows, limit=opts.limit)
         return _generate(source, writer, recipe, opts, devices, output, stats, notify)
     except DeviceLost as e:
         e.restartable = e.restartable and input_path != "-"      # stdin is read once

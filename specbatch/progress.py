@@ -112,6 +112,12 @@ def print_summary(err: Console, s: dict[str, Any]) -> None:
         table.add_row("output", escape(f"{s['output']} is already complete ({s['resumed']} rows); pass --overwrite to redo it"))
         err.print(table)
         return
+    if s.get("assembled"):                            # nothing left to run: the committed rows, assembled
+        below = "" if s.get("limit") is None else f" below --limit {s['limit']}"
+        table.add_row("output", escape(f"{s['output']}: no row left to run{below}; assembled from its "
+                                       f"{s['rows_in_output']} committed rows"))
+        err.print(table)
+        return
     rows = [
         ("output", s["output"]), ("recipe", s["recipe"]), ("model", s["model"]),
         ("draft", s["draft"] or "-"), ("device", s["device"]),

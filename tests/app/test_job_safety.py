@@ -445,3 +445,24 @@ def test_a_stopped_run_still_writes_its_stats_json(tmp_path, base, monkeypatch, 
     assert r.exit_code in (130, 143)
     s = json.loads(stats.read_text())
     assert s["stopped"] == how and s["requests"] == 3 and s["output"] == str(out) and s["resumed"] == 0
+
+
+def test_nothing_left_below_the_limit_assembles_the_committed_rows_without_the_model(tmp_path, base, monkeypatch):
+    """Parts already holding every row below --limit (or every row): the rerun assembles the output
+    from them and says so; it loads no model to run no row."""
+    from specbatch import job as job_mod
+
+    inp, out = write(tmp_path / "in.jsonl", ROWS), tmp_path / "o.parquet"
+    _interrupted(inp, out, base, after=6)
+    committed = sorted(r for p in (tmp_path / "o.parquet.parts").glob("part-*") for r in pq.read_table(p)["row"].to_pylist())
+    below = min(r for r in range(len(ROWS)) if r not in committed)       # the first row not committed
+
+    def no_model(*a, **kw):
+        raise AssertionError("a model was loaded to run no row")
+
+    monkeypatch.setattr(job_mod, "_Runner", no_model)
+    loud = [a for a in base if a != "-q"]
+    r = ok("run", inp, "-o", out, *loud, "--limit", below)
+    said = " ".join(r.stderr.replace("│", " ").split())                  # the summary table's cells, unwrapped
+    assert f"no row left to run below --limit {below}; assembled from its {len(committed)} committed rows" in said
+    assert sorted(x["row"] for x in read(out)) == committed
