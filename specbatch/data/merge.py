@@ -7,6 +7,8 @@ types that cannot unify become JSON text).
 """
 from __future__ import annotations
 
+import base64
+import datetime
 import json
 import math
 from collections.abc import Iterator, Sequence
@@ -40,9 +42,19 @@ def _struct_value(value: object, type_: pa.StructType) -> dict | None:
     return {f.name: value.get(f.name) for f in type_}
 
 
+def json_default(value: object) -> object:
+    """A value JSON cannot hold (a Parquet input's kept column), as JSON readers take it: dates and
+    times in ISO 8601, bytes in base64, anything else (a decimal, a duration) as its text."""
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    return str(value)
+
+
 def _json_text(value: object, ascii: bool = True) -> str | None:
     # Parts use ASCII escapes: a value arrow could not encode (a lone surrogate) still round-trips.
-    return None if value is None else json.dumps(value, ensure_ascii=ascii, default=str)
+    return None if value is None else json.dumps(value, ensure_ascii=ascii, default=json_default)
 
 
 def _json_strings(values: list) -> pa.Array:
@@ -242,7 +254,7 @@ def jsonl_lines(chunk: pa.Table, json_columns: Sequence[str], openai_model: str 
                 line = to_openai_line(r, openai_model, r.pop(DIGEST_COLUMN, None))
                 line.update((c, r.get(c)) for c in keep_columns)
                 r = line
-            lines.append(json.dumps(r, ensure_ascii=False, default=str))
+            lines.append(json.dumps(r, ensure_ascii=False, default=json_default))
         yield ("\n".join(lines) + "\n").encode("utf-8")
 
 

@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from .. import records
 from .digests import Expected, RowSet
-from .merge import _struct_value
+from .merge import _struct_value, json_default
 from .openai_out import check_keep_columns, check_output_format, to_openai_line
 
 
@@ -75,7 +75,7 @@ class StdoutWriter:
         if self.output_format == "openai":
             out = to_openai_line({**rec, **out}, self.model_name, self._digests.get(rec["row"]))
         out.update((c, rec.get(c)) for c in self.keep_columns)
-        self.stream.write((json.dumps(out, ensure_ascii=False, default=str) + "\n").encode("utf-8"))
+        self.stream.write((json.dumps(out, ensure_ascii=False, default=json_default) + "\n").encode("utf-8"))
         self._digests.pop(rec["row"], None)
         self.count += 1
 

@@ -466,3 +466,25 @@ def test_nothing_left_below_the_limit_assembles_the_committed_rows_without_the_m
     said = " ".join(r.stderr.replace("│", " ").split())                  # the summary table's cells, unwrapped
     assert f"no row left to run below --limit {below}; assembled from its {len(committed)} committed rows" in said
     assert sorted(x["row"] for x in read(out)) == committed
+
+
+@pytest.mark.parametrize("output", ["o.jsonl", "-"])
+def test_kept_dates_and_bytes_read_back_from_jsonl(tmp_path, base, output):
+    """What JSON cannot hold, from a Parquet input's kept columns: ISO 8601 times and base64 bytes,
+    as JSON readers take them (not Python's repr of bytes, nor str() of a datetime)."""
+    import base64
+    import datetime
+
+    import pyarrow as pa
+
+    t = pa.table({"prompt": ["a", "b"],
+                  "ts": pa.array([datetime.datetime(2026, 1, 2, 3, 4, 5), None], pa.timestamp("us")),
+                  "day": pa.array([datetime.date(2026, 1, 2), None], pa.date32()),
+                  "blob": pa.array([b"\x00\xff", b""], pa.binary())})
+    inp = tmp_path / "in.parquet"
+    pq.write_table(t, inp)
+    out = output if output == "-" else tmp_path / output
+    r = ok("run", inp, "-o", out, *base, "--keep-columns", "ts,day,blob")
+    got = [json.loads(x) for x in (r.stdout.splitlines() if output == "-" else open(out))]
+    assert [(g["ts"], g["day"]) for g in got] == [("2026-01-02T03:04:05", "2026-01-02"), (None, None)]
+    assert [base64.b64decode(g["blob"]) for g in got] == [b"\x00\xff", b""]
