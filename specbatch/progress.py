@@ -26,6 +26,7 @@ class ProgressView:
         self.task = None
         self.total: int | None = None
         self.done = 0
+        self.first_done = 0.0                  # when the first row finished: the rows' pace is timed from it
         self.on_stdout: int | None = None      # -o -: rows written (in input order) so far
         self.errors = 0
         self.tokens = 0
@@ -65,6 +66,8 @@ class ProgressView:
         elif event == "record":
             rec = info["record"]
             self.done += 1
+            if self.done == 1:
+                self.first_done = time.perf_counter()
             self.on_stdout = info.get("on_stdout")
             self.errors = info.get("errors", self.errors)
             self.tokens = info["tokens"]
@@ -84,12 +87,20 @@ class ProgressView:
         elapsed = now - self.started
         if self.total:
             share = f"{self.done:,}/{self.total:,} rows ({100 * self.done / self.total:.1f}%)"
-            left = (self.total - self.done) * elapsed / max(self.done, 1)
-            eta = f"ETA {hms(left)}"
+            # Rows finish at the pace of the batch only once it runs full: time the pace from the first
+            # finished row (the start also holds loading and the first rows' whole generation), and
+            # say nothing until a few rows show it.
+            paced = self.done - 1
+            eta = "ETA ?"
+            if paced >= ETA_AFTER_ROWS and now > self.first_done:
+                eta = f"ETA {hms((self.total - self.done) * (now - self.first_done) / paced)}"
         else:
             share, eta = f"{self.done:,} rows", "ETA ?"
         return (f"progress: {share}, {rate:,.0f} tok/s, {self.errors:,} errors, accept {al:.2f}, "
                 f"elapsed {hms(elapsed)}, {eta}")
+
+
+ETA_AFTER_ROWS = 8
 
 
 def hms(seconds: float) -> str:

@@ -202,7 +202,7 @@ def test_quiet_prints_nothing_and_logs_get_progress_lines(tmp_path, base):
     progress = [x for x in r.stderr.splitlines() if x.startswith("progress:")]
     for p in progress:
         assert re.match(r"progress: \d+/12 rows \(\d+\.\d%\), \d+ tok/s, 0 errors, accept \d\.\d\d, "
-                        r"elapsed \dm\d\ds, ETA \dm\d\ds$", p), p
+                        r"elapsed \dm\d\ds, ETA (\dm\d\ds|\?)$", p), p
 
 
 def test_version():
@@ -488,3 +488,24 @@ def test_kept_dates_and_bytes_read_back_from_jsonl(tmp_path, base, output):
     got = [json.loads(x) for x in (r.stdout.splitlines() if output == "-" else open(out))]
     assert [(g["ts"], g["day"]) for g in got] == [("2026-01-02T03:04:05", "2026-01-02"), (None, None)]
     assert [base64.b64decode(g["blob"]) for g in got] == [b"\x00\xff", b""]
+
+
+def test_the_eta_is_paced_from_the_first_finished_row(monkeypatch):
+    """The first rows finish only after the batch's whole first generation: an ETA from the start
+    would be far too long. It waits for a few rows and times their pace from the first."""
+    from rich.console import Console
+
+    from specbatch import progress
+
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: clock[0])
+    view = progress.ProgressView(Console(stderr=True), quiet=True, every=1.0)
+    view.update("start", {"total": 100, "resumed": 0, "device": "cpu", "load_s": 0.0})
+    rec = {"record": {"row": 0, "spec": None}, "tokens": 0}
+    clock[0] = 60.0                                      # the first row, a minute in
+    view.update("record", rec)
+    assert view.line(61.0, 0.0, 1.0).endswith("ETA ?")
+    for i in range(8):                                   # then one a second
+        clock[0] = 61.0 + i
+        view.update("record", rec)
+    assert view.line(clock[0], 0.0, 1.0).endswith(f"ETA {progress.hms(91)}")        # 91 rows left at 1 s
