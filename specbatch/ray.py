@@ -19,7 +19,7 @@ stop, ...; another key is the row's error). Output: the input columns, then `gen
 speculation stats (`spec_verify_steps`, `spec_accepted_tokens`, `spec_accept_length`), then `logprobs` and
 `prompt_logprobs` (null unless the row's sampling_params asked; specbatch's column layout). A row
 that cannot run raises, or with `should_continue_on_error` carries its message in
-`__inference_error__`. An engine that breaks (CUDA, out of memory) ends its actor's process: Ray
+`__inference_error__` (the others ""). An engine that breaks (CUDA, out of memory) ends its actor's process: Ray
 restarts the actor and retries its batches (at most `max_restarts` times, then the dataset fails;
 an exception raised from a batch would fail the dataset at once).
 
@@ -172,7 +172,8 @@ class SpecbatchPredictor:
             for rec in self.llm.stream(self._feed()):
                 with self.lock:
                     loop, fut, _ = self.waiting.pop(rec["row"])
-                loop.call_soon_threadsafe(lambda f=fut, r=rec: f.done() or f.set_result(r))
+                done = time.perf_counter()          # the row's own time_taken_llm ends here
+                loop.call_soon_threadsafe(lambda f=fut, r=rec, t=done: f.done() or f.set_result((r, t)))
         except BaseException as e:  # noqa: BLE001 - the actor is unusable: let Ray restart it
             self.failure = e
             # An exception raised from __call__ is a user error to Ray Data: it fails the whole
@@ -189,7 +190,10 @@ class SpecbatchPredictor:
 
         where = f"row {row['id']}" if row.get("id") is not None else "row"
         try:
-            obj = {**_sampling_params(row.get("sampling_params")), **_prompt(row, self.apply_chat_template)}
+            prompt = _prompt(row, self.apply_chat_template)
+            if not prompt:
+                raise BadField("no 'messages', 'prompt' or 'tokenized_prompt' value (a preprocess returns one)")
+            obj = {**_sampling_params(row.get("sampling_params")), **prompt}
         except BadField as e:
             return RowError(i, i, f"{where}: {e}")
         if obj.get("seed") is None:
@@ -219,14 +223,14 @@ class SpecbatchPredictor:
                 items.append(self._row(i, row, seen))
         for item in items:
             self.inbox.put(item)
-        recs = await asyncio.gather(*futures)
-        took = time.perf_counter() - t0
+        done = await asyncio.gather(*futures)
         out: dict[str, list] = {c: [] for c in OUTPUT_COLUMNS}
         errors = []
-        for rec in recs:
+        for rec, finished in done:
             if rec["error"] and not self.continue_on_error:
                 raise RowFailure(rec["error"])
-            errors.append(rec["error"])
+            errors.append(rec["error"] or "")            # "" on success, as ray.data.llm writes it
+            took = finished - t0                         # from the batch's arrival to this row's end
             spec = rec.get("spec") or {}
             ids = rec.get("output_token_ids")
             for name, value in zip(OUTPUT_COLUMNS, (
@@ -282,6 +286,26 @@ def _pool_size(concurrency: Any) -> dict[str, int]:
                      f"1 <= min <= max, got {concurrency!r}")
 
 
+def _merged(preprocess: Callable[[dict], dict]) -> Callable[[dict], dict]:
+    """As ray.data.llm: preprocess's fields over the input row's, so its columns reach postprocess."""
+    def apply(row: dict) -> dict:
+        return {**row, **preprocess(row)}
+    return apply
+
+
+def _unless_failed(postprocess: Callable[[dict], dict], keep_error_column: bool) -> Callable[[dict], dict]:
+    """As ray.data.llm: a row that failed (its error set) bypasses postprocess, whose code expects a
+    completion; the others get an empty error column, so every row has one (should_continue_on_error)."""
+    def apply(row: dict) -> dict:
+        if row.get(ERROR_COLUMN):
+            return row
+        result = postprocess(row)
+        if keep_error_column:
+            result[ERROR_COLUMN] = ""
+        return result
+    return apply
+
+
 def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
                     postprocess: Callable[[dict], dict] | None = None) -> Callable[[Any], Any]:
     """A `Dataset -> Dataset` function: preprocess rows, generate on `concurrency` actors, postprocess."""
@@ -300,7 +324,7 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
 
     def process(ds: "ray.data.Dataset") -> "ray.data.Dataset":
         if preprocess is not None:
-            ds = ds.map(preprocess)
+            ds = ds.map(_merged(preprocess))
         with warnings.catch_warnings():
             # max_restarts has no named parameter yet (Ray 2.60 warns about every other route too)
             warnings.filterwarnings("ignore", message=".*ray_remote_args.* is deprecated")
@@ -309,7 +333,7 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
                                 accelerator_type=config.accelerator_type, runtime_env=config.runtime_env,
                                 max_restarts=config.max_restarts)
         if postprocess is not None:
-            ds = ds.map(postprocess)
+            ds = ds.map(_unless_failed(postprocess, config.should_continue_on_error))
         if config.wait_for_actors_s is not None:
             ds.context.wait_for_min_actors_s = config.wait_for_actors_s
         return ds

@@ -71,7 +71,7 @@ def _check(rows, ref):
             assert r["__inference_error__"] and "'prompt'" in r["__inference_error__"]
             assert r["generated_text"] is None
             continue
-        assert r["__inference_error__"] is None
+        assert r["__inference_error__"] == ""                       # as ray.data.llm writes success
         assert r["generated_text"] == want["completion"], r["id"]
         assert r["num_generated_tokens"] == want["completion_tokens"] == len(r["generated_tokens"])
         assert r["num_input_tokens"] == want["prompt_tokens"] and r["time_taken_llm"] >= 0
@@ -84,6 +84,24 @@ def test_processor_rows_equal_specbatch_run(cluster, data):
     proc = build_processor(_config(should_continue_on_error=True))
     rows = proc(ray.data.read_parquet(str(data["inp"]), override_num_blocks=4)).take_all()
     _check(rows, data["ref"])
+
+
+def test_preprocess_and_postprocess_as_ray_data_llm_apply_them(cluster):
+    """Ray Data LLM's examples: preprocess returns only the prompt and sampling_params (its fields
+    land over the input row's, so `id` and `gold` reach postprocess), and a failed row bypasses
+    postprocess (whose code expects a completion), keeping its error."""
+    from specbatch.ray import build_processor
+
+    items = [{"id": i, "question": "def f(x):", "gold": f"g{i}", "top_p": 0.5 if i else 7.0} for i in range(3)]
+    pre = lambda r: {"messages": [{"role": "user", "content": r["question"]}],      # noqa: E731
+                     "sampling_params": {"max_tokens": 4, "top_p": r["top_p"]}}
+    post = lambda r: {"id": r["id"], "gold": r["gold"], "answer": r["generated_text"].strip()}      # noqa: E731
+    proc = build_processor(_config(concurrency=1, should_continue_on_error=True), preprocess=pre, postprocess=post)
+    rows = sorted(proc(ray.data.from_items(items)).take_all(), key=lambda r: r["id"])
+    assert "top_p" in rows[0]["__inference_error__"] and rows[0]["gold"] == "g0"      # bypassed, kept whole
+    assert [(r["gold"], r["__inference_error__"]) for r in rows[1:]] == [("g1", ""), ("g2", "")]
+    assert all(isinstance(r["answer"], str) for r in rows[1:]) and rows[0].get("answer") is None
+    # (a block mixing a bypassed row's columns with postprocess's gives each row all, null where absent)
 
 
 def test_a_bad_row_fails_the_batch_without_continue_on_error(cluster, data):
@@ -253,7 +271,7 @@ def test_an_unknown_sampling_params_key_is_a_row_error(lenient):
     a, b, c = _call(lenient, rows).to_pylist()
     assert "'sampling_params.max_new_tokens'" in a["__inference_error__"] and a["generated_text"] is None
     assert "'sampling_params.guided_decoding'" in b["__inference_error__"]
-    assert c["__inference_error__"] is None and c["num_generated_tokens"] == 3
+    assert c["__inference_error__"] == "" and c["num_generated_tokens"] == 3
 
 
 def test_a_bad_tokenized_prompt_is_a_row_error(lenient):
@@ -264,7 +282,7 @@ def test_a_bad_tokenized_prompt_is_a_row_error(lenient):
     a, b, c = _call(lenient, rows).to_pylist()
     assert "'tokenized_prompt[1]'" in a["__inference_error__"]
     assert "'tokenized_prompt[0]'" in b["__inference_error__"]
-    assert c["__inference_error__"] is None and c["num_input_tokens"] == 2
+    assert c["__inference_error__"] == "" and c["num_input_tokens"] == 2
     assert not lenient.waiting                         # no row of a batch is left waiting
 
 
