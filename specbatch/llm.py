@@ -15,7 +15,7 @@ from typing import Any, Union
 
 from .data import RowError, RowRequest, parse_row
 from .params import DEFAULT_LOGPROBS_MODE, SamplingParams
-from .recipe import Recipe, load_recipe
+from .recipe import Recipe, RecipeError, load_recipe
 from .resolve import describe_draft, resolve_model, spec_config
 
 # A prompt: text, a chat (list of {role, content}), token ids, or a whole input row as a dict
@@ -126,6 +126,18 @@ def _seeded(rows: Iterable[RowRequest | RowError], seed: int) -> Iterator[RowReq
         yield r
 
 
+class SamplingParamsError(RecipeError, ValueError):
+    """Sampling params LLM.generate / chat cannot take (a ValueError, as vLLM's SamplingParams
+    raises), naming the field and, for a per-prompt list, the prompt."""
+
+
+def _sampling_error(e: RecipeError, where: str) -> SamplingParamsError:
+    if e.key is not None:
+        return SamplingParamsError(f"{where}: {e.key.removeprefix('sampling.')}: {e.detail}", e.key, e.detail)
+    text = str(e).partition(" (overrides): ")[2] or str(e)      # the recipe file's name is not the user's
+    return SamplingParamsError(f"{where}: {text.replace('sampling.', '')}")
+
+
 class LLM:
     """A loaded target (and draft) ready to generate, reusable across calls.
 
@@ -168,9 +180,17 @@ class LLM:
             params = dict(params)
         if "seed" in params and params["seed"] is None:     # no seed of its own: the run seed stays
             del params["seed"]
+        if "best_of" in params:                  # vLLM's: null or n is n, as a row's field reads it
+            best_of = params.pop("best_of")
+            if best_of is not None and best_of != params.get("n", 1):
+                raise SamplingParamsError(f"sampling_params: best_of: not supported by specbatch yet (got {best_of}); "
+                                          "remove it or set it to n")
         if "max_tokens" in params and params["max_tokens"] is None:    # as vLLM's: up to the context
             params["max_tokens"] = self.engine.max_len
-        return self.recipe.with_overrides(sampling=params).sampling
+        try:
+            return self.recipe.with_overrides(sampling=params).sampling
+        except RecipeError as e:
+            raise _sampling_error(e, "sampling_params") from None
 
     def stream(self, rows: Iterable[RowRequest | RowError],
                params: SamplingParams | Mapping[str, Any] | None = None,
@@ -218,9 +238,13 @@ class LLM:
             if len(params) != len(rows):
                 raise ValueError(f"params: {len(params)} sampling params for {len(rows)} prompts; give one "
                                  "per prompt, or one mapping for all")
-            for r, p in zip(rows, params):
+            for i, (r, p) in enumerate(zip(rows, params)):
                 if isinstance(r, RowRequest):       # the prompt's own params, under its row's fields
-                    own = self.sampling(p).to_dict()
+                    try:
+                        own = self.sampling(p).to_dict()
+                    except SamplingParamsError as e:
+                        raise SamplingParamsError(str(e).replace("sampling_params:", f"sampling_params[{i}]:", 1),
+                                                  e.key, e.detail) from None
                     if _get(p, "seed") is None:     # the run seed stays a run seed (rows derive theirs)
                         del own["seed"]
                     if own["max_tokens"] is None:   # unset: the row's form's default, as for one mapping

@@ -117,9 +117,23 @@ def _fail(source: str, key: str, message: str) -> None:
     raise RecipeError(f"{source}: {key}: {message}", key=key, detail=message)
 
 
+# vLLM engine arguments users bring to LLM(...) / engine_kwargs, and what specbatch has instead.
+VLLM_ENGINE_ARGS = {
+    "max_num_seqs": "batch_size (sequences decoded together)",
+    "max_num_batched_tokens": "nothing to set: prefill packs up to 8,192 prompt tokens a forward",
+    "tensor_parallel_size": "nothing: one engine per GPU (--gpus, or Ray's concurrency), no tensor parallelism",
+    "pipeline_parallel_size": "nothing: one engine per GPU (--gpus, or Ray's concurrency)",
+    "trust_remote_code": "nothing to set: Llama-family and the listed drafters' code ships with specbatch",
+    "enforce_eager": "eager=True (LLM) or --eager",
+    "speculative_config": "the recipe (algorithm, num_steps, topk, num_draft_tokens) and draft",
+}
+
+
 def _unknown_key(source: str, key: Any, known: tuple[str, ...], prefix: str = "") -> None:
     hint = ""
-    if isinstance(key, str):
+    if isinstance(key, str) and not prefix and key in VLLM_ENGINE_ARGS:
+        hint = f"; vLLM's {key} is, here, {VLLM_ENGINE_ARGS[key]}"
+    elif isinstance(key, str):
         close = difflib.get_close_matches(key, known, n=1)
         if not close:
             lowered = {k.lower(): k for k in known}

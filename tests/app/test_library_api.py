@@ -353,3 +353,29 @@ def test_the_pool_plan_follows_the_draft_weights_and_reserves_the_verified_token
     else:
         assert width == engine.drafter.num_draft_tokens and engine.drafter.head is seen["module"]
 
+
+
+def test_bad_sampling_params_are_a_value_error_naming_the_field_and_prompt(tiny_model):
+    """As vLLM's SamplingParams raises ValueError: the field, and for a per-prompt list which prompt,
+    never a recipe file the caller did not write; best_of as a row reads it (null or n)."""
+    from specbatch.llm import LLM, SamplingParamsError
+
+    llm = LLM(tiny_model, device="cpu", batch_size=2)
+    with pytest.raises(ValueError, match=r"^sampling_params: top_p: expected 0 < top_p <= 1, got 2.0$"):
+        llm.generate(["hi"], {"top_p": 2}, use_tqdm=False)
+    with pytest.raises(SamplingParamsError, match=r"^sampling_params\[1\]: top_p: expected 0 < top_p <= 1, got 5.0$"):
+        llm.generate(["hi", "yo"], [{"max_tokens": 2}, {"top_p": 5}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^sampling_params: unknown key 'temprature' .*did you mean 'temperature'"):
+        llm.generate(["hi"], {"temprature": 0.5}, use_tqdm=False)
+    assert llm.generate(["hi"], {"max_tokens": 2, "best_of": None}, use_tqdm=False)[0].error is None
+    assert llm.generate(["hi"], {"max_tokens": 2, "n": 2, "best_of": 2}, use_tqdm=False)[0].error is None
+    with pytest.raises(ValueError, match=r"best_of: not supported by specbatch yet \(got 3\)"):
+        llm.generate(["hi"], {"max_tokens": 2, "best_of": 3}, use_tqdm=False)
+
+
+def test_a_vllm_engine_argument_names_what_specbatch_has_instead(tiny_model):
+    from specbatch.llm import LLM
+    from specbatch.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match=r"unknown key 'max_num_seqs' .*vLLM's max_num_seqs is, here, batch_size"):
+        LLM(tiny_model, device="cpu", max_num_seqs=8)
