@@ -67,6 +67,10 @@ OUTPUT_TYPES = dict(zip(OUTPUT_COLUMNS, (
 # The keys a row's sampling_params may hold (implemented or refused by name, data/fields.py):
 # another key is a typo or another engine's field, refused as vLLM's SamplingParams(**d) does.
 SAMPLING_PARAMS_KEYS = frozenset((*OVERRIDE_KEYS, *UNSUPPORTED_FIELDS, *CHAT_OPTIONS, "add_special_tokens"))
+# vLLM SamplingParams fields with no row field of the same name here (UNSUPPORTED_FIELDS has the
+# others): named as unsupported, not as a typo
+VLLM_ONLY_SAMPLING = frozenset(("guided_decoding", "output_kind", "extra_args", "flat_logprobs",
+                                "logits_processors", "structured_outputs"))
 
 
 class EngineFailure(RuntimeError):
@@ -108,6 +112,9 @@ def _sampling_params(params: Any) -> dict[str, Any]:
     if not isinstance(params, dict):
         raise BadField(f"field 'sampling_params': expected an object, got {type(params).__name__}")
     unknown = [k for k, v in params.items() if v is not None and k not in SAMPLING_PARAMS_KEYS]
+    if unknown and unknown[0] in VLLM_ONLY_SAMPLING:
+        raise BadField(f"field 'sampling_params.{unknown[0]}': a vLLM sampling field specbatch does not support yet; "
+                       "remove it")
     if unknown:
         raise BadField(f"field 'sampling_params.{unknown[0]}': not a sampling field specbatch knows (e.g. max_tokens, "
                        "temperature, top_p, seed, stop; see README, Input)")
