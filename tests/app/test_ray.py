@@ -270,7 +270,8 @@ def test_an_unknown_sampling_params_key_is_a_row_error(lenient):
             {"prompt": "def f(x):", "sampling_params": {"max_tokens": 3, "max_new_tokens": None}}]   # struct fill
     a, b, c = _call(lenient, rows).to_pylist()
     assert "'sampling_params.max_new_tokens'" in a["__inference_error__"] and a["generated_text"] is None
-    assert "'sampling_params.guided_decoding': a vLLM sampling field specbatch does not support" in b["__inference_error__"]
+    assert ("'sampling_params.guided_decoding': a vLLM sampling field specbatch does not support"
+            in b["__inference_error__"])
     assert "not a sampling field specbatch knows" in a["__inference_error__"]                  # a typo
     assert c["__inference_error__"] == "" and c["num_generated_tokens"] == 3
 
