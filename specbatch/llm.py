@@ -155,8 +155,11 @@ class LLM:
         from .engine import Engine, EngineOptions      # torch is imported here, not at package import
 
         base = recipe if isinstance(recipe, Recipe) else load_recipe(str(recipe))
-        self.recipe = base.with_overrides(model=None if model is None else str(model),
-                                          draft=None if draft is None else str(draft), **overrides)
+        try:
+            self.recipe = base.with_overrides(model=None if model is None else str(model),
+                                              draft=None if draft is None else str(draft), **overrides)
+        except RecipeError as e:             # the caller's keyword, not the recipe file, is named
+            raise RecipeError(str(e).replace(f"{base.source} (overrides)", "LLM(...)", 1), e.key, e.detail) from None
         spec = spec_config(self.recipe)
         self.model_dir = resolve_model(self.recipe.model)
         self.draft = describe_draft(self.recipe, spec.draft)
@@ -180,9 +183,11 @@ class LLM:
             params = dict(params)
         if "seed" in params and params["seed"] is None:     # no seed of its own: the run seed stays
             del params["seed"]
+        if "n" in params and params["n"] is None:           # null asks for nothing: one completion
+            del params["n"]
         if "best_of" in params:                  # vLLM's: null or n is n, as a row's field reads it
             best_of = params.pop("best_of")
-            if best_of is not None and best_of != params.get("n", 1):
+            if best_of is not None and best_of != (params.get("n") or 1):
                 raise SamplingParamsError(f"sampling_params: best_of: not supported by specbatch yet (got {best_of}); "
                                           "remove it or set it to n")
         if "max_tokens" in params and params["max_tokens"] is None:    # as vLLM's: up to the context

@@ -69,8 +69,7 @@ OUTPUT_TYPES = dict(zip(OUTPUT_COLUMNS, (
 SAMPLING_PARAMS_KEYS = frozenset((*OVERRIDE_KEYS, *UNSUPPORTED_FIELDS, *CHAT_OPTIONS, "add_special_tokens"))
 # vLLM SamplingParams fields with no row field of the same name here (UNSUPPORTED_FIELDS has the
 # others): named as unsupported, not as a typo
-VLLM_ONLY_SAMPLING = frozenset(("guided_decoding", "output_kind", "extra_args", "flat_logprobs",
-                                "logits_processors", "structured_outputs"))
+VLLM_ONLY_SAMPLING = frozenset(("guided_decoding", "output_kind", "extra_args", "flat_logprobs"))
 
 
 class EngineFailure(RuntimeError):
@@ -247,8 +246,12 @@ class SpecbatchPredictor:
                     spec.get("accept_length"), rec.get("logprobs"), rec.get("prompt_logprobs"))):
                 out[name].append(value)
         table = batch if isinstance(batch, pa.Table) else pa.Table.from_pylist(rows)
+        # the error column when rows may carry one, or to replace a stale one an input brought along
+        # (a re-run over an earlier output), which postprocess would otherwise read as this run's failure
+        keep_errors = self.continue_on_error or ERROR_COLUMN in (batch.column_names if isinstance(batch, pa.Table)
+                                                                 else rows[0] if rows else {})
         columns = {**{name: pa.array(values, type=OUTPUT_TYPES[name]) for name, values in out.items()},
-                   **({ERROR_COLUMN: pa.array(errors, pa.string())} if self.continue_on_error else {})}
+                   **({ERROR_COLUMN: pa.array(errors, pa.string())} if keep_errors else {})}
         for name, column in columns.items():
             # an input column of the same name (a re-run dataset's output, say) is replaced, never doubled
             at = table.schema.get_field_index(name)

@@ -315,11 +315,11 @@ class OutputWriter:
             write_atomic(os.path.join(self.parts_dir, manifest.MANIFEST), lambda f: f.write(self._dump_manifest()))
             return
         adopted = _without_batch_lines(stored, parts, self._manifest())
-        if adopted is not stored:            # recorded, so rows this run adds are read the new way
+        self._check_manifest(adopted, self.parts_dir, "rerun the same command to resume, or pass --overwrite")
+        if adopted is not stored:            # recorded (once the resume is taken), so later resumes compare it
             stored = adopted
             write_atomic(os.path.join(self.parts_dir, manifest.MANIFEST),
                          lambda f: f.write(json.dumps(stored, indent=2, sort_keys=True).encode()))
-        self._check_manifest(stored, self.parts_dir, "rerun the same command to resume, or pass --overwrite")
         self.job = stored["job"]
         self._contexts = _contexts(stored)
         for part in parts:

@@ -369,6 +369,7 @@ def test_bad_sampling_params_are_a_value_error_naming_the_field_and_prompt(tiny_
         llm.generate(["hi"], {"temprature": 0.5}, use_tqdm=False)
     assert llm.generate(["hi"], {"max_tokens": 2, "best_of": None}, use_tqdm=False)[0].error is None
     assert llm.generate(["hi"], {"max_tokens": 2, "n": 2, "best_of": 2}, use_tqdm=False)[0].error is None
+    assert llm.generate(["hi"], {"max_tokens": 2, "n": None, "best_of": 1}, use_tqdm=False)[0].error is None
     with pytest.raises(ValueError, match=r"best_of: not supported by specbatch yet \(got 3\)"):
         llm.generate(["hi"], {"max_tokens": 2, "best_of": 3}, use_tqdm=False)
 
@@ -377,5 +378,6 @@ def test_a_vllm_engine_argument_names_what_specbatch_has_instead(tiny_model):
     from specbatch.llm import LLM
     from specbatch.recipe import RecipeError
 
-    with pytest.raises(RecipeError, match=r"unknown key 'max_num_seqs' .*vLLM's max_num_seqs is, here, batch_size"):
+    with pytest.raises(RecipeError, match=r"^LLM\(\.\.\.\): unknown key 'max_num_seqs' .*vLLM's max_num_seqs is, "
+                                          r"here, batch_size"):
         LLM(tiny_model, device="cpu", max_num_seqs=8)

@@ -276,6 +276,17 @@ def test_an_unknown_sampling_params_key_is_a_row_error(lenient):
     assert c["__inference_error__"] == "" and c["num_generated_tokens"] == 3
 
 
+def test_a_stale_error_column_from_an_earlier_output_is_replaced():
+    """A dataset re-run over an earlier output brings its __inference_error__ along: without
+    should_continue_on_error the column was left as it came, so postprocess skipped a row that
+    succeeded now as failed."""
+    strict = SpecbatchPredictor(engine_kwargs={"device": "cpu", "batch_size": 2})
+    out = _call(strict, [{"prompt": "def f(x):", "sampling_params": {"max_tokens": 2}, "__inference_error__": "old"}])
+    assert out.column("__inference_error__").to_pylist() == [""] and out.column("generated_text")[0].as_py()
+    plain = _call(strict, [{"prompt": "def f(x):", "sampling_params": {"max_tokens": 2}}])
+    assert "__inference_error__" not in plain.column_names          # as before: no column unless asked
+
+
 def test_a_bad_tokenized_prompt_is_a_row_error(lenient):
     """A null or fractional token id raised from the batch (failing the whole dataset even with
     should_continue_on_error) or was truncated to an integer and generated from."""

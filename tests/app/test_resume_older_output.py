@@ -73,7 +73,12 @@ def test_parts_without_batch_lines_begun_before_openai_lines_resume(tiny_model, 
     inp, out = tmp_path / "in.jsonl", tmp_path / "o.parquet"
     inp.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "max_tokens": 2}) + "\n" for i in range(6)))
     _stopped(tiny_model, inp, out)
-    _forget_openai_lines(tmp_path / "o.parquet.parts" / "manifest.json")
+    parts_manifest = tmp_path / "o.parquet.parts" / "manifest.json"
+    _forget_openai_lines(parts_manifest)
+    before = parts_manifest.read_bytes()
+    r = cli("run", inp, "-o", out, "--model", tiny_model, "--device", "cpu", "-q", "--temperature", "0.3")
+    assert r.exit_code != 0 and "sampling.temperature" in r.output
+    assert parts_manifest.read_bytes() == before                     # a refused resume leaves it as it was
     ok("run", inp, "-o", out, "--model", tiny_model, "--device", "cpu", "-q")
 
 

@@ -338,11 +338,10 @@ def test_workers_holding_different_contexts_are_named_and_the_smallest_recorded(
 
 class _StubPool:
     """A WorkerPool of two CPU workers that are always ready; tests give it a stream."""
-    suspects: set = set()
     eager = False
 
     def __init__(self, *a, **kw):
-        pass
+        self.suspects: set = set()
 
     def wait_ready(self):
         pass
