@@ -138,6 +138,22 @@ def _sampling_error(e: RecipeError, where: str) -> SamplingParamsError:
     return SamplingParamsError(f"{where}: {text.replace('sampling.', '')}")
 
 
+def _refuse_unsupported(params: dict) -> None:
+    """vLLM sampling fields specbatch does not implement, named as such (not as an unknown key); one
+    at its default asks for nothing and is dropped."""
+    from .data.fields import UNSUPPORTED_FIELDS, VLLM_ONLY_SAMPLING, BadField, check_unsupported
+
+    for key in [k for k, v in params.items() if v is not None and k in VLLM_ONLY_SAMPLING]:
+        raise SamplingParamsError(f"sampling_params: {key}: a vLLM sampling field specbatch does not support yet; "
+                                  "remove it")
+    try:
+        check_unsupported(params, "")
+    except BadField as e:
+        raise SamplingParamsError(f"sampling_params: {e}".replace("field '", "'", 1)) from None
+    for key in [k for k in params if k in UNSUPPORTED_FIELDS]:
+        del params[key]
+
+
 class LLM:
     """A loaded target (and draft) ready to generate, reusable across calls.
 
@@ -185,6 +201,7 @@ class LLM:
             del params["seed"]
         if "n" in params and params["n"] is None:           # null asks for nothing: one completion
             del params["n"]
+        _refuse_unsupported(params)
         if "best_of" in params:                  # vLLM's: null or n is n, as a row's field reads it
             best_of = params.pop("best_of")
             if best_of is not None and best_of != (params.get("n") or 1):

@@ -51,7 +51,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from .data.fields import CHAT_OPTIONS, OVERRIDE_KEYS, UNSUPPORTED_FIELDS, BadField, check_token_ids
+from .data.fields import (CHAT_OPTIONS, OVERRIDE_KEYS, UNSUPPORTED_FIELDS, VLLM_ONLY_SAMPLING, BadField,
+                          check_token_ids)
 from .records import LOGPROBS_TYPE, PROMPT_LOGPROBS_TYPE
 
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
@@ -67,9 +68,6 @@ OUTPUT_TYPES = dict(zip(OUTPUT_COLUMNS, (
 # The keys a row's sampling_params may hold (implemented or refused by name, data/fields.py):
 # another key is a typo or another engine's field, refused as vLLM's SamplingParams(**d) does.
 SAMPLING_PARAMS_KEYS = frozenset((*OVERRIDE_KEYS, *UNSUPPORTED_FIELDS, *CHAT_OPTIONS, "add_special_tokens"))
-# vLLM SamplingParams fields with no row field of the same name here (UNSUPPORTED_FIELDS has the
-# others): named as unsupported, not as a typo
-VLLM_ONLY_SAMPLING = frozenset(("guided_decoding", "output_kind", "extra_args", "flat_logprobs"))
 
 
 class EngineFailure(RuntimeError):

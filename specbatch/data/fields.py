@@ -114,6 +114,10 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "web_search_options": ("null", _empty),
 }
 
+# vLLM SamplingParams fields with no row field of the same name here (UNSUPPORTED_FIELDS has the
+# others): named as unsupported where sampling params are taken (Ray rows, LLM.generate), not as a typo
+VLLM_ONLY_SAMPLING = frozenset(("guided_decoding", "output_kind", "extra_args", "flat_logprobs"))
+
 # The fields parse_overrides and parse_chat_options read (a test holds the two to this list).
 REQUEST_FIELDS = frozenset({
     "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",

@@ -372,6 +372,13 @@ def test_bad_sampling_params_are_a_value_error_naming_the_field_and_prompt(tiny_
     assert llm.generate(["hi"], {"max_tokens": 2, "n": None, "best_of": 1}, use_tqdm=False)[0].error is None
     with pytest.raises(ValueError, match=r"best_of: not supported by specbatch yet \(got 3\)"):
         llm.generate(["hi"], {"max_tokens": 2, "best_of": 3}, use_tqdm=False)
+    # vLLM's fields specbatch lacks: named as unsupported, not as a typo; at their defaults, nothing asked
+    with pytest.raises(ValueError, match=r"^sampling_params: guided_decoding: a vLLM sampling field specbatch does "):
+        llm.generate(["hi"], {"guided_decoding": {"choice": ["a"]}}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^sampling_params: 'bad_words': not supported by specbatch yet \(got "):
+        llm.generate(["hi"], {"bad_words": ["x"]}, use_tqdm=False)
+    at_defaults = {"max_tokens": 2, "bad_words": None, "detokenize": True}
+    assert llm.generate(["hi"], at_defaults, use_tqdm=False)[0].error is None
 
 
 def test_a_vllm_engine_argument_names_what_specbatch_has_instead(tiny_model):
