@@ -227,14 +227,18 @@ def run(
         signal.signal(signal.SIGTERM, previous)
 
 
+def _write_stats(path: str, summary: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(summary, indent=2) + "\n")
+
+
 def _report(summary: dict, quiet: bool, stats_json: str | None) -> None:
     """A finished job's summary on stderr, its --stats-json, and exit 1 when every row failed."""
     if not quiet:
         print_summary(err, summary)
     if stats_json:
         try:
-            with open(stats_json, "w", encoding="utf-8") as f:
-                f.write(json.dumps(summary, indent=2) + "\n")
+            _write_stats(stats_json, summary)
         except OSError as e:
             _fail(f"--stats-json {stats_json}: {e.strerror or e} (the job itself finished: {summary['output']})")
     if summary.get("requests") and summary["errors"] == summary["requests"]:
@@ -249,8 +253,7 @@ def _stopped_stats(e: BaseException, stats_json: str | None, how: str) -> None:
     if not stats_json or summary is None:
         return
     try:
-        with open(stats_json, "w", encoding="utf-8") as f:
-            f.write(json.dumps({**summary, "stopped": how}, indent=2) + "\n")
+        _write_stats(stats_json, {**summary, "stopped": how})
     except OSError as failed:
         err.print(f"warning: --stats-json {escape(stats_json)}: {escape(failed.strerror or str(failed))}",
                   highlight=False, soft_wrap=True)
@@ -258,13 +261,14 @@ def _stopped_stats(e: BaseException, stats_json: str | None, how: str) -> None:
 
 def _kept(view: ProgressView, output: str | None) -> str:
     """What a stopped run leaves: committed parts to resume from, or lines already on stdout."""
+    from .job import NO_RESUME, resume_note
+
     if output != "-":
-        return f"{view.done} finished rows are committed, rerun the same command to resume"
+        return f"{view.done} {resume_note(output or '')}"
     written = view.on_stdout or 0
     behind = view.done - written
     held = f" ({behind} finished rows waited behind unfinished ones and were not)" if behind else ""
-    return (f"{written} rows were written to stdout{held}; -o - keeps nothing to resume from, so a rerun starts "
-            "over (-o PATH writes parts a rerun resumes)")
+    return f"{written} rows were written to stdout{held}; {NO_RESUME} (-o PATH writes parts a rerun resumes)"
 
 
 @app.command()

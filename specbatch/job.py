@@ -354,7 +354,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
         if failure is not None:
             raise failure from None
         if isinstance(e, (WorkerError, EngineFailed)):
-            raise JobError(f"{e}; {_resume_note(writer)}") from None
+            raise JobError(f"{e}; {resume_note(writer.path)}") from None
         # a stop (Ctrl-C, SIGTERM): what this run did, for --stats-json (a scheduler's log of it)
         e.partial_summary = stats.summary(output=output, resumed=resumed, device=runner.device,
                                           max_model_len=runner.max_len, recipe=recipe.name)
@@ -375,10 +375,13 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
                          draft=describe_draft(recipe, spec_config(recipe).draft), **runner.facts())
 
 
-def _resume_note(writer: OutputWriter | StdoutWriter) -> str:
+NO_RESUME = "-o - keeps nothing to resume from, so a rerun starts over"
+
+
+def resume_note(output: str) -> str:
     """What a stopped job leaves for a rerun: committed parts, or (-o -) nothing."""
-    if writer.path == "-":
-        return "finished rows went to stdout; -o - keeps nothing to resume from, so a rerun starts over"
+    if output == "-":
+        return f"finished rows went to stdout; {NO_RESUME}"
     return "finished rows are committed, rerun the same command to resume"
 
 
@@ -391,7 +394,7 @@ def _device_failed(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[in
     from .engine.failures import device_failed_alone
 
     if not e.items:                          # an asynchronous error surfacing once every row had finished
-        line = f"the device failed ({e.cause}) with no row in flight; {_resume_note(writer)}"
+        line = f"the device failed ({e.cause}) with no row in flight; {resume_note(writer.path)}"
     elif len(e.items) == 1:
         item = e.items[0]
         if fail_fast:                        # a failing row stops --fail-fast, never an error row
@@ -400,7 +403,7 @@ def _device_failed(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[in
         else:
             writer.add(device_failed_alone(item, e.cause), digests.pop(item.row, b""))
             writer.set_suspects({r: m for r, m in suspects.items() if r != item.row})
-            how = f"; that row is written as its error, {_resume_note(writer)}"
+            how = f"; that row is written as its error, {resume_note(writer.path)}"
         line = f"the device failed while {item.place} ran alone ({e.cause}), and this process cannot go on{how}"
     else:
         writer.set_suspects({**suspects, **{i.row: e.cause for i in e.items}})

@@ -141,11 +141,13 @@ def _sampling_error(e: RecipeError, where: str) -> SamplingParamsError:
 def _refuse_unsupported(params: dict) -> None:
     """vLLM sampling fields specbatch does not implement, named as such (not as an unknown key); one
     at its default asks for nothing and is dropped."""
-    from .data.fields import UNSUPPORTED_FIELDS, VLLM_ONLY_SAMPLING, BadField, check_unsupported
+    from .data.fields import UNSUPPORTED_FIELDS, BadField, check_unsupported, check_vllm_only
 
-    for key in [k for k, v in params.items() if v is not None and k in VLLM_ONLY_SAMPLING]:
-        raise SamplingParamsError(f"sampling_params: {key}: a vLLM sampling field specbatch does not support yet; "
-                                  "remove it")
+    try:
+        check_vllm_only(params, "")
+    except BadField as e:                    # "field 'k': ..." as the other sampling_params errors read: "k: ..."
+        key, _, rest = str(e).removeprefix("field '").partition("'")
+        raise SamplingParamsError(f"sampling_params: {key}{rest}") from None
     try:
         check_unsupported(params, "")
     except BadField as e:

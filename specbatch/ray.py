@@ -51,8 +51,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from .data.fields import (CHAT_OPTIONS, OVERRIDE_KEYS, UNSUPPORTED_FIELDS, VLLM_ONLY_SAMPLING, BadField,
-                          check_token_ids)
+from .data.fields import (CHAT_OPTIONS, OVERRIDE_KEYS, UNSUPPORTED_FIELDS, BadField, check_token_ids,
+                          check_vllm_only)
 from .records import LOGPROBS_TYPE, PROMPT_LOGPROBS_TYPE
 
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
@@ -108,10 +108,8 @@ def _sampling_params(params: Any) -> dict[str, Any]:
         return {}
     if not isinstance(params, dict):
         raise BadField(f"field 'sampling_params': expected an object, got {type(params).__name__}")
+    check_vllm_only(params, "sampling_params.")
     unknown = [k for k, v in params.items() if v is not None and k not in SAMPLING_PARAMS_KEYS]
-    if unknown and unknown[0] in VLLM_ONLY_SAMPLING:
-        raise BadField(f"field 'sampling_params.{unknown[0]}': a vLLM sampling field specbatch does not support yet; "
-                       "remove it")
     if unknown:
         raise BadField(f"field 'sampling_params.{unknown[0]}': not a sampling field specbatch knows (e.g. max_tokens, "
                        "temperature, top_p, seed, stop; see README, Input)")
@@ -246,8 +244,7 @@ class SpecbatchPredictor:
         table = batch if isinstance(batch, pa.Table) else pa.Table.from_pylist(rows)
         # the error column when rows may carry one, or to replace a stale one an input brought along
         # (a re-run over an earlier output), which postprocess would otherwise read as this run's failure
-        keep_errors = self.continue_on_error or ERROR_COLUMN in (batch.column_names if isinstance(batch, pa.Table)
-                                                                 else rows[0] if rows else {})
+        keep_errors = self.continue_on_error or ERROR_COLUMN in table.column_names
         columns = {**{name: pa.array(values, type=OUTPUT_TYPES[name]) for name, values in out.items()},
                    **({ERROR_COLUMN: pa.array(errors, pa.string())} if keep_errors else {})}
         for name, column in columns.items():

@@ -539,6 +539,13 @@ def parse_chat_options(src: dict, prefix: str, chat: bool, exempt: Sequence[str]
     return out
 
 
+def check_vllm_only(params: dict, prefix: str) -> None:
+    """A vLLM sampling field specbatch has no row field for, set: named as unsupported, not as a typo."""
+    key = next((k for k, v in params.items() if v is not None and k in VLLM_ONLY_SAMPLING), None)
+    if key is not None:
+        raise BadField(f"field '{prefix}{key}': a vLLM sampling field specbatch does not support yet; remove it")
+
+
 def check_body_keys(body: dict, prefix: str) -> None:
     """Every key of an OpenAI body is part of the request (OpenAI's API refuses one it does not
     know): a key specbatch neither reads, refuses nor knows to be inert is an error naming it, with

@@ -76,6 +76,10 @@ def _without_batch_lines(stored: dict, parts: list[str], mine: dict) -> dict:
     return {**stored, "fingerprint": {**fp, key: mine["fingerprint"][key]}}
 
 
+def _manifest_bytes(m: dict) -> bytes:
+    return json.dumps(m, indent=2, sort_keys=True).encode()
+
+
 def _contexts(stored: dict) -> list[int]:
     """The contexts a manifest names (none before specbatch recorded them)."""
     found = stored.get("contexts")
@@ -280,7 +284,7 @@ class OutputWriter:
         fsync_dir(os.path.dirname(os.path.abspath(self.parts_dir)))
 
     def _dump_manifest(self, extra: dict | None = None) -> bytes:
-        return json.dumps({**self._manifest(), **(extra or {})}, indent=2, sort_keys=True).encode()
+        return _manifest_bytes({**self._manifest(), **(extra or {})})
 
     def _part_paths(self) -> list[str]:
         return sorted(os.path.join(self.parts_dir, n) for n in os.listdir(self.parts_dir) if _PART_RE.match(n))
@@ -318,8 +322,7 @@ class OutputWriter:
         self._check_manifest(adopted, self.parts_dir, "rerun the same command to resume, or pass --overwrite")
         if adopted is not stored:            # recorded (once the resume is taken), so later resumes compare it
             stored = adopted
-            write_atomic(os.path.join(self.parts_dir, manifest.MANIFEST),
-                         lambda f: f.write(json.dumps(stored, indent=2, sort_keys=True).encode()))
+            write_atomic(os.path.join(self.parts_dir, manifest.MANIFEST), lambda f: f.write(_manifest_bytes(stored)))
         self.job = stored["job"]
         self._contexts = _contexts(stored)
         for part in parts:

@@ -4,8 +4,9 @@ lazily, on first use) and the facts of that family's `config.json` that `config.
 Adding a dense family is one model file and one line in `ARCHITECTURES`. The class is built as
 `cls(cfg)` (a `DecoderConfig`) with HF parameter names (`model.embed_tokens`, `model.layers.*`,
 `lm_head`, an `inv_freq` buffer), takes `forward(input_ids, meta, kv, capture)`,
-`head_logits(hidden)` and `logits(hidden)` like `llama.CausalLM`, and has
-`num_parameters(cfg)`: subclassing `CausalLM` and replacing a block gives all of it. Torch-free: nothing is imported until a class is asked for.
+`head_logits(hidden)` and `logits(hidden)` like `llama.CausalLM`, and has `num_parameters(cfg)`:
+subclassing `CausalLM` and replacing a block gives all of it. Torch-free: nothing is imported
+until a class is asked for.
 """
 from __future__ import annotations
 
