@@ -52,20 +52,35 @@ def default_output(input_path: str) -> str:
     return os.path.join(os.path.dirname(input_path), base.rsplit(".", 1)[0] + ".completions.parquet")
 
 
-def fingerprint(recipe: Recipe, model: Any, draft: str | None, opts: JobOptions) -> dict[str, Any]:
+def fingerprint(recipe: Recipe, model: Any, draft: str | None, opts: JobOptions,
+                device: str | None = None) -> dict[str, Any]:
     """What must match for a rerun to resume an earlier one's output (batch size, device and
     --limit may change between runs; anything that changes the rows' content may not). The input
-    itself is checked row by row (data/digests.py), not by its path."""
+    itself is checked row by row (data/digests.py), not by its path. `dtype` is the one the run
+    computes in (`auto` resolved on `device`), so `auto` on a GPU resumes as its checkpoint's dtype
+    and a resume on the CPU is told it would mix float32 rows into bfloat16 ones."""
     r = recipe.to_dict()
     return {
         "recipe": r["name"], "algorithm": r["algorithm"], "num_steps": r["num_steps"],
         "topk": r["topk"], "num_draft_tokens": r["num_draft_tokens"],
-        "model": str(model.resolve()), "draft": draft and os.path.realpath(draft), "dtype": r["dtype"],
+        "model": str(model.resolve()), "draft": draft and os.path.realpath(draft),
+        "dtype": _run_dtype(r["dtype"], model, device),
         "max_model_len": r["max_model_len"], "sampling": r["sampling"],
         "prompt_column": opts.prompt_column, "id_column": opts.id_column,
         "keep_columns": list(opts.keep_columns), "save_token_ids": opts.save_token_ids,
         "output_format": opts.output_format, "logprobs_mode": opts.logprobs_mode, "openai_lines": OPENAI_LINES,
     }
+
+
+def _run_dtype(name: str, model: Any, device: str | None) -> str:
+    """The dtype name a run computes in: `auto` resolved for the model on the device."""
+    if name != "auto":
+        return name
+    from .engine.engine import resolve_device
+    from .models.config import load_config
+    from .models.loader import resolve_dtype
+
+    return str(resolve_dtype(name, load_config(model)[0], resolve_device(device))).removeprefix("torch.")
 
 
 def model_name(recipe: Recipe) -> str:
@@ -159,7 +174,9 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
             save_token_ids=opts.save_token_ids, keep_columns=opts.keep_columns,
             output_format=opts.output_format, model_name=model_name(recipe))
     else:
-        writer = OutputWriter(output, fingerprint=fingerprint(recipe, model_dir, spec.draft, opts),
+        in_process = len(devices) == 1 and opts.gpus is None        # _Runner's choice
+        fp = fingerprint(recipe, model_dir, spec.draft, opts, opts.device if in_process else devices[0])
+        writer = OutputWriter(output, fingerprint=fp,
                               save_token_ids=opts.save_token_ids, keep_columns=opts.keep_columns,
                               overwrite=opts.overwrite, output_format=opts.output_format,
                               model_name=model_name(recipe), keep_types=source.column_types)

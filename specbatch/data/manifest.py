@@ -17,6 +17,9 @@ _UNSET = object()
 _LEGACY = {"settings.logprobs_mode": "processed_logprobs", "settings.openai_lines": OPENAI_LINES_BEFORE}
 # Spellings of one setting that run the same rows: no run seed is seed 0 (params.for_row).
 _SAME = {"settings.sampling.seed": (None, 0)}
+# Values an older manifest wrote where this one writes what they resolved to: a manifest from
+# before the fingerprint held the dtype the run used says `auto`, which matches any.
+_ANY = {"settings.dtype": "auto"}
 
 
 def jsonable(value: object) -> object:
@@ -49,7 +52,8 @@ def mismatch(stored: dict, mine: dict) -> str | None:
     diffs = []
     for key in [*new, *(k for k in old if k not in new)]:
         a, b = old.get(key, _UNSET), new.get(key, _UNSET)
-        if a != b and not (key in _SAME and a in _SAME[key] and b in _SAME[key]):
+        if a != b and not (key in _SAME and a in _SAME[key] and b in _SAME[key]) and not (
+                key in _ANY and a == _ANY[key]):
             diffs.append(f"{key.removeprefix('settings.')}: {_show(a)} -> {_show(b)}")
     return "; ".join(dict.fromkeys(diffs)) or None       # (keep_columns is in both the settings and the top level)
 

@@ -273,15 +273,6 @@ def test_finished_parquet_remembers_its_job(tmp_path):
     assert OutputWriter(out, fingerprint={"recipe": "vanilla"}).complete
 
 
-def _job(tiny_model, inp, out, **kw):
-    from specbatch.job import JobOptions, run_job
-    from specbatch.recipe import load_recipe
-
-    recipe = load_recipe("vanilla").with_overrides(model=str(tiny_model), max_tokens=3, batch_size=2)
-    opts = JobOptions(output=str(out), device="cpu", **kw)
-    return recipe, opts, run_job(str(inp), recipe, opts)
-
-
 def test_an_output_finished_with_no_rows_takes_the_rows_a_rerun_adds(tiny_model, tmp_path):
     """--limit 0 (or --fail-fast on a first bad row, or an empty input) finishes an output with no
     rows; a rerun adds the rest as it does for any smaller --limit."""
@@ -440,3 +431,43 @@ def test_a_job_resumed_with_another_context_says_so(tiny_model, tmp_path, capsys
            f"{summary['max_model_len']}" in err, err
     assert [json.loads(x)["row"] for x in out.read_text().splitlines()] == [0, 1, 2]
     assert json.loads(sidecar.read_text())["contexts"] == [summary["max_model_len"], summary["max_model_len"] + 100]
+
+
+
+def test_the_dtype_a_resume_compares_is_the_one_the_run_computes_in(tiny_model, tmp_path):
+    """`--dtype auto` is recorded as what it resolved to: a CPU run's float32 resumes under an
+    explicit `--dtype float32`, parts computed in bfloat16 (auto on a GPU) refuse a CPU rerun in
+    float32 naming both, and an older manifest's literal `auto` still resumes."""
+    from specbatch.data import open_rows
+    from specbatch.job import fingerprint
+    from specbatch.resolve import resolve_model
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": f"def f{i}():"}) + "\n" for i in range(3)))
+    recipe, opts, _ = _job(tiny_model, inp, tmp_path / "a.jsonl", limit=2)        # auto on the CPU
+    fp = fingerprint(recipe, resolve_model(recipe.model), None, opts, "cpu")
+    assert fp["dtype"] == "float32"
+    summary = _job(tiny_model, inp, tmp_path / "a.jsonl", dtype="float32")[2]
+    assert summary["resumed"] == 2 and len((tmp_path / "a.jsonl").read_text().splitlines()) == 3
+
+    digests = {r.row: r.digest for r in open_rows(str(inp))}
+    for stored in ("bfloat16", "auto"):
+        out = tmp_path / f"{stored}.jsonl"
+        w = OutputWriter(str(out), fingerprint={**fp, "dtype": stored})
+        w.add(rec(0), digests[0])
+        w.commit()
+        w.close()                                               # parts, as a stopped run leaves them
+        if stored == "bfloat16":
+            with pytest.raises(OutputError, match=r'dtype: "bfloat16" -> "float32"'):
+                _job(tiny_model, inp, out)
+        else:
+            assert _job(tiny_model, inp, out)[2]["resumed"] == 1
+
+
+def _job(tiny_model, inp, out, dtype="auto", **kw):
+    from specbatch.job import JobOptions, run_job
+    from specbatch.recipe import load_recipe
+
+    recipe = load_recipe("vanilla").with_overrides(model=str(tiny_model), max_tokens=3, batch_size=2, dtype=dtype)
+    opts = JobOptions(output=str(out), device="cpu", **kw)
+    return recipe, opts, run_job(str(inp), recipe, opts)
