@@ -16,7 +16,7 @@ from .data.reader import Row
 from .data.writer import output_file_format
 from .params import DEFAULT_LOGPROBS_MODE, OPENAI_LINES
 from .recipe import Recipe
-from .row_notes import ModelNames, RepeatedIds
+from .row_notes import ModelNames, RepeatedIds, UnreadFields
 from .resolve import DEMO_DIR, DeviceLost, JobError, describe_draft, resolve_draft, resolve_model, spec_config
 from .stats import RunStats
 from .workers import WorkerError
@@ -301,6 +301,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
     resumed = len(done) if limit is None else done.count_below(limit)
     digests: dict[int, bytes] = {}
     named, ids = ModelNames(model_name(recipe)), RepeatedIds()
+    unread = UnreadFields("(--keep-columns {key} marks it as your data and keeps it quiet)")
 
     def todo() -> Iterator[Row]:
         rows = iter(source)
@@ -310,6 +311,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
             ids.add(r)
             if r.row not in done:
                 named.check(r)
+                unread.check(r)
                 digests[r.row] = getattr(r, "digest", b"")
                 yield r
 

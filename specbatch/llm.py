@@ -17,6 +17,7 @@ from .data import RowError, RowRequest, parse_row
 from .params import DEFAULT_LOGPROBS_MODE, SamplingParams
 from .recipe import Recipe, RecipeError, load_recipe
 from .resolve import describe_draft, resolve_model, spec_config
+from .row_notes import UnreadFields
 
 # A prompt: text, a chat (list of {role, content}), token ids, or a whole input row as a dict
 # (the forms and per-row fields of an input file, OpenAI batch lines included).
@@ -257,6 +258,9 @@ class LLM:
         if _one_prompt(prompts):
             prompts = [prompts]
         rows = [_row(p, i) for i, p in enumerate(prompts)]
+        unread = UnreadFields()
+        for r in rows:
+            unread.check(r)
         params = sampling_params
         if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
             if len(params) != len(rows):

@@ -1,5 +1,6 @@
 """What a job notices about its input rows as they stream past, to say once: bodies naming
-another model than the one running, ids that repeat."""
+another model than the one running, keys that look like request fields but are not read as one,
+ids that repeat."""
 from __future__ import annotations
 
 import os
@@ -30,6 +31,32 @@ class ModelNames:
             return
         print(f"warning: {row.where}: body.model is {name!r}, but the rows run on {self.running!r}; their "
               "responses echo the request's name", file=sys.stderr)
+
+
+class UnreadFields:
+    """A plain row's key that looks like a request field (`max_new_tokens`, `temprature`) is the
+    row's own data, so the row runs without it: said once per key, naming the field it likely
+    meant, so a typo does not quietly run every row greedy or at the default length."""
+
+    SAID_AT_MOST = 3
+
+    def __init__(self, how_to_keep: str = ""):
+        """`how_to_keep`: how to mark such a key as data, for the warning (a flag, or nothing)."""
+        self.how_to_keep = how_to_keep
+        self.seen: set[str] = set()
+
+    def check(self, row: Any) -> None:
+        for key, meant in getattr(row, "unread", ()):
+            if key in self.seen or len(self.seen) > self.SAID_AT_MOST:
+                continue
+            self.seen.add(key)
+            if len(self.seen) > self.SAID_AT_MOST:
+                print("warning: more keys look like request fields and are not read as one; not said again",
+                      file=sys.stderr)
+                return
+            keep = self.how_to_keep.format(key=key)
+            print(f"warning: {row.place}: '{key}' is not a request field, so the row runs without it; did you mean "
+                  f"'{meant}'?{' ' + keep if keep else ''}", file=sys.stderr)
 
 
 class RepeatedIds:

@@ -6,8 +6,10 @@ row's error."""
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import math
+import re
 from collections.abc import Callable, Sequence
 
 
@@ -546,6 +548,56 @@ def check_vllm_only(params: dict, prefix: str) -> None:
         raise BadField(f"field '{prefix}{key}': a vLLM sampling field specbatch does not support yet; remove it")
 
 
+# Other APIs' names for request fields (transformers' generate, Anthropic's and Gemini's APIs, TGI,
+# Mistral's): a plain row carrying one runs without it, so it is named with the field it means.
+FIELD_ALIASES = {
+    "max_new_tokens": "max_tokens", "max_output_tokens": "max_tokens", "stop_sequences": "stop",
+    "stop_strings": "stop", "num_return_sequences": "n", "do_sample": "temperature", "random_seed": "seed",
+    "eos_token_id": "stop_token_ids", "candidate_count": "n", "repeat_penalty": "repetition_penalty",
+}
+
+
+def _edits(a: str, b: str, most: int) -> int:
+    """Levenshtein distance with adjacent transpositions, or most + 1 once it exceeds `most`."""
+    if abs(len(a) - len(b)) > most:
+        return most + 1
+    prev2, prev = None, list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if prev2 is not None and i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        if min(cur) > most:
+            return most + 1
+        prev2, prev = prev, cur
+    return prev[-1]
+
+
+@functools.lru_cache(maxsize=4096)
+def near_field(key: str) -> str | None:
+    """The request field an unknown key most likely meant: its spelling in another case or style
+    (`Temperature`, `maxTokens`, `max-tokens`), another API's name for it (`max_new_tokens`), or a
+    typo (one edit, two past ten letters: `temprature`, `seeds`); None for a key like none of them
+    (and for keys under three letters)."""
+    k = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", key).lower().replace("-", "_")
+    if len(k) < 3:               # `N`, `p`: too short to tell a field from a column of one's own
+        return None
+    if k in REQUEST_FIELDS or k in FIELD_ALIASES:
+        return FIELD_ALIASES.get(k, k)
+    most = 1 + (len(k) > 10)
+    best = min(REQUEST_FIELDS, key=lambda f: (_edits(k, f, most), f))
+    return best if _edits(k, best, most) <= most else None
+
+
+def unread_fields(src: dict, known: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """A plain row's keys that look like request fields but are not read as one, each with the
+    field it likely meant: (key, field). Its other keys are the user's data."""
+    return tuple((k, f) for k, v in src.items()
+                 if v is not None and isinstance(k, str) and k not in REQUEST_FIELDS and k not in UNSUPPORTED_FIELDS
+                 and k not in known and (f := near_field(k)) is not None)
+
+
 def check_body_keys(body: dict, prefix: str) -> None:
     """Every key of an OpenAI body is part of the request (OpenAI's API refuses one it does not
     know): a key specbatch neither reads, refuses nor knows to be inert is an error naming it, with
@@ -553,7 +605,8 @@ def check_body_keys(body: dict, prefix: str) -> None:
     for key, value in body.items():
         if key in REQUEST_FIELDS or key in UNSUPPORTED_FIELDS or key in INERT_BODY_FIELDS or _empty(value):
             continue         # (null or empty asks nothing; a Parquet struct fills every row's keys with null)
-        near = difflib.get_close_matches(str(key), sorted(REQUEST_FIELDS | UNSUPPORTED_FIELDS.keys()), 1, 0.7)
+        near = [near_field(str(key))] if near_field(str(key)) else difflib.get_close_matches(
+            str(key), sorted(REQUEST_FIELDS | UNSUPPORTED_FIELDS.keys()), 1, 0.7)
         hint = f" (did you mean '{prefix}{near[0]}'?)" if near else ""
         raise BadField(f"field '{prefix}{key}': not a request field specbatch knows{hint}; remove it")
 

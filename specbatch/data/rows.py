@@ -21,6 +21,7 @@ from .fields import (
     parse_chat_options,
     parse_overrides,
     show,
+    unread_fields,
 )
 
 
@@ -45,6 +46,7 @@ class RowRequest:
     endpoint: str | None = None  # the OpenAI response it takes: "chat" (messages) or "completion"
     request_model: str | None = None  # OpenAI batch lines: the body's `model`, echoed in the response
     batch_line: bool = False  # an OpenAI batch line (custom_id / url / body)
+    unread: tuple[tuple[str, str], ...] = ()  # keys that look like request fields and are not: (key, field)
     where: str = ""
     digest: bytes = b""  # 16 bytes over the row's raw input (set by the readers; resume checks)
 
@@ -175,6 +177,7 @@ def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequenc
     # A kept column named like a field specbatch does not implement is the user's data, not a
     # request for it; a kept field specbatch implements still applies (keeping only copies it).
     check_unsupported(obj, "", (*exempt, *kept))
+    req.unread = unread_fields(obj, (*exempt, *kept, "messages", "prompt_token_ids", "id", "custom_id"))
 
 
 def parse_row(

@@ -350,6 +350,24 @@ def test_a_malformed_flag_is_one_line_from_the_console_script(tmp_path, monkeypa
     assert lines[0].endswith("--help')")
 
 
+def test_keys_that_look_like_request_fields_are_said_once_each(tmp_path, base):
+    """A plain row's `max_new_tokens` (transformers' name) or `temprature` is the row's data and
+    the row runs without it: said once per key with the field it likely meant; --keep-columns
+    marks it as data and keeps it quiet."""
+    rows = [{"id": f"r{i}", "prompt": "def f():", "max_new_tokens": 2, "temprature": 0.7, "label": "x"}
+            for i in range(3)]
+    inp, out = write(tmp_path / "u.jsonl", rows), tmp_path / "u.out.jsonl"
+    r = ok("run", inp, "-o", out, *base)
+    assert [x for x in r.stderr.splitlines() if x.startswith("warning:")] == [
+        f"warning: {inp}:1: 'max_new_tokens' is not a request field, so the row runs without it; did you mean "
+        "'max_tokens'? (--keep-columns max_new_tokens marks it as your data and keeps it quiet)",
+        f"warning: {inp}:1: 'temprature' is not a request field, so the row runs without it; did you mean "
+        "'temperature'? (--keep-columns temprature marks it as your data and keeps it quiet)"]
+    assert {x["completion_tokens"] for x in read(out)} == {4}            # --max-tokens 4, not 2
+    r = ok("run", inp, "-o", tmp_path / "k.jsonl", *base, "--keep-columns", "max_new_tokens,temprature")
+    assert "warning" not in r.stderr
+
+
 def test_repeated_ids_are_counted_and_the_first_named(tmp_path, base):
     """Ids are what users join results back by: rows repeating an earlier row's id (a row without
     one takes its row number, which can meet a given id) are said once, counted in the summary."""

@@ -74,6 +74,16 @@ def llm():
     return LLM(recipe="eagle3_topk1", device="cpu", batch_size=3)
 
 
+def test_a_row_dict_key_like_a_request_field_is_said(llm, capsys):
+    """A row dict's `max_new_tokens` (transformers' name) is not a request field: the prompt runs
+    without it, and generate() says so once, naming the field it likely meant."""
+    outs = llm.generate([{"prompt": "def f():", "max_new_tokens": 2}] * 2, {"max_tokens": 5}, use_tqdm=False)
+    assert [o.completion_tokens for o in outs] == [5, 5]
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: prompt 0: 'max_new_tokens' is not a request field, so the row runs without it; did you mean "
+        "'max_tokens'?"]
+
+
 def test_every_prompt_form_in_order_and_reusable(llm):
     prompts = ["def add(a, b):", [{"role": "user", "content": "hi"}], [5, 6, 7, 8],
                {"prompt": "import os", "max_tokens": 3}, {"prompt": ""}, "class Point:"]

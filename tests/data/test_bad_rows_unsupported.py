@@ -92,6 +92,34 @@ def test_metadata_and_named_columns_stay_allowed():
     assert isinstance(parse({"custom_id": "c", "n": None, "category": "x", "body": {"prompt": "x"}}), RowRequest)
 
 
+def test_keys_that_look_like_request_fields_are_named_with_the_field_they_meant():
+    """A plain row's other keys are the user's data, so a misspelled field or another API's name
+    for one (`max_new_tokens`, transformers') would run the row without it: the row notes each
+    such key with the field it likely meant, for the job to say once. Data columns, ours included
+    (a rerun over an output), are not noted."""
+    from specbatch.data.fields import near_field
+
+    meant = {"max_new_tokens": "max_tokens", "maxTokens": "max_tokens", "max-tokens": "max_tokens",
+             "Temperature": "temperature", "temprature": "temperature", "topP": "top_p", "seeds": "seed",
+             "stops": "stop", "stop_sequences": "stop", "num_return_sequences": "n", "logprob": "logprobs",
+             "repetition_penality": "repetition_penalty", "stop_token_id": "stop_token_ids"}
+    assert {k: near_field(k) for k in meant} == meant
+    data = ["label", "answer", "category", "source", "text", "gold", "score", "n_tokens", "prompt_tokens",
+            "completion_tokens", "finish_reason", "stop_reason", "choices", "row", "N", "temp", "model"]
+    assert [k for k in data if near_field(k) is not None] == []
+
+    row = parse({"prompt": "x", "max_new_tokens": 8, "temprature": 0.7, "label": "a", "seeds": None,
+                 "Temperature": 0.2})
+    assert isinstance(row, RowRequest) and row.overrides == {}
+    assert row.unread == (("max_new_tokens", "max_tokens"), ("temprature", "temperature"),
+                          ("Temperature", "temperature"))           # a null asks for nothing
+    assert parse({"prompt": "x", "temprature": 0.7}, keep_columns=("temprature",)).unread == ()
+    assert parse({"txt": "x", "temprature": 0.7}, prompt_column="txt").unread == (("temprature", "temperature"),)
+    assert parse({"prompt": "x", "max_tokens": 3}).unread == ()
+    # in an OpenAI body every key is the request's: another API's name is the row's error, naming the field
+    assert "did you mean 'body.max_tokens'?" in err({"body": {"prompt": "x", "max_new_tokens": 8}}).error
+
+
 def test_an_unknown_body_key_is_an_error_naming_the_closest_field():
     """Every key of an OpenAI body is part of the request (OpenAI refuses an unknown one): a typo
     must not run the row without what it meant."""
