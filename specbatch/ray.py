@@ -51,8 +51,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from .data.fields import (CHAT_OPTIONS, OVERRIDE_KEYS, UNSUPPORTED_FIELDS, BadField, check_token_ids,
-                          check_vllm_only)
+from .data.fields import BadField, check_token_ids, sampling_params_fields
 from .records import LOGPROBS_TYPE, PROMPT_LOGPROBS_TYPE
 
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
@@ -65,9 +64,6 @@ _INT, _FLOAT = pa.int64(), pa.float64()
 OUTPUT_TYPES = dict(zip(OUTPUT_COLUMNS, (
     pa.string(), pa.list_(pa.int64()), _INT, _INT, _FLOAT, pa.string(), _INT, _INT, _FLOAT, LOGPROBS_TYPE,
     PROMPT_LOGPROBS_TYPE)))
-# The keys a row's sampling_params may hold (implemented or refused by name, data/fields.py):
-# another key is a typo or another engine's field, refused as vLLM's SamplingParams(**d) does.
-SAMPLING_PARAMS_KEYS = frozenset((*OVERRIDE_KEYS, *UNSUPPORTED_FIELDS, *CHAT_OPTIONS, "add_special_tokens"))
 
 
 class EngineFailure(RuntimeError):
@@ -99,21 +95,6 @@ def _clock() -> str:
     """Wall-clock time of day to the millisecond, for the actors' lines in the driver's log."""
     now = time.time()
     return f"{time.strftime('%H:%M:%S', time.localtime(now))}.{int(now * 1000) % 1000:03d}"
-
-
-def _sampling_params(params: Any) -> dict[str, Any]:
-    """A row's sampling_params as row fields; a key no sampling field has is refused (a null one is
-    a key another row of a Parquet struct column set)."""
-    if params is None:
-        return {}
-    if not isinstance(params, dict):
-        raise BadField(f"field 'sampling_params': expected an object, got {type(params).__name__}")
-    check_vllm_only(params, "sampling_params.")
-    unknown = [k for k, v in params.items() if v is not None and k not in SAMPLING_PARAMS_KEYS]
-    if unknown:
-        raise BadField(f"field 'sampling_params.{unknown[0]}': not a sampling field specbatch knows (e.g. max_tokens, "
-                       "temperature, top_p, seed, stop; see README, Input)")
-    return dict(params)
 
 
 def _prompt(row: dict[str, Any], apply_chat_template: bool) -> dict[str, Any]:
@@ -195,7 +176,7 @@ class SpecbatchPredictor:
             prompt = _prompt(row, self.apply_chat_template)
             if not prompt:
                 raise BadField("no 'messages', 'prompt' or 'tokenized_prompt' value (a preprocess returns one)")
-            obj = {**_sampling_params(row.get("sampling_params")), **prompt}
+            obj = {**sampling_params_fields(row.get("sampling_params")), **prompt}
         except BadField as e:
             return RowError(i, i, f"{where}: {e}")
         if obj.get("seed") is None:

@@ -598,6 +598,28 @@ def unread_fields(src: dict, known: Sequence[str]) -> tuple[tuple[str, str], ...
                  and k not in known and (f := near_field(k)) is not None)
 
 
+# The keys a `sampling_params` object may hold (Ray Data LLM's row column; implemented or refused
+# by name): another key is a typo or another engine's field, refused as vLLM's SamplingParams(**d).
+SAMPLING_PARAMS_KEYS = frozenset((*OVERRIDE_KEYS, *UNSUPPORTED_FIELDS, *CHAT_OPTIONS, "add_special_tokens"))
+
+
+def sampling_params_fields(params: object) -> dict:
+    """A row's `sampling_params` object (as Ray Data LLM rows carry it) as row fields; a null value
+    asks for nothing (a key another row of a Parquet struct column set)."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise bad("sampling_params", "an object of sampling fields", params)
+    check_vllm_only(params, "sampling_params.")
+    unknown = [k for k, v in params.items() if v is not None and k not in SAMPLING_PARAMS_KEYS]
+    if unknown:
+        near = near_field(str(unknown[0]))
+        hint = (f"did you mean 'sampling_params.{near}'?" if near else
+                "e.g. max_tokens, temperature, top_p, seed, stop; see README, Input")
+        raise BadField(f"field 'sampling_params.{unknown[0]}': not a sampling field specbatch knows ({hint})")
+    return {k: v for k, v in params.items() if v is not None}
+
+
 def check_body_keys(body: dict, prefix: str) -> None:
     """Every key of an OpenAI body is part of the request (OpenAI's API refuses one it does not
     know): a key specbatch neither reads, refuses nor knows to be inert is an error naming it, with

@@ -13,7 +13,7 @@ from typing import BinaryIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .fields import CHAT_OPTIONS, OVERRIDE_KEYS, UNSUPPORTED_FIELDS
+from .fields import CHAT_OPTIONS, OVERRIDE_KEYS, UNSUPPORTED_FIELDS, near_field
 from .rows import InputError, RowError, RowRequest, parse_row
 
 PARQUET_BATCH_ROWS = 1024
@@ -197,8 +197,7 @@ def _check_block(name: str, lines: list[bytes], cut: bool, opts: dict) -> None:
         raise InputError(f"{name}: does not look like JSONL: not one of its first {lines_word} a JSON object")
     rows = f"{objects} row" + ("s" if objects > 1 else "")
     seen = _field_list(keys)
-    forms = (opts["prompt_column"], "messages", "prompt_token_ids", "body")
-    if not any(f in keys for f in forms):
+    if not any(f in keys for f in _forms(opts)):
         raise InputError(
             f"{name}: no '{opts['prompt_column']}', 'messages', 'prompt_token_ids' or 'body' field "
             f"in the first {rows} (fields: {seen})"
@@ -258,13 +257,21 @@ def _open_stdin(opts: dict) -> RowSource:
     return RowSource("-", None, lambda: _jsonl_rows(_stdin_lines(stream, opts), "<stdin>", opts))
 
 
-def _parquet_columns(names: list[str], opts: dict) -> list[str]:
-    wanted = [opts["prompt_column"], "messages", "prompt_token_ids", "body", "method", "url", *OVERRIDE_KEYS]
+def _forms(opts: dict) -> tuple[str, ...]:
+    """The fields a row's prompt can come in (Ray Data LLM's tokenized_prompt among them)."""
+    return (opts["prompt_column"], "messages", "prompt_token_ids", "tokenized_prompt", "body")
+
+
+def _parquet_columns(names: list[str], opts: dict) -> tuple[list[str], list[str]]:
+    """The columns a row is read from, and those read only to say they look like a request field
+    and are not one (left out of the row's digest: they change nothing about the row)."""
+    wanted = [*_forms(opts), "method", "url", "sampling_params", *OVERRIDE_KEYS]
     wanted += [*UNSUPPORTED_FIELDS, *CHAT_OPTIONS, "add_special_tokens"]
     wanted += [opts["id_column"]] if opts["id_column"] is not None else ["id", "custom_id"]
     wanted += list(opts["keep_columns"])
     present = set(names)
-    return [c for c in dict.fromkeys(wanted) if c in present]
+    read = [c for c in dict.fromkeys(wanted) if c in present]
+    return read, [c for c in names if c not in read and near_field(c) is not None]
 
 
 def _open_parquet(path: str, opts: dict) -> RowSource:
@@ -282,18 +289,17 @@ def _open_parquet(path: str, opts: dict) -> RowSource:
             raise InputError(f"{path}: keep column '{c}' is not in the Parquet schema (columns: {cols})")
     if opts["id_column"] is not None and opts["id_column"] not in names:
         raise InputError(f"{path}: id column '{opts['id_column']}' is not in the Parquet schema (columns: {cols})")
-    forms = (opts["prompt_column"], "messages", "prompt_token_ids", "body")
-    if not any(f in names for f in forms):
+    if not any(f in names for f in _forms(opts)):
         raise InputError(
             f"{path}: no '{opts['prompt_column']}', 'messages', 'prompt_token_ids' or 'body' column "
             f"(columns: {cols})"
         )
-    columns = _parquet_columns(names, opts)
+    columns, noted = _parquet_columns(names, opts)
     name = _display(path)
 
     def rows() -> Iterator[Row]:
         row = 0
-        batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns)
+        batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns + noted)
         while True:
             try:
                 batch = next(batches)
@@ -304,6 +310,8 @@ def _open_parquet(path: str, opts: dict) -> RowSource:
                 raise InputError(f"{path}: cannot read Parquet: {_one_line(e)}") from None
             for obj in records:
                 out = parse_row(obj, row=row, where=f"{name} row {row}", **opts)
+                for c in noted:
+                    del obj[c]
                 out.digest = _parquet_digest(obj)
                 yield out
                 row += 1

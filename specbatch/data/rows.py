@@ -20,6 +20,7 @@ from .fields import (
     nested_surrogate,
     parse_chat_options,
     parse_overrides,
+    sampling_params_fields,
     show,
     unread_fields,
 )
@@ -97,7 +98,8 @@ def _present(src: dict, names: Sequence[str]) -> list[str]:
     return [n for n in dict.fromkeys(names) if src.get(n) is not None]
 
 
-_FORM_EXPECTED = {"messages": MESSAGES_EXPECTED, "prompt_token_ids": "a non-empty list of integers >= 0"}
+_FORM_EXPECTED = {"messages": MESSAGES_EXPECTED, "prompt_token_ids": "a non-empty list of integers >= 0",
+                  "tokenized_prompt": "a non-empty list of integers >= 0"}
 
 
 def _null_form(src: dict, names: Sequence[str], prefix: str) -> None:
@@ -155,11 +157,13 @@ def _parse_body(obj: dict, req: RowRequest) -> None:
 
 def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequence[str],
                  kept: Sequence[str]) -> None:
-    forms = _present(obj, (prompt_column, "messages", "prompt_token_ids"))
+    # tokenized_prompt and sampling_params: a dataset prepared for Ray Data LLM reads as it does there
+    prompts = (prompt_column, "messages", "prompt_token_ids", "tokenized_prompt")
+    forms = _present(obj, prompts)
     if len(forms) > 1:
         raise BadField(f"row has both '{forms[0]}' and '{forms[1]}'; give one")
     if not forms:
-        _null_form(obj, (prompt_column, "messages", "prompt_token_ids"), "")
+        _null_form(obj, prompts, "")
         raise BadField(
             f"no '{prompt_column}' or 'messages' field (expected one of '{prompt_column}', "
             "'messages', 'prompt_token_ids', or an OpenAI batch 'body')"
@@ -172,12 +176,19 @@ def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequenc
     else:
         req.prompt_token_ids = check_token_ids(obj[form], form, non_empty=True)
     req.endpoint = "chat" if form == "messages" else "completion"
-    req.overrides = parse_overrides(obj, "", exempt=exempt)
-    req.chat = parse_chat_options(obj, "", req.messages is not None, exempt)
+    fields = obj
+    if obj.get("sampling_params") is not None:
+        params = sampling_params_fields(obj["sampling_params"])
+        both = next((k for k in params if obj.get(k) is not None), None)
+        if both is not None:
+            raise BadField(f"field 'sampling_params.{both}': the row sets '{both}' too; give one")
+        fields = {**obj, **params}
+    req.overrides = parse_overrides(fields, "", exempt=exempt)
+    req.chat = parse_chat_options(fields, "", req.messages is not None, exempt)
     # A kept column named like a field specbatch does not implement is the user's data, not a
     # request for it; a kept field specbatch implements still applies (keeping only copies it).
-    check_unsupported(obj, "", (*exempt, *kept))
-    req.unread = unread_fields(obj, (*exempt, *kept, "messages", "prompt_token_ids", "id", "custom_id"))
+    check_unsupported(fields, "", (*exempt, *kept))
+    req.unread = unread_fields(obj, (*exempt, *kept, *prompts, "sampling_params", "id", "custom_id"))
 
 
 def parse_row(

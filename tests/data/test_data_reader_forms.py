@@ -76,6 +76,50 @@ def test_parquet_openai_body_struct(tmp_path):
     ]
 
 
+def test_a_ray_data_llm_dataset_reads_as_there(tmp_path):
+    """Rows prepared for Ray Data LLM carry `sampling_params` (a struct column in Parquet, null
+    where a row set no such key) and may give `tokenized_prompt`: the fields apply as the row's
+    own, never dropped as metadata; one set both ways, or a key no sampling field has, is the
+    row's error naming it."""
+    rows = [
+        {"id": "a", "prompt": "p", "tokenized_prompt": None, "sampling_params": {"max_tokens": 7, "temperature": 0.5,
+                                                                                "n": None}},
+        {"id": "b", "prompt": None, "tokenized_prompt": [5, 6], "sampling_params": {"max_tokens": None,
+                                                                                  "temperature": None, "n": 2}},
+        {"id": "c", "prompt": "p", "tokenized_prompt": None, "sampling_params": None},
+    ]
+    out = list(open_rows(write_parquet(tmp_path / "r.parquet", rows)))
+    assert [(r.id, r.prompt, r.prompt_token_ids, r.overrides) for r in out] == [
+        ("a", "p", None, {"max_tokens": 7, "temperature": 0.5}), ("b", None, [5, 6], {"n": 2}), ("c", "p", None, {})]
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = parse({"messages": msgs, "sampling_params": {"add_generation_prompt": False,
+                                                        "continue_final_message": True}})
+    assert chat.chat == {"add_generation_prompt": False, "continue_final_message": True}
+    assert err({"prompt": "p", "temperature": 0.2, "sampling_params": {"temperature": 0.7}}).endswith(
+        "field 'sampling_params.temperature': the row sets 'temperature' too; give one")
+    assert err({"prompt": "p", "sampling_params": {"max_new_tokens": 5}}).endswith(
+        "field 'sampling_params.max_new_tokens': not a sampling field specbatch knows (did you mean "
+        "'sampling_params.max_tokens'?)")
+    assert err({"prompt": "p", "sampling_params": [0.7]}).endswith(
+        "field 'sampling_params': expected an object of sampling fields, got [0.7]")
+    assert "field 'top_p'" in err({"prompt": "p", "sampling_params": {"top_p": 3}})
+    assert "'tokenized_prompt': expected a non-empty list" in err({"tokenized_prompt": []})
+    assert err({"prompt": "p", "tokenized_prompt": [1]}).endswith(
+        "row has both 'prompt' and 'tokenized_prompt'; give one")
+
+
+def test_a_parquet_column_like_a_request_field_is_noted_outside_the_digest(tmp_path):
+    """Parquet rows are read from the columns specbatch uses; a column that looks like a request
+    field (`max_new_tokens`) is read too, so the job can say the rows run without it, but it
+    changes nothing about the row, so a resume's digests stay those of the row without it."""
+    plain = [{"prompt": "p", "label": "x"}, {"prompt": "q", "label": "y"}]
+    noted = [{**r, "max_new_tokens": 8} for r in plain]
+    a = list(open_rows(write_parquet(tmp_path / "a.parquet", plain)))
+    b = list(open_rows(write_parquet(tmp_path / "b.parquet", noted)))
+    assert [r.unread for r in b] == [(("max_new_tokens", "max_tokens"),)] * 2 and [r.unread for r in a] == [(), ()]
+    assert [r.digest for r in a] == [r.digest for r in b] and all(r.overrides == {} for r in b)
+
+
 def test_parquet_streams_in_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(reader_mod, "PARQUET_BATCH_ROWS", 7)
     rows = [{"prompt": f"p{i}"} for i in range(50)]
