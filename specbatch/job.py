@@ -16,7 +16,7 @@ from .data.reader import Row
 from .data.writer import output_file_format
 from .params import DEFAULT_LOGPROBS_MODE, OPENAI_LINES
 from .recipe import Recipe
-from .row_notes import ModelNames, RepeatedIds, UnreadFields
+from .row_notes import GreedyByDefault, ModelNames, RepeatedIds, UnreadFields
 from .resolve import DEMO_DIR, DeviceLost, JobError, describe_draft, resolve_draft, resolve_model, spec_config
 from .stats import RunStats
 from .workers import WorkerError
@@ -241,6 +241,9 @@ class _Runner:
                       f"{self.max_len} tokens end differently by worker; a new output started with --max-model-len "
                       f"{self.max_len} has one", file=sys.stderr)
             self.capture_s = max(w.get("capture_s", 0.0) for w in per)
+            from .models.config import generation_sampling_defaults
+
+            self.model_defaults = generation_sampling_defaults(resolve_model(recipe.model))   # as each engine read it
             self.pool.context = self.max_len     # a worker restarted mid-job is compared with it
         else:
             from .llm import LLM
@@ -250,6 +253,7 @@ class _Runner:
                            logprobs_mode=opts.logprobs_mode)
             eng = self.llm.engine
             self.device, self.max_len, self.capture_s = str(eng.device), eng.max_len, eng.capture_seconds
+            self.model_defaults = eng.model_defaults
 
     def stream(self, rows: Iterator[Row]) -> Iterator[dict[str, Any]]:
         return self.pool.stream(rows) if self.pool else self.llm.stream(rows)
@@ -302,6 +306,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
     digests: dict[int, bytes] = {}
     named, ids = ModelNames(model_name(recipe)), RepeatedIds()
     unread = UnreadFields("(--keep-columns {key} marks it as your data and keeps it quiet)")
+    greedy = GreedyByDefault(recipe.sampling, runner.model_defaults)
 
     def todo() -> Iterator[Row]:
         rows = iter(source)
@@ -312,6 +317,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
             if r.row not in done:
                 named.check(r)
                 unread.check(r)
+                greedy.check(r)
                 digests[r.row] = getattr(r, "digest", b"")
                 yield r
 

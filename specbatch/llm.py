@@ -17,7 +17,7 @@ from .data import RowError, RowRequest, parse_row
 from .params import DEFAULT_LOGPROBS_MODE, SamplingParams
 from .recipe import Recipe, RecipeError, load_recipe
 from .resolve import describe_draft, resolve_model, spec_config
-from .row_notes import UnreadFields
+from .row_notes import GreedyByDefault, UnreadFields
 
 # A prompt: text, a chat (list of {role, content}), token ids, or a whole input row as a dict
 # (the forms and per-row fields of an input file, OpenAI batch lines included).
@@ -279,6 +279,9 @@ class LLM:
                         del own["max_tokens"]
                     r.overrides = {**own, **r.overrides}
             params = None
+        greedy = GreedyByDefault(self.sampling(params), self.engine.model_defaults)
+        for r in rows:
+            greedy.check(r)
         self.calls += 1
         records = self._records(rows, params, call=self.calls - 1)
         out = [Completion.from_record(rec) for rec in _with_progress(records, len(rows), use_tqdm)]

@@ -154,6 +154,19 @@ class SamplingParams:
                                 f"--min-tokens or the recipe's sampling.min_tokens)")
         return p
 
+    def unsampled(self, overrides: Mapping[str, Any], model: Mapping[str, Any] | None = None) -> list[str]:
+        """What a plain row asks of sampling (top_p, top_k, min_p, n > 1: these defaults with its
+        `overrides`) that changes nothing because it runs greedy for want of a temperature: none in
+        the row, these defaults or the model's generation config. vLLM's SamplingParams default to
+        temperature 1.0, so a vLLM user's {top_p, n} would sample there."""
+        if overrides.get("temperature") is not None or self.temperature is not None or \
+                "temperature" in (model or {}):
+            return []
+        p = replace(self, **{k: _field_value(k, v) for k, v in overrides.items()})
+        asked = [k for k, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0))
+                 if getattr(p, k) is not None and getattr(p, k) not in (off, -1)]
+        return asked + (["n"] if p.n > 1 else [])
+
     def for_choice(self, index: int) -> "SamplingParams":
         """Choice `index` of n: choice 0 is the row itself; the others draw from their own seed
         stream (a hash of the row's seed and the index), so they are independent samples."""

@@ -53,6 +53,7 @@ import pyarrow as pa
 
 from .data.fields import BadField, check_token_ids, sampling_params_fields
 from .records import LOGPROBS_TYPE, PROMPT_LOGPROBS_TYPE
+from .row_notes import GreedyByDefault
 
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
                   "time_taken_llm", "finish_reason", "spec_verify_steps", "spec_accepted_tokens",
@@ -130,6 +131,7 @@ class SpecbatchPredictor:
               f"max_concurrent_batches >= {2 * eng.num_slots} rows in flight to keep them full)", flush=True)
         self.apply_chat_template = apply_chat_template
         self.continue_on_error = should_continue_on_error
+        self.greedy = GreedyByDefault(self.llm.recipe.sampling, eng.model_defaults)
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future, dict]] = {}
         self.lock = threading.Lock()
@@ -204,6 +206,7 @@ class SpecbatchPredictor:
                 self.waiting[i] = (loop, fut, row)
                 futures.append(fut)
                 items.append(self._row(i, row, seen))
+                self.greedy.check(items[-1])
         for item in items:
             self.inbox.put(item)
         done = await asyncio.gather(*futures)

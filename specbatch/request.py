@@ -70,7 +70,8 @@ class StopChecker:
 
     def append(self, req: Request, tokens: list[int]) -> int:
         """Append tokens in order until the request finishes; returns how many were kept. Before
-        min_tokens tokens, nothing stops a request (as vLLM: EOS and stop ids are masked then)."""
+        min_tokens tokens, nothing stops a request (as vLLM: EOS and stop ids are masked then, and
+        a stop string counts from the token after the min_tokens-th)."""
         min_tokens = req.params.min_tokens
         for n, tok in enumerate(tokens, start=1):
             req.output_ids.append(tok)
@@ -89,7 +90,7 @@ class StopChecker:
             req.stop_token = True
             req.stop_id = None if eos else tok          # EOS is checked first, as vLLM does
             return True
-        if p.stop:
+        if p.stop and len(req.output_ids) > p.min_tokens:
             longest = max(len(s) for s in p.stop)
             # A stop string of L chars spans at most 4L byte-level tokens (4 bytes per char).
             window = req.output_ids[-(4 * longest + 4):]
@@ -101,7 +102,8 @@ class StopChecker:
             tail = decode(window)
             hit = any(s in tail for s in p.stop)
             if hit and p.min_tokens > 0:
-                # Only a stop string ending in this token's text: one before min_tokens does not count.
+                # Only a stop string ending in this token's text: one ending in the first min_tokens
+                # tokens' text does not count (vLLM's detokenizer skips their text).
                 prev = _unchanged(decode(window[:-1]), tail)
                 hit = any(s in tail[max(0, prev - len(s) + 1):] for s in p.stop)
             if hit:
@@ -123,13 +125,15 @@ class StopChecker:
         text = self._decode(req, ids)
         if not req.stop_hit:
             return self._held_back(req, ids, text), reason
-        start = 0          # a stop string must end in text generated from min_tokens on
-        if p.min_tokens > 1:
-            start = _unchanged(self._decode(req, ids[: p.min_tokens - 1]), text)
-        cuts = [(i, -len(s), s) for s in p.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+        start = 0          # a stop string must end in text generated after the first min_tokens tokens
+        if p.min_tokens > 0:
+            start = _unchanged(self._decode(req, ids[: p.min_tokens]), text)
+        # Every match ends in the last token's text (an earlier one would have stopped the request);
+        # of those, the first in the request's list wins, as vLLM's check_stop_strings picks it.
+        cuts = [(i, s) for s in p.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
         if cuts:
-            i, neg, reason = min(cuts)
-            text = text[: i - neg] if p.include_stop_str_in_output else text[:i]
+            i, reason = cuts[0]
+            text = text[: i + len(reason)] if p.include_stop_str_in_output else text[:i]
         return text, reason
 
     def _decode(self, req: Request, ids: list[int]) -> str:

@@ -1,6 +1,6 @@
 """What a job notices about its input rows as they stream past, to say once: bodies naming
 another model than the one running, keys that look like request fields but are not read as one,
-ids that repeat."""
+rows whose sampling fields change nothing for want of a temperature, ids that repeat."""
 from __future__ import annotations
 
 import os
@@ -57,6 +57,30 @@ class UnreadFields:
             keep = self.how_to_keep.format(key=key)
             print(f"warning: {row.place}: '{key}' is not a request field, so the row runs without it; did you mean "
                   f"'{meant}'?{' ' + keep if keep else ''}", file=sys.stderr)
+
+
+class GreedyByDefault:
+    """A plain row setting top_p, top_k, min_p or n > 1 with nothing setting a temperature runs
+    greedy (specbatch's default), so those fields change nothing and n > 1 repeats one completion;
+    vLLM's SamplingParams default to temperature 1.0, so its users' {top_p, n} would sample. Said
+    once."""
+
+    def __init__(self, defaults: Any, model: dict | None):
+        """`defaults`: the run's SamplingParams (flags and recipe); `model`: generation_config.json's."""
+        self.defaults, self.model, self.said = defaults, model or {}, False
+
+    def check(self, row: Any) -> None:
+        if self.said or not isinstance(getattr(row, "overrides", None), dict) or row.batch_line:
+            return                                   # (an OpenAI line samples at 1.0 when unset)
+        asked = self.defaults.unsampled(row.overrides, self.model)
+        if not asked:
+            return
+        self.said = True
+        names = " and ".join("n > 1" if k == "n" else k for k in asked)
+        repeat = " and its n completions are one, repeated" if "n" in asked else ""
+        print(f"warning: {row.place}: {names} {'are' if len(asked) > 1 else 'is'} set but no temperature is (row, "
+              f"flags, recipe or the model's generation_config.json), so the row runs greedy{repeat}; vLLM's "
+              "SamplingParams would sample at temperature 1.0: set temperature to sample (said once)", file=sys.stderr)
 
 
 class RepeatedIds:

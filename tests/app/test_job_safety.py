@@ -368,6 +368,22 @@ def test_keys_that_look_like_request_fields_are_said_once_each(tmp_path, base):
     assert "warning" not in r.stderr
 
 
+def test_sampling_fields_without_a_temperature_are_said_once(tmp_path, base):
+    """vLLM's SamplingParams default to temperature 1.0; a row setting top_p and n with nothing
+    setting a temperature runs greedy here (n copies of one completion): said once, naming them.
+    A temperature from the flags, or an OpenAI line (1.0 when unset), says nothing."""
+    rows = [{"prompt": "def f():", "top_p": 0.9, "n": 2}, {"prompt": "def g():", "top_k": 5}]
+    inp = write(tmp_path / "g.jsonl", rows)
+    r = ok("run", inp, "-o", tmp_path / "g.out.jsonl", *base)
+    assert [x for x in r.stderr.splitlines() if x.startswith("warning:")] == [
+        f"warning: {inp}:1: top_p and n > 1 are set but no temperature is (row, flags, recipe or the model's "
+        "generation_config.json), so the row runs greedy and its n completions are one, repeated; vLLM's "
+        "SamplingParams would sample at temperature 1.0: set temperature to sample (said once)"]
+    assert "warning" not in ok("run", inp, "-o", tmp_path / "t.jsonl", *base, "--temperature", "0.7").stderr
+    line = write(tmp_path / "b.jsonl", [{"custom_id": "c", "body": {"prompt": "def f():", "top_p": 0.9}}])
+    assert "warning" not in ok("run", line, "-o", tmp_path / "b.out.jsonl", *base).stderr
+
+
 def test_repeated_ids_are_counted_and_the_first_named(tmp_path, base):
     """Ids are what users join results back by: rows repeating an earlier row's id (a row without
     one takes its row number, which can meet a given id) are said once, counted in the summary."""

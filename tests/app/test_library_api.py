@@ -84,6 +84,20 @@ def test_a_row_dict_key_like_a_request_field_is_said(llm, capsys):
         "'max_tokens'?"]
 
 
+def test_sampling_params_without_a_temperature_are_said_greedy(llm, capsys):
+    """A vLLM user's SamplingParams(top_p=0.95, n=4) samples there (temperature 1.0 by default);
+    here it runs greedy, so generate() says so once per call, naming the fields."""
+    from specbatch import SamplingParams
+
+    outs = llm.generate(["def f():", "def g():"], SamplingParams(top_p=0.95, n=2, max_tokens=3), use_tqdm=False)
+    assert len({c["completion"] for c in outs[0].choices}) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: prompt 0: top_p and n > 1 are set but no temperature is")
+    llm.generate(["def f():"], SamplingParams(top_p=0.95, n=2, max_tokens=3, temperature=0.8), use_tqdm=False)
+    llm.generate(["def f():"], [{"top_k": 3, "temperature": 0.5, "max_tokens": 2}], use_tqdm=False)
+    assert capsys.readouterr().err == ""
+
+
 def test_every_prompt_form_in_order_and_reusable(llm):
     prompts = ["def add(a, b):", [{"role": "user", "content": "hi"}], [5, 6, 7, 8],
                {"prompt": "import os", "max_tokens": 3}, {"prompt": ""}, "class Point:"]

@@ -251,6 +251,15 @@ def _call(pred, rows):
     return asyncio.run(pred(pa.Table.from_pylist(rows)))
 
 
+def test_sampling_params_without_a_temperature_are_said_greedy(lenient, capsys):
+    """Ray Data LLM rows' sampling_params are vLLM's, which sample at temperature 1.0 when unset:
+    a row's {top_p} with nothing setting a temperature runs greedy here, said once per actor."""
+    _call(lenient, [{"prompt": "def f(x):", "sampling_params": {"max_tokens": 2, "top_p": 0.9}}] * 2)
+    _call(lenient, [{"prompt": "def f(x):", "sampling_params": {"max_tokens": 2, "top_k": 3}}])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning:")]
+    assert len(err) == 1 and "top_p is set but no temperature is" in err[0], err
+
+
 def test_a_batch_of_failed_rows_keeps_the_column_types(lenient, tmp_path):
     """A batch whose every row failed wrote its count columns as Arrow's null type, and a Parquet
     directory holding that file beside a good batch's could not be read back (cast int64 to null)."""

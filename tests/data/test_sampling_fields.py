@@ -156,3 +156,17 @@ def test_choice_seeds_are_distinct_and_stable():
     assert seeds[0] == 7 and len(set(seeds)) == 8
     assert seeds == [p.for_choice(i).seed for i in range(8)]
     assert all(0 <= s < 2**64 for s in seeds)
+
+
+def test_sampling_fields_a_row_sets_for_nothing_without_a_temperature():
+    """top_p, top_k, min_p and n > 1 shape sampling; a plain row setting them with no temperature
+    anywhere (row, run defaults, the model's generation config) runs greedy, where vLLM's
+    SamplingParams (temperature 1.0) would sample: what the job names in its warning."""
+    none = SamplingParams()
+    assert none.unsampled({"top_p": 0.9, "n": 4}) == ["top_p", "n"]
+    assert none.unsampled({"top_k": 20, "min_p": 0.1}) == ["top_k", "min_p"]
+    assert none.unsampled({"top_p": 1.0, "top_k": -1, "n": 1, "max_tokens": 5}) == []     # off: asks nothing
+    assert none.unsampled({"top_p": 0.9, "temperature": 0.0}) == []          # greedy asked for
+    assert SamplingParams(temperature=0.7).unsampled({"top_p": 0.9}) == []   # --temperature or the recipe's
+    assert none.unsampled({"top_p": 0.9}, {"temperature": 0.6}) == []        # the model's generation config
+    assert SamplingParams(top_k=5).unsampled({}) == ["top_k"]                # the run's own (flags, recipe)

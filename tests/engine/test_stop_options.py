@@ -49,8 +49,20 @@ def test_nothing_stops_before_min_tokens():
     assert kept == 10 and text == "abENDcd"                 # the first END fell before min_tokens
     req, kept, text = _run("ab#cd#e", min_tokens=4)          # (the engine masks EOS; the checker waits too)
     assert kept == 6 and text == "abcd"
-    req, kept, text = _run("abcEND", stop=("END",), min_tokens=6, include_stop_str_in_output=True)
+    req, kept, text = _run("abcENDx", stop=("END",), min_tokens=5, include_stop_str_in_output=True)
     assert kept == 6 and text == "abcEND"
+
+
+def test_a_stop_string_counts_from_the_token_after_min_tokens():
+    """As vLLM's detokenizer: the first min_tokens tokens' text is not searched, so a stop string
+    ending in the min_tokens-th token runs on (the kept text is never cut inside the tokens
+    min_tokens promises); one ending in the next token stops, even if it began earlier."""
+    req, kept, text = _run("abcENDxyEND", stop=("END",), min_tokens=6)
+    assert (kept, req.finish_reason, text) == (11, "stop", "abcENDxy")       # the END ending at token 6 ran on
+    req, kept, text = _run("abcENDxy", stop=("END",), min_tokens=5)
+    assert (kept, req.finish_reason, text) == (6, "stop", "abc")             # ends at token 6 > 5
+    req, kept, text = _run("abcENDxy", stop=("ND",), min_tokens=5)
+    assert (kept, req.finish_reason, text) == (6, "stop", "abcE")            # begun at token 5, ended at 6
 
 
 def test_stop_reason_names_what_ended_the_completion():
@@ -64,7 +76,10 @@ def test_stop_reason_names_what_ended_the_completion():
         return chk.completion(req)
 
     assert reason("abENDcd", stop=("XY", "END")) == ("ab", "END")
-    assert reason("abXYcd", stop=("END", "XY", "b")) == ("a", "b")          # the earliest cut
+    assert reason("abXYcd", stop=("END", "XY", "b")) == ("a", "b")          # the first to complete
+    # two completing on one token: the first in the list, as vLLM's check_stop_strings picks it
+    assert reason("a new day", stop=("a new", "dd a ne", "new")) == ("", "a new")
+    assert reason("add a new", stop=("new", "dd a new")) == ("add a ", "new")
     assert reason("abxyz", stop_token_ids=(ord("x"),)) == ("ab", ord("x"))
     assert reason("ab#cd", stop_token_ids=(0,)) == ("ab", None)             # EOS
     assert reason("abcd", max_tokens=3) == ("abc", None)                   # length
@@ -83,7 +98,7 @@ def test_min_tokens_stop_string_ending_in_a_multibyte_character():
     (even 1), the text that token added was measured against the decode without it, whose U+FFFD
     has the same length as 'é': the stop string was never found and generation ran on."""
     chk = StopChecker(_ByteTokenizer(), eos_ids={0})
-    for stop, min_tokens, text in (("é", 0, "caf"), ("é", 1, "caf"), ("fé", 4, "ca"), ("é", 5, "caf")):
+    for stop, min_tokens, text in (("é", 0, "caf"), ("é", 1, "caf"), ("fé", 4, "ca"), ("é", 4, "caf")):
         req = _req(stop=(stop,), min_tokens=min_tokens)
         kept = chk.append(req, list("café au lait".encode()))
         assert (kept, req.finish_reason, chk.completion(req)) == (5, "stop", (text, stop)), (stop, min_tokens)
