@@ -213,9 +213,15 @@ class LLM:
         if "max_tokens" in params and params["max_tokens"] is None:    # as vLLM's: up to the context
             params["max_tokens"] = self.engine.max_len
         try:
-            return self.recipe.with_overrides(sampling=params).sampling
+            out = self.recipe.with_overrides(sampling=params).sampling
         except RecipeError as e:
             raise _sampling_error(e, "sampling_params") from None
+        vocab = self.engine.cfg.vocab_size
+        outside = [t for t, _ in out.logit_bias if t >= vocab]
+        if outside and params.get("logit_bias"):     # (the recipe's own were checked when it loaded)
+            raise SamplingParamsError(f"sampling_params: logit_bias: token id {outside[0]} is outside the model's "
+                                      f"vocabulary (size {vocab})", "logit_bias", "outside the vocabulary")
+        return out
 
     def stream(self, rows: Iterable[RowRequest | RowError],
                params: SamplingParams | Mapping[str, Any] | None = None,

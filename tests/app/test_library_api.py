@@ -391,6 +391,11 @@ def test_bad_sampling_params_are_a_value_error_naming_the_field_and_prompt(tiny_
         llm.generate(["hi", "yo"], [{"max_tokens": 2}, {"top_p": 5}], use_tqdm=False)
     with pytest.raises(ValueError, match=r"^sampling_params: unknown key 'temprature' .*did you mean 'temperature'"):
         llm.generate(["hi"], {"temprature": 0.5}, use_tqdm=False)
+    with pytest.raises(SamplingParamsError, match=r"^sampling_params\[1\]: logit_bias: token id 99999 is outside the "
+                       r"model's vocabulary \(size \d+\)$"):
+        llm.generate(["hi", "yo"], [{"max_tokens": 2}, {"logit_bias": {"99999": 5}}], use_tqdm=False)
+    with pytest.raises(SamplingParamsError, match=r"^sampling_params: logit_bias: token id 99999 is outside"):
+        llm.generate(["hi"], {"logit_bias": {99999: 5}}, use_tqdm=False)
     assert llm.generate(["hi"], {"max_tokens": 2, "best_of": None}, use_tqdm=False)[0].error is None
     assert llm.generate(["hi"], {"max_tokens": 2, "n": 2, "best_of": 2}, use_tqdm=False)[0].error is None
     assert llm.generate(["hi"], {"max_tokens": 2, "n": None, "best_of": 1}, use_tqdm=False)[0].error is None
