@@ -33,7 +33,24 @@ def emitted_logprobs(raw: torch.Tensor, processed: torch.Tensor, path: torch.Ten
     else:
         lp = sp.repeat_rows(W).target_logits(at).view(B, W, V)
     top, ids = lp.topk(k, dim=-1)
-    return torch.cat([lp.gather(2, tokens[:, :, None]), top], dim=2), ids
+    values = torch.cat([lp.gather(2, tokens[:, :, None]), top], dim=2)
+    if mode.startswith("processed"):
+        ids = _filtered_lowest_first(lp, top, ids)
+    return values, ids
+
+
+def _filtered_lowest_first(lp: torch.Tensor, top: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Top ids [..., k] whose -inf entries (tokens the filters removed, when fewer than k remain)
+    are the lowest removed ids, ascending: which -inf entries topk returns varies with the batch and
+    the kernel, and a row's logprobs must not. Overwrites `lp` [..., V] (used up by then)."""
+    k, V = top.shape[-1], lp.shape[-1]
+    removed = lp == float("-inf")
+    lp.copy_(torch.arange(V, device=lp.device, dtype=lp.dtype).neg().expand_as(lp))    # -id: lower ids first
+    lp.masked_fill_(~removed, float("-inf"))
+    low = lp.topk(k, dim=-1).indices                                                   # [..., k] lowest removed
+    kept = (top > float("-inf")).sum(dim=-1, keepdim=True)
+    at = (torch.arange(k, device=lp.device) - kept).clamp(min=0)
+    return torch.where(top == float("-inf"), low.gather(-1, at), ids)
 
 
 def add_logprobs(req: Request, lps: list[list[float]], ids: list[list[int]]) -> None:

@@ -157,3 +157,21 @@ def test_sampled_logprobs_are_the_law_sampled_from(target_dir, eagle3_dir, mode)
         recs = run(target_dir, _rows(params)[r_i: r_i + 1], 1, drafter=drafter, logprobs_mode=mode)
         assert recs[0]["spec"]["accepted_tokens"] > 0
         _check_reference(target_dir, recs[0], prompt, SamplingParams(**params[r_i]).resolved(), mode)
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits"])
+def test_removed_tokens_in_a_top_list_are_the_lowest_ids(target_dir, eagle3_dir, mode):
+    """A row asking for more top logprobs than its filters keep gets -inf entries: they are the
+    lowest removed ids, ascending, whatever the batch or the recipe (topk's choice among equal
+    -inf values varies with both)."""
+    params = [{"temperature": 0.8, "top_k": 2, "logprobs": 5, "seed": i} for i in range(4)]
+    got = []
+    for bs, kw in ((4, {}), (1, {}), (3, RECIPES["eagle3-tree"](eagle3_dir))):
+        recs = run(target_dir, _rows(params), bs, logprobs_mode=mode, max_tokens=6, **kw)
+        got.append([[[t["token_id"] for t in e["top_logprobs"]] for e in r["logprobs"]] for r in recs])
+        for r in recs:
+            for e in r["logprobs"]:
+                kept = [t["token_id"] for t in e["top_logprobs"] if t["logprob"] > -9999.0]
+                removed = [t["token_id"] for t in e["top_logprobs"] if t["logprob"] <= -9999.0]     # (-inf, as written)
+                assert len(kept) == 2 and removed == [i for i in range(5) if i not in kept][:3], e
+    assert got[0] == got[1] == got[2]
