@@ -57,7 +57,7 @@ def resolve_draft(recipe: Recipe) -> str | None:
     if recipe.model != "default":
         if kind.in_target:
             return None
-        raise JobError(f"recipe {recipe.name!r} with --model {recipe.model}: pass --draft DIR, a "
+        raise JobError(f"recipe {recipe.name!r} with --model {recipe.model}: pass --draft DIR, the "
                        f"{kind.name} draft for that model (the embedded one fits the demo model only)")
     path = DEMO_DIR / (kind.demo or kind.name)
     if kind.demo is None or not (path / "config.json").is_file():

@@ -89,4 +89,12 @@ def broken_models(tiny_model, tmp_path_factory):
     (gpt2 / "config.json").write_text(json.dumps(cfg))
     no_weights = copy("no_weights", lambda n: n.endswith(".safetensors"))
     assert (no_weights / "config.json").is_file()
-    return {"no_config": no_config, "gpt2": gpt2, "no_weights": no_weights, "missing": root / "missing"}
+    bin_only = copy("bin_only", lambda n: n.endswith(".safetensors"))
+    (bin_only / "pytorch_model.bin").write_bytes(b"PK\x03\x04 a pickled state dict")
+    cut = copy("cut", lambda n: False)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])            # a download cut short
+    lfs = copy("lfs", lambda n: False)
+    (lfs / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 99\n")
+    return {"no_config": no_config, "gpt2": gpt2, "no_weights": no_weights, "missing": root / "missing",
+            "bin_only": bin_only, "cut": cut, "lfs": lfs, "a_file": gpt2 / "config.json"}

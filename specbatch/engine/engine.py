@@ -24,7 +24,7 @@ from .prefill import Prefiller
 from .profile import CycleTime
 from ..data import RowError, RowRequest
 from ..models.attention import AttnMetadata
-from ..models.config import generation_eos_ids, generation_sampling_defaults
+from ..models.config import ModelError, generation_eos_ids, generation_sampling_defaults
 from ..models.eagle3 import Eagle3Head
 from ..models.llama import CausalLM, fuse_projections
 from ..models.loader import load_target
@@ -128,6 +128,12 @@ class Engine:
         steps = drafter.max_depth if drafter else (opts.spec.num_steps or width - 1)
         depth = min(steps, width - 1)
         self.headroom = max(width, drafter.scratch_rows if drafter else opts.spec.scratch_rows) + max(0, depth - 1)
+        window = self.cfg.sliding_window
+        if window is not None and window <= self.headroom:
+            # (the cycle's new rows must all sit inside the window: models/attention.py)
+            raise ModelError(f"{model_dir or 'the model'}: sliding_window {window} is not wider than the {self.headroom} "
+                             "rows a cycle writes per sequence (the verify width and the draft's rows); use a recipe "
+                             "that drafts fewer tokens (vanilla) or a model with a wider window")
         # rows a running request may write past its host-known length before the next growth: the
         # cycle in flight (width) and the next (headroom)
         self.ahead = width + self.headroom

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,11 +94,22 @@ class DecoderConfig:
         )
 
 
+def _not_a_directory(name: str) -> str:
+    """Why a model path is not a model directory, and what to pass instead."""
+    if Path(name).exists():
+        return f"{name}: is a file, not a model directory; pass the directory that holds config.json and the weights"
+    first = name.split("/")[0]
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not first.startswith(".") and not Path(first).exists():
+        return (f"{name}: model directory not found (specbatch loads local directories and downloads nothing: "
+                f"fetch it first, e.g. `huggingface-cli download {name} --local-dir DIR`, then pass DIR)")
+    return f"{name}: model directory not found"
+
+
 def load_config_dict(model_dir: str | Path) -> tuple[dict, str]:
     """The raw `config.json` of a model directory, and its path for messages."""
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
-        raise ModelError(f"{model_dir}: model directory not found")
+        raise ModelError(_not_a_directory(str(model_dir)))
     if not path.is_file():
         raise ModelError(
             f"{model_dir}: no config.json (expected a Hugging Face model directory with "

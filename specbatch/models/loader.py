@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .config import DTYPE_NAMES, DecoderConfig, ModelError, load_config
@@ -43,8 +43,32 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
         return [d / f for f in files]
     files = sorted(d.glob("*.safetensors"))
     if not files:
+        bins = sorted(p.name for p in d.glob("*.bin") if p.name.startswith(("pytorch_model", "model")))
+        if bins:
+            raise ModelError(f"{d}: holds PyTorch weights ({bins[0]}), which specbatch does not load (a pickle can run "
+                             "code); convert them to safetensors: transformers' save_pretrained writes them, or "
+                             "safetensors.torch.save_file(torch.load(path), 'model.safetensors') for a bare state dict")
         raise ModelError(f"{d}: no *.safetensors weights (expected model.safetensors or a sharded index)")
     return files
+
+
+_LFS_POINTER = b"version https://git-lfs"
+
+
+def _unreadable(path: Path, e: Exception) -> ModelError:
+    """A weights file safetensors cannot read, in one line: a git-lfs pointer left by a clone without
+    LFS is named as such."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_LFS_POINTER))
+    except OSError:
+        head = b""
+    if head == _LFS_POINTER:
+        return ModelError(f"{path}: a git-lfs pointer, not the weights (the repository was cloned without LFS); "
+                          "run `git lfs pull` in its directory, or download the file itself")
+    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    damaged = "" if isinstance(e, OSError) else "; the file is cut short or damaged: download it again"
+    return ModelError(f"{path}: cannot read safetensors ({why}){damaged}")
 
 
 def iter_tensors(files: list[Path], device: torch.device,
@@ -56,8 +80,8 @@ def iter_tensors(files: list[Path], device: torch.device,
                 for name in f.keys():
                     if keep is None or keep(name):
                         yield name, f.get_tensor(name)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise ModelError(f"{path}: cannot read safetensors ({e})") from None
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+            raise _unreadable(path, e) from None
 
 
 def check_tensor(where: str, name: str, p: torch.Tensor, t: torch.Tensor, expected: str = "") -> None:
@@ -128,6 +152,6 @@ def tensor_names(files: list[Path]) -> set[str]:
         try:
             with safe_open(str(path), framework="pt") as f:
                 names.update(f.keys())
-        except (OSError, ValueError, RuntimeError) as e:
-            raise ModelError(f"{path}: cannot read safetensors ({e})") from None
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+            raise _unreadable(path, e) from None
     return names

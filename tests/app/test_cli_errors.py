@@ -116,11 +116,23 @@ def test_unknown_key_in_recipe_file(tiny_model, data_dir, tmp_path):
     ("missing", "model directory not found"),
     ("no_config", "no config.json"),
     ("no_weights", "no *.safetensors"),
+    ("bin_only", "holds PyTorch weights (pytorch_model.bin), which specbatch does not load"),
+    ("cut", "model.safetensors: cannot read safetensors (") ,
+    ("lfs", "model.safetensors: a git-lfs pointer, not the weights"),
+    ("a_file", "config.json: is a file, not a model directory"),
 ])
 def test_unusable_model_dir(broken_models, data_dir, tmp_path, which, expect):
     model = broken_models[which]
     line = one_line_cli_error(cli(*run_args(model, data_dir / "rows.jsonl", tmp_path / "o.parquet")), EXIT_USAGE)
     assert str(model) in line and expect in line
+
+
+def test_a_hub_id_says_nothing_is_downloaded(data_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = one_line_cli_error(cli(*run_args("meta-llama/Llama-3.1-8B", data_dir / "rows.jsonl", tmp_path / "o.parquet")),
+                              EXIT_USAGE)
+    assert "meta-llama/Llama-3.1-8B: model directory not found (specbatch loads local directories" in line
+    assert "huggingface-cli download meta-llama/Llama-3.1-8B --local-dir DIR" in line
 
 
 def test_unsupported_architecture(broken_models, data_dir, tmp_path):

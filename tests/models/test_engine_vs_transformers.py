@@ -53,6 +53,21 @@ def test_sliding_window_narrower_than_a_prefill_tile_matches_transformers(tiny_m
     assert _ours(d, prompts, 2, MAX_NEW)[0] == hf_greedy(d, prompts, MAX_NEW, eos_token_id=0)
 
 
+def test_a_window_narrower_than_a_cycle_is_refused_at_load(tiny_model_factory, tmp_path):
+    """A cycle's new rows must all fit in the window: a recipe writing more rows per cycle than
+    a (toy) model's window is a one-line ModelError when the engine loads, not an assertion
+    mid-job that fails every row; vanilla runs the same model."""
+    from specbatch.models.config import ModelError
+    from specbatch.speculative.factory import SpecConfig
+
+    d = tiny_model_factory("mistral", sliding_window=3)
+    with pytest.raises(ModelError, match=r"sliding_window 3 is not wider than the \d+ rows a cycle writes"):
+        Engine(d, EngineOptions(batch_size=2, device="cpu", dtype="float32",
+                                spec=SpecConfig("eagle3", 3, 1, 4, str(tmp_path / "head"))))
+    prompts = _prompts(320, seed=5)
+    assert _ours(d, prompts, 2, MAX_NEW)[0] == hf_greedy(d, prompts, MAX_NEW, eos_token_id=0)
+
+
 @pytest.mark.parametrize("variant", [dict(tie=True), dict(max_shard_size="60KB")])
 def test_tied_and_sharded_checkpoints(variant, tiny_model_factory):
     d = tiny_model_factory("llama", **variant)
