@@ -466,4 +466,22 @@ def load_recipe(name_or_path: str) -> Recipe:
         entry = builtins[text_arg]
         text = entry.read_text(encoding="utf-8")
         source = f"{BUILTIN_PREFIX}/{entry.name}"
-    return parse_recipe(_load_yaml(text, source), source)
+    data = _load_yaml(text, source)
+    if looks_like_path or path.is_file():
+        data = _beside(data, path)
+    return parse_recipe(data, source)
+
+
+def _beside(data: Any, path: Path) -> Any:
+    """A recipe file's relative `model` / `draft` path is read from the working directory, as a
+    flag's is, else from the recipe file's own directory, where it was likely written from."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for key in ("model", "draft"):
+        v = out.get(key)
+        if not isinstance(v, str) or v == "default" or Path(v).expanduser().is_absolute() or Path(v).exists():
+            continue
+        if (path.parent / v).exists():
+            out[key] = str(path.parent / v)
+    return out

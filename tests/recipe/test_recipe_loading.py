@@ -48,6 +48,26 @@ def test_load_from_path(tmp_path):
     assert r.sampling.max_tokens is None      # unset: the model's max_new_tokens, else the row form's default
 
 
+def test_relative_model_and_draft_paths_in_a_recipe_file(tmp_path, monkeypatch):
+    """A relative path in a recipe file reads from the working directory, as a flag's does, else
+    from the recipe file's directory (a recipe kept beside its models works from anywhere)."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "models" / "m").mkdir(parents=True)
+    (tmp_path / "conf" / "head").mkdir()
+    recipe = tmp_path / "conf" / "r.yaml"
+    recipe.write_text("algorithm: vanilla\nmodel: models/m\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert load_recipe(str(recipe)).model == str(tmp_path / "conf" / "models" / "m")
+    r = tmp_path / "conf" / "e.yaml"
+    r.write_text("algorithm: eagle3\nnum_steps: 3\ntopk: 1\nnum_draft_tokens: 4\nmodel: nowhere\ndraft: head\n")
+    got = load_recipe(str(r))
+    assert got.draft == str(tmp_path / "conf" / "head") and got.model == "nowhere"      # (not found: left as given)
+    (elsewhere / "head").mkdir()
+    assert load_recipe(str(r)).draft == "head"                                            # the working directory's first
+
+
 def test_unknown_recipe_name():
     with pytest.raises(RecipeError, match=r"unknown recipe 'foo' \(builtin: .*vanilla.*; or give a path to a \.yaml file\)"):
         load_recipe("foo")
