@@ -115,6 +115,9 @@ def load_eagle3(head_dir: str | Path, target_cfg: DecoderConfig, target_embeddin
     if cfg.layer.vocab_size != target_cfg.vocab_size:
         raise ModelError(f"{where}: draft head vocab_size {cfg.layer.vocab_size} does not match the "
                          f"target's {target_cfg.vocab_size}")
+    if cfg.draft_vocab_size > target_cfg.vocab_size:
+        raise ModelError(f"{where}: draft_vocab_size {cfg.draft_vocab_size} is larger than the target's vocab_size "
+                         f"{target_cfg.vocab_size} (the draft vocabulary is a subset of the target's)")
     if cfg.target_hidden_size != target_cfg.hidden_size:
         raise ModelError(f"{where}: draft head reads target hidden size {cfg.target_hidden_size} "
                          f"(fc takes 3 x that), the target has {target_cfg.hidden_size}")

@@ -29,6 +29,13 @@ def test_error_vocab_mismatch(tmp_path, head_dir, target):
     one_line_model_error(lambda: load_head(d, target), d / "config.json", "vocab_size 300", "320")
 
 
+def test_error_draft_vocab_larger_than_the_target(tmp_path, head_dir, target):
+    d = copy_dir(head_dir, tmp_path)
+    edit_config(d, draft_vocab_size=V + 80)
+    one_line_model_error(lambda: load_head(d, target), d / "config.json", f"draft_vocab_size {V + 80}",
+                         f"vocab_size {V}")
+
+
 def test_error_target_hidden_mismatch(tmp_path, tiny_model_factory, head_dir):
     wide_dir = tiny_model_factory("llama3", num_hidden_layers=4, hidden_size=96)
     wide, _ = load_target(wide_dir, "float32", "cpu")
