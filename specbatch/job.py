@@ -343,7 +343,8 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
     notify("start", {"total": None if total is None else total - resumed, "resumed": resumed,
                      "device": runner.device, "max_model_len": runner.max_len,
                      "model": str(resolve_model(recipe.model)), "capture_s": runner.capture_s,
-                     "load_s": stats.load_s})
+                     "load_s": stats.load_s,
+                     "tokens_now": lambda: runner.tokens if runner.llm else stats.completion_tokens})
     try:
         for rec in generated():
             if opts.fail_fast and rec["error"]:

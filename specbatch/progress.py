@@ -2,8 +2,9 @@
 scheduler's log, nothing with --quiet; and the summary table at the end."""
 from __future__ import annotations
 
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.markup import escape
@@ -15,7 +16,8 @@ from .records import emitted_tokens
 
 class ProgressView:
     """Progress on stderr: a rich bar on a terminal; plain lines every `every` seconds otherwise
-    (a scheduler's log); nothing with --quiet."""
+    (a scheduler's log), whether or not a row finished meanwhile (long rows on a full batch finish
+    minutes apart: the log must not look hung); nothing with --quiet."""
 
     def __init__(self, err: Console, quiet: bool, every: float):
         self.err = err
@@ -34,13 +36,37 @@ class ProgressView:
         self.verify_steps = 0
         self.started = time.perf_counter()
         self.last_line = self.started
+        self.tokens_now: Callable[[], int] | None = None   # tokens generated so far, unfinished rows' too
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.beat: threading.Thread | None = None
 
     def __enter__(self) -> "ProgressView":
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        if self.beat is not None:
+            self.beat.join(timeout=1.0)
         if self.progress is not None:
             self.progress.stop()
+
+    def _heartbeat(self) -> None:
+        """A line every `every` seconds while the job runs, between finished rows too."""
+        while not self.stop.wait(min(self.every, 1.0)):
+            with self.lock:
+                now = time.perf_counter()
+                if now - self.last_line < self.every:
+                    continue
+                try:
+                    self.tokens = max(self.tokens, int(self.tokens_now())) if self.tokens_now else self.tokens
+                except Exception:  # noqa: BLE001 - a count read mid-update: the last one stays
+                    pass
+                self.last_line = now
+                self._say(self.line(now, *self._rates(now)))
+
+    def _rates(self, now: float) -> tuple[float, float]:
+        return self.tokens / max(now - self.started, 1e-9), self.completion_tokens / max(self.verify_steps, 1)
 
     def _say(self, text: str) -> None:
         self.err.print(text, highlight=False, markup=False, soft_wrap=True)
@@ -56,6 +82,9 @@ class ProgressView:
             if not self.bar:
                 todo = "?" if self.total is None else f"{self.total:,}"
                 self._say(f"started: {todo} rows on {info['device']} (model loaded in {info['load_s']:.1f} s)")
+                self.tokens_now = info.get("tokens_now")
+                self.beat = threading.Thread(target=self._heartbeat, name="specbatch-progress", daemon=True)
+                self.beat.start()
                 return
             self.progress = Progress(
                 TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
@@ -65,23 +94,23 @@ class ProgressView:
             self.task = self.progress.add_task("rows", total=info["total"], rate=0.0, al=0.0)
         elif event == "record":
             rec = info["record"]
-            self.done += 1
-            if self.done == 1:
-                self.first_done = time.perf_counter()
-            self.on_stdout = info.get("on_stdout")
-            self.errors = info.get("errors", self.errors)
-            self.tokens = info["tokens"]
-            if rec.get("spec"):
-                self.completion_tokens += emitted_tokens(rec["spec"])
-                self.verify_steps += rec["spec"]["verify_steps"]
-            now = time.perf_counter()
-            rate = self.tokens / max(now - self.started, 1e-9)
-            al = self.completion_tokens / max(self.verify_steps, 1)
-            if self.progress is not None:
-                self.progress.update(self.task, advance=1, rate=rate, al=al)
-            elif not self.quiet and not self.bar and now - self.last_line >= self.every:
-                self.last_line = now
-                self._say(self.line(now, rate, al))
+            with self.lock:                    # (the heartbeat reads these)
+                self.done += 1
+                if self.done == 1:
+                    self.first_done = time.perf_counter()
+                self.on_stdout = info.get("on_stdout")
+                self.errors = info.get("errors", self.errors)
+                self.tokens = info["tokens"]
+                if rec.get("spec"):
+                    self.completion_tokens += emitted_tokens(rec["spec"])
+                    self.verify_steps += rec["spec"]["verify_steps"]
+                now = time.perf_counter()
+                rate, al = self._rates(now)
+                if self.progress is not None:
+                    self.progress.update(self.task, advance=1, rate=rate, al=al)
+                elif not self.quiet and not self.bar and now - self.last_line >= self.every:
+                    self.last_line = now
+                    self._say(self.line(now, rate, al))
 
     def line(self, now: float, rate: float, al: float) -> str:
         elapsed = now - self.started

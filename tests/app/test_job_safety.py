@@ -205,6 +205,17 @@ def test_quiet_prints_nothing_and_logs_get_progress_lines(tmp_path, base):
                         r"elapsed \dm\d\ds, ETA (\dm\d\ds|\?)$", p), p
 
 
+def test_progress_lines_keep_coming_while_no_row_finishes(tmp_path, base):
+    """In a log, long rows on a full batch finish minutes apart: a line every --progress-every
+    seconds still comes, its tok/s counting tokens as they are generated."""
+    inp = write(tmp_path / "in.jsonl", [{"prompt": "def f():", "max_tokens": 400, "ignore_eos": True}] * 2)
+    loud = [a for a in base if a != "-q"]
+    r = ok("run", inp, "-o", tmp_path / "p.jsonl", *loud, "--progress-every", "0.1")
+    waiting = [x for x in r.stderr.splitlines() if x.startswith("progress: 0/2 rows")]
+    assert waiting, r.stderr
+    assert any(int(re.search(r"(\d+) tok/s", x).group(1)) > 0 for x in waiting), waiting
+
+
 def test_version():
     from specbatch import __version__
 
