@@ -117,6 +117,13 @@ def _jsonl_rows(lines: Iterable[bytes], name: str, opts: dict) -> Iterator[Row]:
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
+                if not line.endswith(b"\n") and (e.msg.startswith("Unterminated string") or e.pos >= len(text.rstrip())):
+                    # The last line, unterminated and its JSON ending early: a file still being written (or
+                    # cut). As an error row it would be committed, and the finished line refused as an edit.
+                    print(f"warning: {where}: the last line has no newline and is not complete JSON (a file still "
+                          "being written?); it is not run: rerun once it is complete and the row is added",
+                          file=sys.stderr)
+                    return
                 # json's messages for these end in "at", before the position it appends itself.
                 msg = e.msg.removesuffix(" at").removesuffix(" starting")
                 out = _line_error(row, f"{where}: malformed JSON at column {e.colno}: {msg}", opts)

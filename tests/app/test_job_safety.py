@@ -216,6 +216,20 @@ def test_progress_lines_keep_coming_while_no_row_finishes(tmp_path, base):
     assert any(int(re.search(r"(\d+) tok/s", x).group(1)) > 0 for x in waiting), waiting
 
 
+def test_a_line_still_being_written_is_added_once_complete(tmp_path, base):
+    """Run over a JSONL file whose producer is still writing its last line: the partial line is
+    not run (nor committed as an error row); once complete, a rerun adds it to the finished output."""
+    inp = tmp_path / "grow.jsonl"
+    lines = [json.dumps(r) + "\n" for r in ROWS[:4]]
+    inp.write_text("".join(lines[:3]) + lines[3][:-9])
+    out = tmp_path / "grow.out.jsonl"
+    r = ok("run", inp, "-o", out, *base)
+    assert f"warning: {inp}:4: the last line has no newline" in r.stderr and len(read(out)) == 3
+    inp.write_text("".join(lines))
+    ok("run", inp, "-o", out, *base)
+    assert [x["id"] for x in read(out)] == [x["id"] for x in ROWS[:4]] and not any(x["error"] for x in read(out))
+
+
 def test_version():
     from specbatch import __version__
 

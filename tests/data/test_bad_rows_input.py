@@ -33,6 +33,24 @@ def test_malformed_json_message(tmp_path):
     assert all(" at" not in r.error.split("malformed JSON at column")[1] for r in out[1:])
 
 
+def test_an_unterminated_last_line_cut_short_is_not_run(tmp_path, capsys):
+    """A last line with no newline whose JSON ends early is a file still being written: said on
+    stderr and not run (as an error row it would be committed, and the completed line later refused
+    as an edit); complete, a rerun adds it. A last line malformed mid-way is still its row's error."""
+    path = tmp_path / "grow.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "cut sho')
+    out = list(open_rows(str(path)))
+    assert [r.prompt for r in out] == ["a", "b"]
+    assert capsys.readouterr().err == (f"warning: {path}:3: the last line has no newline and is not complete JSON (a "
+                                       "file still being written?); it is not run: rerun once it is complete and the "
+                                       "row is added\n")
+    for cut in (b'{"prompt": "x", "max_tokens": ', b'{"prompt": "x",', b'{"prompt"'):
+        path.write_bytes(b'{"prompt": "a"}\n' + cut)
+        assert len(list(open_rows(str(path)))) == 1, cut
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": 1,}')              # malformed, not cut: the row's error
+    assert "malformed JSON" in list(open_rows(str(path)))[1].error
+
+
 # ---- JSONL checks at open ---------------------------------------------------------------------
 
 
