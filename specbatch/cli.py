@@ -1,6 +1,7 @@
 """The `specbatch` command: thin wrappers over recipe loading and `run_job`."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -25,6 +26,7 @@ out = Console()
 
 EXIT_FAILED = 1     # --fail-fast stopped on a bad row
 EXIT_USAGE = 2      # unknown recipe, unusable model, unreadable input, output conflict
+EXIT_PIPE = 141     # -o -: its reader closed stdout (128 + SIGPIPE, as a piped tool ends)
 RESTART_ENV = "SPECBATCH_RESTART"   # set in a run that started itself again after its device failed: how often
 
 
@@ -215,6 +217,15 @@ def run(
         _fail(str(e), EXIT_FAILED if fail_fast else EXIT_USAGE)
     except (InputError, OutputError, ModelError, RecipeError, ValueError) as e:
         _fail(str(e))
+    except BrokenPipeError:
+        if output != "-":
+            _fail(f"specbatch: {os.strerror(errno.EPIPE)}")
+        # -o - read by `head` and the like: the reader had what it wanted; stop as a piped tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (no second error flushing at exit)
+        if not quiet:
+            err.print(f"specbatch: stdout was closed by its reader after {view.on_stdout or 0} rows; stopped",
+                      highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_PIPE) from None
     except OSError as e:
         _fail(f"{e.filename or 'specbatch'}: {e.strerror or e}")
     except KeyboardInterrupt as e:

@@ -230,6 +230,24 @@ def test_a_line_still_being_written_is_added_once_complete(tmp_path, base):
     assert [x["id"] for x in read(out)] == [x["id"] for x in ROWS[:4]] and not any(x["error"] for x in read(out))
 
 
+def test_stdout_closed_by_its_reader_stops_quietly(tmp_path, tiny_model):
+    """`specbatch run ... -o - | head -1`: once the reader closes the pipe, the run stops as a
+    piped tool does (exit 141, one plain line, no error and no traceback)."""
+    import subprocess
+    import sys
+
+    inp = write(tmp_path / "in.jsonl", [{"id": i, "prompt": "def f():"} for i in range(64)])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    p = subprocess.Popen([sys.executable, "-m", "specbatch", "run", str(inp), "-o", "-", "--model", str(tiny_model),
+                          "--device", "cpu", "--max-tokens", "24", "--ignore-eos", "--batch-size", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert json.loads(p.stdout.readline())["row"] == 0
+    p.stdout.close()                                          # the reader has what it wanted
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert "error" not in err and "Traceback" not in err and "stdout was closed by its reader after" in err
+
+
 def test_version():
     from specbatch import __version__
 
