@@ -9,7 +9,7 @@ single-process writer's, unchanged: a record counts once it is committed. Dispat
 queue, not a static split: each worker holds at most about its engine's lookahead, so a slow
 worker never holds rows another could run. A worker that dies (killed, out of memory) loses
 nothing committed; the rows it held are handed to the others, and a new worker starts on its
-device (MAX_RESTARTS a device; a job fails only when no worker is left, after committing what
+device (MAX_RESTARTS times in a worker's place; a job fails only when no worker is left, after committing what
 finished). A worker whose device failed (engine.failures.DeviceFailed)
 names the rows it had in flight: each then runs alone on one worker, and one that brings a device
 down alone is written as its error. A row that failed alone in a worker's engine is held here
@@ -36,7 +36,7 @@ from .recipe import Recipe
 
 POLL_S = 0.005
 CHUNK = 8              # rows per turn of the dispatch
-MAX_RESTARTS = 3       # new workers started on a device whose worker died mid-job (as Ray's max_restarts)
+MAX_RESTARTS = 3       # new workers started in the place of one that died mid-job (as Ray's max_restarts)
 
 
 class WorkerError(RuntimeError):
@@ -408,8 +408,10 @@ class WorkerPool:
         if w.ready and w.restarts < MAX_RESTARTS:      # died mid-job (not at start-up): a new one takes its place
             self.workers.append(self._spawn(w.wid, w.restarts + 1))
             restart = f" (a new worker starts on {w.device}: restart {w.restarts + 1} of {MAX_RESTARTS})"
-        rest = ("go to the other workers" + restart if any(not o.dead for o in self.workers)
-                else "stay unfinished: rerun to resume")
+        elif w.ready:
+            restart = f" (no new worker on {w.device}: its {MAX_RESTARTS} restarts are spent)"
+        rest = ("go to the other workers" if any(not o.dead for o in self.workers)
+                else "stay unfinished: rerun to resume") + restart
         print(f"warning: worker on {w.device} died ({w.error}){culprit}; its {len(w.held)} unfinished rows {rest}",
               file=sys.stderr)
         redo.extend(w.held.values())

@@ -147,6 +147,7 @@ def test_a_replaced_worker_takes_rows_and_restarts_are_bounded(capsys):
     assert spawned == [(1, n) for n in range(1, MAX_RESTARTS + 1)] and all(w.dead for w in pool.workers)
     err = capsys.readouterr().err.splitlines()
     assert "restart 1 of 3" in err[0] and "restart 3 of 3" in err[2] and "rerun to resume" in err[3]
+    assert "(no new worker on cuda:1: its 3 restarts are spent)" in err[3]
     starting = _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:0", wid=0)      # never ready
     pool.workers.append(starting)
     pool._bury(starting, [], [])
