@@ -223,7 +223,7 @@ def run(
         # -o - read by `head` and the like: the reader had what it wanted; stop as a piped tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (no second error flushing at exit)
         if not quiet:
-            err.print(f"specbatch: stdout was closed by its reader after {view.on_stdout or 0} rows; stopped",
+            err.print(f"specbatch: stdout was closed by its reader after {view.on_stdout or 0:,} rows; stopped",
                       highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_PIPE) from None
     except OSError as e:
@@ -275,11 +275,11 @@ def _kept(view: ProgressView, output: str | None) -> str:
     from .job import NO_RESUME, resume_note
 
     if output != "-":
-        return f"{view.done} {resume_note(output or '')}"
+        return f"{view.done:,} {resume_note(output or '')}"
     written = view.on_stdout or 0
     behind = view.done - written
-    held = f" ({behind} finished rows waited behind unfinished ones and were not)" if behind else ""
-    return f"{written} rows were written to stdout{held}; {NO_RESUME} (-o PATH writes parts a rerun resumes)"
+    held = f" ({behind:,} finished rows waited behind unfinished ones and were not)" if behind else ""
+    return f"{written:,} rows were written to stdout{held}; {NO_RESUME} (-o PATH writes parts a rerun resumes)"
 
 
 @app.command()

@@ -78,7 +78,7 @@ class ProgressView:
             if self.quiet:
                 return
             if info["resumed"]:
-                self._say(f"resuming: {info['resumed']} rows already committed")
+                self._say(f"resuming: {info['resumed']:,} rows already committed")
             if not self.bar:
                 todo = "?" if self.total is None else f"{self.total:,}"
                 self._say(f"started: {todo} rows on {info['device']} (model loaded in {info['load_s']:.1f} s)")
