@@ -69,7 +69,24 @@ def fingerprint(recipe: Recipe, model: Any, draft: str | None, opts: JobOptions,
         "prompt_column": opts.prompt_column, "id_column": opts.id_column,
         "keep_columns": list(opts.keep_columns), "save_token_ids": opts.save_token_ids,
         "output_format": opts.output_format, "logprobs_mode": opts.logprobs_mode, "openai_lines": OPENAI_LINES,
+        "ray_fields": RAY_FIELDS,
     }
+
+
+# How a row's Ray Data LLM fields read (manifest.DEFERRED): an output begun when they were its data
+# resumes unless a committed row has them (_ray_fields_refusal).
+RAY_FIELDS = "sampling_params and tokenized_prompt read as the row's"
+
+
+def _ray_fields_refusal(output: str) -> Callable[[Any], str | None]:
+    def refuse(row: Any) -> str | None:
+        if not getattr(row, "ray_fields", False):
+            return None
+        where = getattr(row, "where", "") or f"row {row.row}"
+        return (f"{where}: has sampling_params or tokenized_prompt, which the specbatch that began {output} took "
+                "as the row's data (this one reads them as the row's sampling fields and prompt); its committed rows "
+                "would mix the two readings: pass --overwrite to start over")
+    return refuse
 
 
 def _run_dtype(name: str, model: Any, device: str | None) -> str:
@@ -188,11 +205,13 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
                 source = open_rows(spooled, prompt_column=opts.prompt_column, id_column=opts.id_column,
                                    keep_columns=opts.keep_columns, display="<stdin>")
             try:
+                refuse = _ray_fields_refusal(output) if "ray_fields" in writer.deferred else None
                 digests, pending = check_input(iter(source), writer.expected(), limit=opts.limit,
                                                input_name="<stdin>" if input_path == "-" else input_path,
-                                               output=output)
+                                               output=output, refuse=refuse)
             except InputChanged as e:
                 raise JobError(str(e)) from None
+            writer.settle_deferred()
             if writer.complete:
                 if not pending:
                     return stats.summary(output=output, complete_before=True, resumed=len(writer.done_rows))

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -115,11 +116,13 @@ class Expected:
 
 
 def check_input(items: Iterable, expected: Expected, *, input_name: str, output: str,
-                limit: int | None = None) -> tuple[dict[int, bytes], bool]:
+                limit: int | None = None,
+                refuse: Callable[[Any], str | None] | None = None) -> tuple[dict[int, bytes], bool]:
     """Read `items` (rows with .row and .digest, in input order) far enough to prove that every row
     of `expected.done` is unchanged. Returns (digest of every done row, whether the input holds a
     row within `limit` that is not done: past the last done one, or a gap below it, as --fail-fast
-    leaves when rows finish out of order). Raises InputChanged naming the first difference."""
+    leaves when rows finish out of order). Raises InputChanged naming the first difference, or
+    `refuse`'s reason for a done row (its check comes first)."""
     how = "rerun with the input the output was made from, or pass --overwrite to start over"
     per_row = {}
     if expected.rows is not None:
@@ -148,6 +151,9 @@ def check_input(items: Iterable, expected: Expected, *, input_name: str, output:
         if r not in expected.done:
             more = more or limit is None or r < limit
             continue
+        reason = refuse(item) if refuse is not None else None
+        if reason is not None:
+            raise InputChanged(reason)
         digest = getattr(item, "digest", b"") or b""
         want = per_row.get(r)
         if want is not None and want != digest:

@@ -636,9 +636,10 @@ def check_body_keys(body: dict, prefix: str) -> None:
 def check_batch_line_keys(obj: dict, exempt: Sequence[str]) -> None:
     """A request field beside an OpenAI line's body (not in it) would be silently ignored."""
     for key in obj:
-        if key in REQUEST_FIELDS and key not in exempt and obj[key] is not None:
+        if (key in REQUEST_FIELDS or key == "sampling_params") and key not in exempt and obj[key] is not None:
+            where = "its fields as 'body.<field>'" if key == "sampling_params" else f"as 'body.{key}'"
             raise BadField(f"field '{key}': an OpenAI batch line's request fields go inside 'body' "
-                           f"(as 'body.{key}'); a column of your own by that name: name it in --keep-columns")
+                           f"({where}); a column of your own by that name: name it in --keep-columns")
 
 
 def check_unsupported(src: dict, prefix: str, exempt: Sequence[str] = ()) -> None:

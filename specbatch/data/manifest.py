@@ -15,6 +15,11 @@ _UNSET = object()
 # were the processed ones before --logprobs-mode, so `--logprobs-mode processed_logprobs` resumes
 # it; OpenAI lines read otherwise before, so such an output is refused, naming how).
 _LEGACY = {"settings.logprobs_mode": "processed_logprobs", "settings.openai_lines": OPENAI_LINES_BEFORE}
+# Settings added to the fingerprint later that change only some rows: a manifest written before
+# one is not refused for lacking it; the job checks the committed rows instead (`deferred`: a
+# committed row read the new way cannot resume an output begun the old way). ray_fields: a row's
+# sampling_params and tokenized_prompt (Ray Data LLM's) were its data before, now they are read.
+DEFERRED = ("settings.ray_fields",)
 # Spellings of one setting that run the same rows: no run seed is seed 0 (params.for_row).
 _SAME = {"settings.sampling.seed": (None, 0)}
 # Values an older manifest wrote where this one writes what they resolved to: a manifest from
@@ -52,10 +57,19 @@ def mismatch(stored: dict, mine: dict) -> str | None:
     diffs = []
     for key in [*new, *(k for k in old if k not in new)]:
         a, b = old.get(key, _UNSET), new.get(key, _UNSET)
+        if key in DEFERRED and a is _UNSET and "fingerprint" in stored:
+            continue                                       # checked row by row (deferred)
         if a != b and not (key in _SAME and a in _SAME[key] and b in _SAME[key]) and not (
                 key in _ANY and a == _ANY[key]):
             diffs.append(f"{key.removeprefix('settings.')}: {_show(a)} -> {_show(b)}")
     return "; ".join(dict.fromkeys(diffs)) or None       # (keep_columns is in both the settings and the top level)
+
+
+def deferred(stored: dict) -> set[str]:
+    """The DEFERRED settings a stored manifest predates (names without `settings.`)."""
+    fp = stored.get("fingerprint")
+    return {k.removeprefix("settings.") for k in DEFERRED
+            if isinstance(fp, dict) and k.removeprefix("settings.") not in fp}
 
 
 def check(stored: dict, mine: dict, where: str, how: str) -> None:

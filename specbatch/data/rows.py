@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ class RowRequest:
     request_model: str | None = None  # OpenAI batch lines: the body's `model`, echoed in the response
     batch_line: bool = False  # an OpenAI batch line (custom_id / url / body)
     unread: tuple[tuple[str, str], ...] = ()  # keys that look like request fields and are not: (key, field)
+    ray_fields: bool = False  # read from Ray Data LLM's sampling_params or tokenized_prompt
     where: str = ""
     digest: bytes = b""  # 16 bytes over the row's raw input (set by the readers; resume checks)
 
@@ -157,16 +159,18 @@ def _parse_body(obj: dict, req: RowRequest) -> None:
 
 def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequence[str],
                  kept: Sequence[str]) -> None:
-    # tokenized_prompt and sampling_params: a dataset prepared for Ray Data LLM reads as it does there
-    prompts = (prompt_column, "messages", "prompt_token_ids", "tokenized_prompt")
-    forms = _present(obj, prompts)
+    # tokenized_prompt and sampling_params: a dataset prepared for Ray Data LLM reads as it does
+    # there. Its tokenize stage adds tokenized_prompt beside the prompt it came from: the prompt
+    # form given wins (as specbatch.ray reads such a row), tokenized_prompt is one only alone.
+    prompts = (prompt_column, "messages", "prompt_token_ids")
+    forms = _present(obj, prompts) or _present(obj, ("tokenized_prompt",))
     if len(forms) > 1:
         raise BadField(f"row has both '{forms[0]}' and '{forms[1]}'; give one")
     if not forms:
-        _null_form(obj, prompts, "")
+        _null_form(obj, (*prompts, "tokenized_prompt"), "")
         raise BadField(
             f"no '{prompt_column}' or 'messages' field (expected one of '{prompt_column}', "
-            "'messages', 'prompt_token_ids', or an OpenAI batch 'body')"
+            "'messages', 'prompt_token_ids' (or 'tokenized_prompt'), or an OpenAI batch 'body')"
         )
     form = forms[0]
     if form == prompt_column:
@@ -176,19 +180,28 @@ def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequenc
     else:
         req.prompt_token_ids = check_token_ids(obj[form], form, non_empty=True)
     req.endpoint = "chat" if form == "messages" else "completion"
-    fields = obj
+    req.ray_fields = form == "tokenized_prompt" or obj.get("sampling_params") is not None
+    fields, params = obj, {}
     if obj.get("sampling_params") is not None:
         params = sampling_params_fields(obj["sampling_params"])
         both = next((k for k in params if obj.get(k) is not None), None)
         if both is not None:
             raise BadField(f"field 'sampling_params.{both}': the row sets '{both}' too; give one")
         fields = {**obj, **params}
-    req.overrides = parse_overrides(fields, "", exempt=exempt)
-    req.chat = parse_chat_options(fields, "", req.messages is not None, exempt)
-    # A kept column named like a field specbatch does not implement is the user's data, not a
-    # request for it; a kept field specbatch implements still applies (keeping only copies it).
-    check_unsupported(fields, "", (*exempt, *kept))
-    req.unread = unread_fields(obj, (*exempt, *kept, *prompts, "sampling_params", "id", "custom_id"))
+    try:
+        req.overrides = parse_overrides(fields, "", exempt=exempt)
+        req.chat = parse_chat_options(fields, "", req.messages is not None, exempt)
+        # A kept column named like a field specbatch does not implement is the user's data, not a
+        # request for it; a kept field specbatch implements still applies (keeping only copies it).
+        check_unsupported(obj, "", (*exempt, *kept))
+        check_unsupported(params, "")
+    except BadField as e:          # a field of sampling_params is named as there
+        named = re.match(r"fields? '([^']+)'", str(e))
+        if named and named.group(1) in params:
+            raise BadField(str(e).replace(f"'{named.group(1)}'", f"'sampling_params.{named.group(1)}'", 1)) from None
+        raise
+    req.unread = unread_fields(obj, (*exempt, *kept, *prompts, "tokenized_prompt", "sampling_params", "id",
+                                     "custom_id"))
 
 
 def parse_row(

@@ -137,6 +137,7 @@ class OutputWriter:
         self.done_rows = RowSet()
         self.complete = False
         self.job = os.urandom(8).hex()
+        self.deferred: set[str] = set()      # settings the stored manifest predates (manifest.DEFERRED)
         self._token = os.urandom(4).hex()
         self._buffer: list[tuple[dict, bytes]] = []
         self._last_commit = time.monotonic()
@@ -294,6 +295,20 @@ class OutputWriter:
 
     def _check_manifest(self, stored: dict, where: str, how: str) -> None:
         manifest.check(stored, self._manifest(), where, how)
+        self.deferred = manifest.deferred(stored)
+
+    def settle_deferred(self) -> None:
+        """The committed rows passed the job's check of the settings the manifest predates
+        (manifest.DEFERRED): record them, so rows committed from here on are not held against it."""
+        if not self.deferred or not os.path.isdir(self.parts_dir):
+            return
+        path = os.path.join(self.parts_dir, manifest.MANIFEST)
+        stored = manifest.read_json(path)
+        if isinstance(stored, dict) and isinstance(stored.get("fingerprint"), dict):
+            mine = self._manifest()["fingerprint"]
+            stored = {**stored, "fingerprint": {**stored["fingerprint"], **{k: mine[k] for k in self.deferred}}}
+            write_atomic(path, lambda f: f.write(_manifest_bytes(stored)))
+        self.deferred = set()
 
     def _read_parts_manifest(self) -> dict | None:
         """The parts dir's manifest; None for an empty dir without one (it is recreated)."""

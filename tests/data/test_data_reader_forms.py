@@ -102,10 +102,18 @@ def test_a_ray_data_llm_dataset_reads_as_there(tmp_path):
         "'sampling_params.max_tokens'?)")
     assert err({"prompt": "p", "sampling_params": [0.7]}).endswith(
         "field 'sampling_params': expected an object of sampling fields, got [0.7]")
-    assert "field 'top_p'" in err({"prompt": "p", "sampling_params": {"top_p": 3}})
+    assert "field 'sampling_params.top_p'" in err({"prompt": "p", "sampling_params": {"top_p": 3}})
     assert "'tokenized_prompt': expected a non-empty list" in err({"tokenized_prompt": []})
-    assert err({"prompt": "p", "tokenized_prompt": [1]}).endswith(
-        "row has both 'prompt' and 'tokenized_prompt'; give one")
+    # Ray's tokenize stage adds tokenized_prompt beside the prompt it came from: the prompt reads
+    both = parse({"prompt": "p", "tokenized_prompt": [1], "sampling_params": {"n": 2}})
+    assert (both.prompt, both.prompt_token_ids, both.overrides, both.ray_fields) == ("p", None, {"n": 2}, True)
+    assert parse({"messages": msgs, "tokenized_prompt": [1]}).messages == msgs
+    assert err({"prompt": "p", "sampling_params": {"temperature": -1}}).endswith(
+        "field 'sampling_params.temperature': expected a number >= 0, got -1")
+    assert "'sampling_params.length_penalty': not supported" in err(      # keeping a column exempts the row's own
+        {"prompt": "p", "sampling_params": {"length_penalty": 2}}, keep_columns=("length_penalty",))
+    assert "field 'sampling_params': an OpenAI batch line's request fields go inside 'body'" in err(
+        {"custom_id": "c", "body": {"prompt": "p"}, "sampling_params": {"temperature": 0.5}})
 
 
 def test_a_parquet_column_like_a_request_field_is_noted_outside_the_digest(tmp_path):

@@ -471,3 +471,45 @@ def _job(tiny_model, inp, out, dtype="auto", **kw):
     recipe = load_recipe("vanilla").with_overrides(model=str(tiny_model), max_tokens=3, batch_size=2, dtype=dtype)
     opts = JobOptions(output=str(out), device="cpu", **kw)
     return recipe, opts, run_job(str(inp), recipe, opts)
+
+
+def test_an_output_begun_when_ray_fields_were_data_resumes_unless_a_committed_row_has_them(tiny_model, tmp_path):
+    """A row's sampling_params and tokenized_prompt were its data before specbatch read them as
+    Ray Data LLM does: parts begun then resume when no committed row has them (and record the new
+    reading, so rows committed later are not held against it); a committed row with them is refused
+    naming it, rather than mixing rows read both ways."""
+    from specbatch.data import open_rows
+    from specbatch.job import RAY_FIELDS, JobError, fingerprint
+    from specbatch.resolve import resolve_model
+
+    def legacy_parts(inp, out):
+        recipe, opts, _ = _job(tiny_model, inp, tmp_path / "ref.jsonl", overwrite=True)
+        fp = fingerprint(recipe, resolve_model(recipe.model), None, opts, "cpu")
+        del fp["ray_fields"]
+        w = OutputWriter(str(out), fingerprint=fp)
+        w.add(rec(0), next(iter(open_rows(str(inp)))).digest)
+        w.commit()
+        w.close()
+        return fp
+
+    plain, ray = tmp_path / "plain.jsonl", tmp_path / "ray.jsonl"
+    plain.write_text("".join(json.dumps({"prompt": f"def f{i}():"}) + "\n" for i in range(3)))
+    ray.write_text("".join(json.dumps({"prompt": f"def f{i}():", "sampling_params": {"max_tokens": 2}}) + "\n"
+                           for i in range(3)))
+    out = tmp_path / "plain.out.jsonl"
+    fp = legacy_parts(plain, out)
+    w = OutputWriter(str(out), fingerprint={**fp, "ray_fields": RAY_FIELDS})
+    assert w.deferred == {"ray_fields"}
+    w.settle_deferred()
+    w.close()
+    assert json.loads((tmp_path / "plain.out.jsonl.parts" / "manifest.json").read_text())["fingerprint"][
+        "ray_fields"] == RAY_FIELDS
+    assert _job(tiny_model, plain, out)[2]["resumed"] == 1
+    legacy_parts(plain, tmp_path / "p2.out.jsonl")                       # the job settles it itself
+    assert _job(tiny_model, plain, tmp_path / "p2.out.jsonl")[2]["resumed"] == 1
+
+    out = tmp_path / "ray.out.jsonl"
+    legacy_parts(ray, out)
+    with pytest.raises(JobError, match=r"ray\.jsonl:1: has sampling_params or tokenized_prompt, which the specbatch "
+                                       r"that began .* took as the row's data"):
+        _job(tiny_model, ray, out)
