@@ -23,8 +23,10 @@ DEFERRED = ("settings.ray_fields",)
 # Spellings of one setting that run the same rows: no run seed is seed 0 (params.for_row).
 _SAME = {"settings.sampling.seed": (None, 0)}
 # Values an older manifest wrote where this one writes what they resolved to: a manifest from
-# before the fingerprint held the dtype the run used says `auto`, which matches any.
-_ANY = {"settings.dtype": "auto"}
+# before the fingerprint held the dtype the rows were computed in says what was asked (`auto`),
+# which matches a run asking `auto` again, as it did then. What was asked is not compared itself.
+_ASKED = {"settings.dtype": ("auto", "settings.dtype_requested")}
+_NOT_COMPARED = {"settings.dtype_requested"}
 
 
 def jsonable(value: object) -> object:
@@ -59,8 +61,9 @@ def mismatch(stored: dict, mine: dict) -> str | None:
         a, b = old.get(key, _UNSET), new.get(key, _UNSET)
         if key in DEFERRED and a is _UNSET and "fingerprint" in stored:
             continue                                       # checked row by row (deferred)
-        if a != b and not (key in _SAME and a in _SAME[key] and b in _SAME[key]) and not (
-                key in _ANY and a == _ANY[key]):
+        if key in _NOT_COMPARED or (key in _ASKED and a == _ASKED[key][0] and new.get(_ASKED[key][1]) == a):
+            continue
+        if a != b and not (key in _SAME and a in _SAME[key] and b in _SAME[key]):
             diffs.append(f"{key.removeprefix('settings.')}: {_show(a)} -> {_show(b)}")
     return "; ".join(dict.fromkeys(diffs)) or None       # (keep_columns is in both the settings and the top level)
 
