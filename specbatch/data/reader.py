@@ -117,10 +117,11 @@ def _jsonl_rows(lines: Iterable[bytes], name: str, opts: dict) -> Iterator[Row]:
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
-                if not line.endswith(b"\n") and (e.msg.startswith("Unterminated string") or e.pos >= len(text.rstrip())):
-                    # The last line, unterminated and its JSON ending early: a file still being written (or
-                    # cut). As an error row it would be committed, and the finished line refused as an edit.
-                    print(f"warning: {where}: the last line has no newline and is not complete JSON (a file still "
+                if not line.endswith(b"\n"):
+                    # The last line, unterminated and not JSON: a file still being written (cut anywhere,
+                    # inside a literal too). As an error row it would be committed, and the finished line
+                    # refused as an edit.
+                    print(f"warning: {where}: the last line has no newline and is not valid JSON (a file still "
                           "being written?); it is not run: rerun once it is complete and the row is added",
                           file=sys.stderr)
                     return

@@ -41,13 +41,14 @@ def emitted_logprobs(raw: torch.Tensor, processed: torch.Tensor, path: torch.Ten
 
 def _filtered_lowest_first(lp: torch.Tensor, top: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Top ids [..., k] whose -inf entries (tokens the filters removed, when fewer than k remain)
-    are the lowest removed ids, ascending: which -inf entries topk returns varies with the batch and
-    the kernel, and a row's logprobs must not. Overwrites `lp` [..., V] (used up by then)."""
+    are the lowest removed ids, ascending: which of equal -inf values topk returns varies with the
+    batch and the kernel. With fewer than k kept, the k lowest removed ids lie below 2k: only
+    those columns are read."""
     k, V = top.shape[-1], lp.shape[-1]
-    removed = lp == float("-inf")
-    lp.copy_(torch.arange(V, device=lp.device, dtype=lp.dtype).neg().expand_as(lp))    # -id: lower ids first
-    lp.masked_fill_(~removed, float("-inf"))
-    low = lp.topk(k, dim=-1).indices                                                   # [..., k] lowest removed
+    m = min(V, 2 * k)
+    head = lp[..., :m]
+    order = torch.arange(m, device=lp.device, dtype=lp.dtype).neg()            # -id: lower ids first
+    low = torch.where(head == float("-inf"), order, float("-inf")).topk(k, dim=-1).indices   # [..., k]
     kept = (top > float("-inf")).sum(dim=-1, keepdim=True)
     at = (torch.arange(k, device=lp.device) - kept).clamp(min=0)
     return torch.where(top == float("-inf"), low.gather(-1, at), ids)

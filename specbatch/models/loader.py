@@ -67,7 +67,7 @@ def _unreadable(path: Path, e: Exception) -> ModelError:
         return ModelError(f"{path}: a git-lfs pointer, not the weights (the repository was cloned without LFS); "
                           "run `git lfs pull` in its directory, or download the file itself")
     why = str(e).splitlines()[0] if str(e) else type(e).__name__
-    damaged = "" if isinstance(e, OSError) else "; the file is cut short or damaged: download it again"
+    damaged = "; the file is cut short or damaged: download it again" if isinstance(e, SafetensorError) else ""
     return ModelError(f"{path}: cannot read safetensors ({why}){damaged}")
 
 
@@ -80,7 +80,11 @@ def iter_tensors(files: list[Path], device: torch.device,
                 for name in f.keys():
                     if keep is None or keep(name):
                         yield name, f.get_tensor(name)
+        except torch.OutOfMemoryError:
+            raise                            # (a RuntimeError, but the device's, not the file's)
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+            if isinstance(e, RuntimeError) and "CUDA" in str(e):
+                raise                        # the device's too
             raise _unreadable(path, e) from None
 
 
@@ -152,6 +156,10 @@ def tensor_names(files: list[Path]) -> set[str]:
         try:
             with safe_open(str(path), framework="pt") as f:
                 names.update(f.keys())
+        except torch.OutOfMemoryError:
+            raise                            # (a RuntimeError, but the device's, not the file's)
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+            if isinstance(e, RuntimeError) and "CUDA" in str(e):
+                raise                        # the device's too
             raise _unreadable(path, e) from None
     return names

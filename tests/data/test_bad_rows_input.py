@@ -41,13 +41,14 @@ def test_an_unterminated_last_line_cut_short_is_not_run(tmp_path, capsys):
     path.write_bytes(b'{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "cut sho')
     out = list(open_rows(str(path)))
     assert [r.prompt for r in out] == ["a", "b"]
-    assert capsys.readouterr().err == (f"warning: {path}:3: the last line has no newline and is not complete JSON (a "
+    assert capsys.readouterr().err == (f"warning: {path}:3: the last line has no newline and is not valid JSON (a "
                                        "file still being written?); it is not run: rerun once it is complete and the "
                                        "row is added\n")
-    for cut in (b'{"prompt": "x", "max_tokens": ', b'{"prompt": "x",', b'{"prompt"'):
+    for cut in (b'{"prompt": "x", "max_tokens": ', b'{"prompt": "x",', b'{"prompt"', b'{"prompt": "x", "ignore_eos": tru',
+                b'{"prompt": "x", "temperature": 0.', b'{"prompt": "x", "temperature": -'):
         path.write_bytes(b'{"prompt": "a"}\n' + cut)
         assert len(list(open_rows(str(path)))) == 1, cut
-    path.write_bytes(b'{"prompt": "a"}\n{"prompt": 1,}')              # malformed, not cut: the row's error
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": 1,}\n')            # malformed, and ended: the row's error
     assert "malformed JSON" in list(open_rows(str(path)))[1].error
 
 

@@ -82,3 +82,24 @@ def test_missing_lm_head_with_untied_config_is_refused(tiny_model_factory, tmp_p
     (d / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
     model, _ = load_target(d, "float32", "cpu")
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_a_device_error_while_reading_weights_is_not_blamed_on_the_file(tmp_path, monkeypatch):
+    """Out of memory (or a CUDA error) while safetensors copies a tensor to the device is the
+    device's: it propagates as itself, not as 'the file is cut short or damaged'."""
+    import torch
+
+    from specbatch.models import loader
+    from specbatch.models.config import ModelError
+
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"\0" * 16)
+    for exc, kind in ((torch.OutOfMemoryError("CUDA out of memory"), torch.OutOfMemoryError),
+                      (RuntimeError("CUDA error: an illegal memory access"), RuntimeError),
+                      (OSError(13, "Permission denied"), ModelError)):
+        def boom(*a, **k):
+            raise exc
+        monkeypatch.setattr(loader, "safe_open", boom)
+        with pytest.raises(kind) as ei:
+            loader.tensor_names([f])
+        assert "damaged" not in str(ei.value)
