@@ -324,7 +324,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
     resumed = len(done) if limit is None else done.count_below(limit)
     digests: dict[int, bytes] = {}
     named, ids = ModelNames(model_name(recipe)), RepeatedIds()
-    unread = UnreadFields("(--keep-columns {key} marks it as your data and keeps it quiet)")
+    unread = UnreadFields("(rename the column, or name it in --keep-columns, to keep this quiet)")
     greedy = GreedyByDefault(recipe.sampling, runner.model_defaults)
 
     def todo() -> Iterator[Row]:

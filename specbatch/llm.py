@@ -189,6 +189,9 @@ class LLM:
             bucket_window=bucket, spec=spec, graphs=not eager, prefix_caching=enable_prefix_caching,
             logprobs_mode=logprobs_mode))
         self.calls = 0          # generate() calls so far: each later one draws fresh samples (_records)
+        # what generate() says once about its prompts, once for this LLM (an eval loop calls it often)
+        self._unread = UnreadFields()
+        self._greedy = GreedyByDefault(self.recipe.sampling, self.engine.model_defaults)
 
     def sampling(self, params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
         """The recipe's sampling defaults with `params` applied (validated as recipe keys)."""
@@ -264,9 +267,8 @@ class LLM:
         if _one_prompt(prompts):
             prompts = [prompts]
         rows = [_row(p, i) for i, p in enumerate(prompts)]
-        unread = UnreadFields()
         for r in rows:
-            unread.check(r)
+            self._unread.check(r)
         params = sampling_params
         if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
             if len(params) != len(rows):
@@ -285,9 +287,9 @@ class LLM:
                         del own["max_tokens"]
                     r.overrides = {**own, **r.overrides}
             params = None
-        greedy = GreedyByDefault(self.sampling(params), self.engine.model_defaults)
+        self._greedy.use(self.sampling(params), self.engine.model_defaults)
         for r in rows:
-            greedy.check(r)
+            self._greedy.check(r)
         self.calls += 1
         records = self._records(rows, params, call=self.calls - 1)
         out = [Completion.from_record(rec) for rec in _with_progress(records, len(rows), use_tqdm)]

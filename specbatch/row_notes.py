@@ -65,14 +65,27 @@ class GreedyByDefault:
     vLLM's SamplingParams default to temperature 1.0, so its users' {top_p, n} would sample. Said
     once."""
 
+    SHAPING = ("top_p", "top_k", "min_p", "n")
+
     def __init__(self, defaults: Any, model: dict | None):
         """`defaults`: the run's SamplingParams (flags and recipe); `model`: generation_config.json's."""
-        self.defaults, self.model, self.said = defaults, model or {}, False
+        self.said = False
+        self.use(defaults, model)
+
+    def use(self, defaults: Any, model: dict | None) -> None:
+        """Other run defaults (LLM.generate's per call); what was said stays said."""
+        self.defaults, self.model = defaults, model or {}
+        # per row only what a row can change: most rows set none of these, and cost a lookup each
+        self.tempered = defaults.temperature is not None or "temperature" in self.model
+        self.asked_by_defaults = bool(defaults.unsampled({}, self.model))
 
     def check(self, row: Any) -> None:
-        if self.said or not isinstance(getattr(row, "overrides", None), dict) or row.batch_line:
+        if self.said or self.tempered or not isinstance(getattr(row, "overrides", None), dict) or row.batch_line:
             return                                   # (an OpenAI line samples at 1.0 when unset)
-        asked = self.defaults.unsampled(row.overrides, self.model)
+        ov = row.overrides
+        if not self.asked_by_defaults and not any(k in ov for k in self.SHAPING):
+            return
+        asked = self.defaults.unsampled(ov, self.model)
         if not asked:
             return
         self.said = True

@@ -577,14 +577,21 @@ def _edits(a: str, b: str, most: int) -> int:
 @functools.lru_cache(maxsize=4096)
 def near_field(key: str) -> str | None:
     """The request field an unknown key most likely meant: its spelling in another case or style
-    (`Temperature`, `maxTokens`, `max-tokens`), another API's name for it (`max_new_tokens`), or a
-    typo (one edit, two past ten letters: `temprature`, `seeds`); None for a key like none of them
-    (and for keys under three letters)."""
+    (`Temperature`, `maxTokens`, `max-tokens`, `topp`), a plural or singular (`seeds`, `logprob`),
+    another API's name for it (`max_new_tokens`), or, past five letters, a typo (one edit, two past
+    ten letters: `temprature`). None for a key like none of them: short words (`step`, `speed`,
+    `top`) are too easily a column of one's own."""
     k = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", key).lower().replace("-", "_")
     if len(k) < 3:               # `N`, `p`: too short to tell a field from a column of one's own
         return None
     if k in REQUEST_FIELDS or k in FIELD_ALIASES:
         return FIELD_ALIASES.get(k, k)
+    bare = k.replace("_", "")
+    for f in sorted(REQUEST_FIELDS):
+        if bare == f.replace("_", "") or k in (f + "s", f[:-1] if f.endswith("s") else None):
+            return f
+    if len(k) < 6:
+        return None
     most = 1 + (len(k) > 10)
     best = min(REQUEST_FIELDS, key=lambda f: (_edits(k, f, most), f))
     return best if _edits(k, best, most) <= most else None

@@ -403,9 +403,9 @@ def test_keys_that_look_like_request_fields_are_said_once_each(tmp_path, base):
     r = ok("run", inp, "-o", out, *base)
     assert [x for x in r.stderr.splitlines() if x.startswith("warning:")] == [
         f"warning: {inp}:1: 'max_new_tokens' is not a request field, so the row runs without it; did you mean "
-        "'max_tokens'? (--keep-columns max_new_tokens marks it as your data and keeps it quiet)",
+        "'max_tokens'? (rename the column, or name it in --keep-columns, to keep this quiet)",
         f"warning: {inp}:1: 'temprature' is not a request field, so the row runs without it; did you mean "
-        "'temperature'? (--keep-columns temprature marks it as your data and keeps it quiet)"]
+        "'temperature'? (rename the column, or name it in --keep-columns, to keep this quiet)"]
     assert {x["completion_tokens"] for x in read(out)} == {4}            # --max-tokens 4, not 2
     r = ok("run", inp, "-o", tmp_path / "k.jsonl", *base, "--keep-columns", "max_new_tokens,temprature")
     assert "warning" not in r.stderr

@@ -74,9 +74,10 @@ def llm():
     return LLM(recipe="eagle3_topk1", device="cpu", batch_size=3)
 
 
-def test_a_row_dict_key_like_a_request_field_is_said(llm, capsys):
+def test_a_row_dict_key_like_a_request_field_is_said(capsys):
     """A row dict's `max_new_tokens` (transformers' name) is not a request field: the prompt runs
     without it, and generate() says so once, naming the field it likely meant."""
+    llm = LLM(recipe="vanilla", device="cpu", batch_size=2)         # its own: notes are said once an LLM
     outs = llm.generate([{"prompt": "def f():", "max_new_tokens": 2}] * 2, {"max_tokens": 5}, use_tqdm=False)
     assert [o.completion_tokens for o in outs] == [5, 5]
     assert capsys.readouterr().err.splitlines() == [
@@ -84,9 +85,10 @@ def test_a_row_dict_key_like_a_request_field_is_said(llm, capsys):
         "'max_tokens'?"]
 
 
-def test_sampling_params_without_a_temperature_are_said_greedy(llm, capsys):
+def test_sampling_params_without_a_temperature_are_said_greedy(capsys):
     """A vLLM user's SamplingParams(top_p=0.95, n=4) samples there (temperature 1.0 by default);
-    here it runs greedy, so generate() says so once per call, naming the fields."""
+    here it runs greedy, so generate() says so once an LLM, naming the fields."""
+    llm = LLM(recipe="vanilla", device="cpu", batch_size=2)
     from specbatch import SamplingParams
 
     outs = llm.generate(["def f():", "def g():"], SamplingParams(top_p=0.95, n=2, max_tokens=3), use_tqdm=False)
@@ -95,6 +97,7 @@ def test_sampling_params_without_a_temperature_are_said_greedy(llm, capsys):
     assert len(err) == 1 and err[0].startswith("warning: prompt 0: top_p and n > 1 are set but no temperature is")
     llm.generate(["def f():"], SamplingParams(top_p=0.95, n=2, max_tokens=3, temperature=0.8), use_tqdm=False)
     llm.generate(["def f():"], [{"top_k": 3, "temperature": 0.5, "max_tokens": 2}], use_tqdm=False)
+    llm.generate(["def f():"], SamplingParams(top_k=4, max_tokens=2), use_tqdm=False)     # said once an LLM
     assert capsys.readouterr().err == ""
 
 

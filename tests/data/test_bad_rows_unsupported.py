@@ -101,11 +101,12 @@ def test_keys_that_look_like_request_fields_are_named_with_the_field_they_meant(
 
     meant = {"max_new_tokens": "max_tokens", "maxTokens": "max_tokens", "max-tokens": "max_tokens",
              "Temperature": "temperature", "temprature": "temperature", "topP": "top_p", "seeds": "seed",
-             "stops": "stop", "stop_sequences": "stop", "num_return_sequences": "n", "logprob": "logprobs",
+             "stops": "stop", "stop_sequences": "stop", "num_return_sequences": "n", "logprob": "logprobs", "topk": "top_k",
              "repetition_penality": "repetition_penalty", "stop_token_id": "stop_token_ids"}
     assert {k: near_field(k) for k in meant} == meant
     data = ["label", "answer", "category", "source", "text", "gold", "score", "n_tokens", "prompt_tokens",
-            "completion_tokens", "finish_reason", "stop_reason", "choices", "row", "N", "temp", "model"]
+            "completion_tokens", "finish_reason", "stop_reason", "choices", "row", "N", "temp", "model", "step",
+            "top", "speed", "seen", "need", "top_n"]
     assert [k for k in data if near_field(k) is not None] == []
 
     row = parse({"prompt": "x", "max_new_tokens": 8, "temprature": 0.7, "label": "a", "seeds": None,
