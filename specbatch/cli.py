@@ -1,7 +1,6 @@
 """The `specbatch` command: thin wrappers over recipe loading and `run_job`."""
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sys
@@ -154,7 +153,7 @@ def run(
     """Generate a completion for every row of INPUT. Rerunning the same command resumes."""
     import signal
 
-    from .data import InputError, OutputError
+    from .data import InputError, OutputError, StdoutClosed
     from .job import DeviceLost, JobError, JobOptions, check_stats_path, run_job
     from .models.config import ModelError
     from .params import check_logprobs_mode
@@ -215,17 +214,17 @@ def run(
             sys.stderr.flush()
             os._exit(EXIT_USAGE)
         _fail(str(e), EXIT_FAILED if fail_fast else EXIT_USAGE)
-    except (InputError, OutputError, ModelError, RecipeError, ValueError) as e:
-        _fail(str(e))
-    except BrokenPipeError:
-        if output != "-":
-            _fail(f"specbatch: {os.strerror(errno.EPIPE)}")
+    except StdoutClosed as e:
         # -o - read by `head` and the like: the reader had what it wanted; stop as a piped tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (no second error flushing at exit)
         if not quiet:
-            err.print(f"specbatch: stdout was closed by its reader after {view.on_stdout or 0:,} rows; stopped",
-                      highlight=False, soft_wrap=True)
+            try:
+                err.print(f"specbatch: {e}; stopped", highlight=False, soft_wrap=True)
+            except OSError:
+                pass                         # stderr went with it (2>&1 | head)
         raise typer.Exit(EXIT_PIPE) from None
+    except (InputError, OutputError, ModelError, RecipeError, ValueError) as e:
+        _fail(str(e))
     except OSError as e:
         _fail(f"{e.filename or 'specbatch'}: {e.strerror or e}")
     except KeyboardInterrupt as e:

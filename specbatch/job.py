@@ -363,6 +363,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
                      "device": runner.device, "max_model_len": runner.max_len,
                      "model": str(resolve_model(recipe.model)), "capture_s": runner.capture_s,
                      "load_s": stats.load_s,
+                     # tokens generated so far; workers report theirs when they end: finished rows' then
                      "tokens_now": lambda: runner.tokens if runner.llm else stats.completion_tokens})
     try:
         for rec in generated():

@@ -37,6 +37,7 @@ class ProgressView:
         self.started = time.perf_counter()
         self.last_line = self.started
         self.tokens_now: Callable[[], int] | None = None   # tokens generated so far, unfinished rows' too
+        self.gone = False                      # stderr was closed under us
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.beat: threading.Thread | None = None
@@ -63,13 +64,19 @@ class ProgressView:
                 except Exception:  # noqa: BLE001 - a count read mid-update: the last one stays
                     pass
                 self.last_line = now
-                self._say(self.line(now, *self._rates(now)))
+                text = self.line(now, *self._rates(now))
+            self._say(text)                    # (outside the lock: a stalled stderr must not stall the job)
 
     def _rates(self, now: float) -> tuple[float, float]:
         return self.tokens / max(now - self.started, 1e-9), self.completion_tokens / max(self.verify_steps, 1)
 
     def _say(self, text: str) -> None:
-        self.err.print(text, highlight=False, markup=False, soft_wrap=True)
+        if self.gone:
+            return
+        try:
+            self.err.print(text, highlight=False, markup=False, soft_wrap=True)
+        except OSError:                        # stderr closed (2>&1 | head): the job goes on without lines
+            self.gone = True
 
     def update(self, event: str, info: dict[str, Any]) -> None:
         if event == "start":

@@ -4,7 +4,7 @@ from .digests import InputChanged, RowSet, check_input
 from .merge import output_schema
 from .reader import RowSource, open_rows
 from .rows import InputError, OutputError, RowError, RowRequest, parse_row
-from .stdout import StdoutWriter
+from .stdout import StdoutClosed, StdoutWriter
 from .writer import OutputWriter
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "RowRequest",
     "RowSet",
     "RowSource",
+    "StdoutClosed",
     "StdoutWriter",
     "check_input",
     "open_rows",

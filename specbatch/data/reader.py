@@ -207,7 +207,8 @@ def _check_block(name: str, lines: list[bytes], cut: bool, opts: dict) -> None:
     seen = _field_list(keys)
     if not any(f in keys for f in _forms(opts)):
         raise InputError(
-            f"{name}: no '{opts['prompt_column']}', 'messages', 'prompt_token_ids' or 'body' field "
+            f"{name}: no '{opts['prompt_column']}', 'messages', 'prompt_token_ids' (or 'tokenized_prompt') "
+            "or 'body' field "
             f"in the first {rows} (fields: {seen})"
         )
     if opts["id_column"] is not None and opts["id_column"] not in keys:
@@ -299,7 +300,8 @@ def _open_parquet(path: str, opts: dict) -> RowSource:
         raise InputError(f"{path}: id column '{opts['id_column']}' is not in the Parquet schema (columns: {cols})")
     if not any(f in names for f in _forms(opts)):
         raise InputError(
-            f"{path}: no '{opts['prompt_column']}', 'messages', 'prompt_token_ids' or 'body' column "
+            f"{path}: no '{opts['prompt_column']}', 'messages', 'prompt_token_ids' (or 'tokenized_prompt') "
+            "or 'body' column "
             f"(columns: {cols})"
         )
     columns, noted = _parquet_columns(names, opts)

@@ -11,8 +11,17 @@ import pyarrow as pa
 
 from .. import records
 from .digests import Expected, RowSet
+from .rows import OutputError
 from .merge import _struct_value, json_default
 from .openai_out import check_keep_columns, check_output_format, to_openai_line
+
+
+class StdoutClosed(OutputError):
+    """The reader of `-o -` closed the pipe (`| head`): the stream ends here, as a piped tool's."""
+
+    def __init__(self, written: int):
+        super().__init__(f"stdout was closed by its reader after {written:,} rows")
+        self.written = written
 
 
 class StdoutWriter:
@@ -62,7 +71,7 @@ class StdoutWriter:
             self._emit(self._pending.pop(self._next))
             self._next += 1
         if not self._pending:
-            self.stream.flush()
+            self._flush()
 
     def _emit(self, rec: dict[str, Any]) -> None:
         if self.output_format == "auto":                # finalize: no row of known form came
@@ -75,7 +84,10 @@ class StdoutWriter:
         if self.output_format == "openai":
             out = to_openai_line({**rec, **out}, self.model_name, self._digests.get(rec["row"]))
         out.update((c, rec.get(c)) for c in self.keep_columns)
-        self.stream.write((json.dumps(out, ensure_ascii=False, default=json_default) + "\n").encode("utf-8"))
+        try:
+            self.stream.write((json.dumps(out, ensure_ascii=False, default=json_default) + "\n").encode("utf-8"))
+        except BrokenPipeError:
+            raise StdoutClosed(self.count) from None
         self._digests.pop(rec["row"], None)
         self.count += 1
 
@@ -83,13 +95,19 @@ class StdoutWriter:
     def buffered(self) -> int:
         return len(self._pending)
 
+    def _flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            raise StdoutClosed(self.count) from None
+
     def commit(self) -> None:
-        self.stream.flush()
+        self._flush()
 
     def finalize(self) -> int:
         for row in sorted(self._pending):       # rows after a gap (a stopped run): still in order
             self._emit(self._pending.pop(row))
-        self.stream.flush()
+        self._flush()
         return self.count
 
     def reopen(self, digests: dict[int, bytes]) -> None:

@@ -131,9 +131,9 @@ class Engine:
         window = self.cfg.sliding_window
         if window is not None and window <= self.headroom:
             # (the cycle's new rows must all sit inside the window: models/attention.py)
-            raise ModelError(f"{model_dir or 'the model'}: sliding_window {window} is not wider than the {self.headroom} "
-                             "rows a cycle writes per sequence (the verify width and the draft's rows); use a recipe "
-                             "that drafts fewer tokens (vanilla) or a model with a wider window")
+            raise ModelError(f"{model_dir or 'the model'}: sliding_window {window} is not wider than the "
+                             f"{self.headroom} rows a cycle writes per sequence (the verify width and the draft's "
+                             "rows); use a recipe that drafts fewer tokens (vanilla) or a model with a wider window")
         # rows a running request may write past its host-known length before the next growth: the
         # cycle in flight (width) and the next (headroom)
         self.ahead = width + self.headroom

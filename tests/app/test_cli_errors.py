@@ -129,8 +129,8 @@ def test_unusable_model_dir(broken_models, data_dir, tmp_path, which, expect):
 
 def test_a_hub_id_says_nothing_is_downloaded(data_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    line = one_line_cli_error(cli(*run_args("meta-llama/Llama-3.1-8B", data_dir / "rows.jsonl", tmp_path / "o.parquet")),
-                              EXIT_USAGE)
+    args = run_args("meta-llama/Llama-3.1-8B", data_dir / "rows.jsonl", tmp_path / "o.parquet")
+    line = one_line_cli_error(cli(*args), EXIT_USAGE)
     assert "meta-llama/Llama-3.1-8B: model directory not found (specbatch loads local directories" in line
     assert "huggingface-cli download meta-llama/Llama-3.1-8B --local-dir DIR" in line
 

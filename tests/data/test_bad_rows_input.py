@@ -44,8 +44,9 @@ def test_an_unterminated_last_line_cut_short_is_not_run(tmp_path, capsys):
     assert capsys.readouterr().err == (f"warning: {path}:3: the last line has no newline and is not valid JSON (a "
                                        "file still being written?); it is not run: rerun once it is complete and the "
                                        "row is added\n")
-    for cut in (b'{"prompt": "x", "max_tokens": ', b'{"prompt": "x",', b'{"prompt"', b'{"prompt": "x", "ignore_eos": tru',
-                b'{"prompt": "x", "temperature": 0.', b'{"prompt": "x", "temperature": -'):
+    for cut in (b'{"prompt": "x", "max_tokens": ', b'{"prompt": "x",', b'{"prompt"',
+                b'{"prompt": "x", "ignore_eos": tru', b'{"prompt": "x", "temperature": 0.',
+                b'{"prompt": "x", "temperature": -'):
         path.write_bytes(b'{"prompt": "a"}\n' + cut)
         assert len(list(open_rows(str(path)))) == 1, cut
     path.write_bytes(b'{"prompt": "a"}\n{"prompt": 1,}\n')            # malformed, and ended: the row's error
@@ -59,7 +60,8 @@ def test_jsonl_columns_are_checked_at_open(tmp_path):
     path = write_lines(tmp_path / "c.jsonl", ['{"text": "a", "uid": 1}', '{"text": "b", "meta": 2}'])
     with pytest.raises(InputError) as ei:
         open_rows(path)
-    assert str(ei.value) == (f"{path}: no 'prompt', 'messages', 'prompt_token_ids' or 'body' field in the "
+    assert str(ei.value) == (f"{path}: no 'prompt', 'messages', 'prompt_token_ids' (or 'tokenized_prompt') "
+                             "or 'body' field in the "
                              "first 2 rows (fields: text, uid, meta)")
     with pytest.raises(InputError, match=r"id column 'id' is not in the first 2 rows \(fields: text, uid, meta\)"):
         open_rows(path, prompt_column="text", id_column="id")

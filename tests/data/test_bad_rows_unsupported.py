@@ -101,7 +101,8 @@ def test_keys_that_look_like_request_fields_are_named_with_the_field_they_meant(
 
     meant = {"max_new_tokens": "max_tokens", "maxTokens": "max_tokens", "max-tokens": "max_tokens",
              "Temperature": "temperature", "temprature": "temperature", "topP": "top_p", "seeds": "seed",
-             "stops": "stop", "stop_sequences": "stop", "num_return_sequences": "n", "logprob": "logprobs", "topk": "top_k",
+             "stops": "stop", "stop_sequences": "stop", "num_return_sequences": "n", "logprob": "logprobs",
+             "topk": "top_k",
              "repetition_penality": "repetition_penalty", "stop_token_id": "stop_token_ids"}
     assert {k: near_field(k) for k in meant} == meant
     data = ["label", "answer", "category", "source", "text", "gold", "score", "n_tokens", "prompt_tokens",

@@ -65,7 +65,7 @@ def test_relative_model_and_draft_paths_in_a_recipe_file(tmp_path, monkeypatch):
     got = load_recipe(str(r))
     assert got.draft == str(tmp_path / "conf" / "head") and got.model == "nowhere"      # (not found: left as given)
     (elsewhere / "head").mkdir()
-    assert load_recipe(str(r)).draft == "head"                                            # the working directory's first
+    assert load_recipe(str(r)).draft == "head"                # the working directory's first
 
 
 def test_unknown_recipe_name():
