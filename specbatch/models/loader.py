@@ -55,9 +55,12 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 _LFS_POINTER = b"version https://git-lfs"
 
 
-def _unreadable(path: Path, e: Exception) -> ModelError:
+def _unreadable(path: Path, e: Exception) -> Exception:
     """A weights file safetensors cannot read, in one line: a git-lfs pointer left by a clone without
-    LFS is named as such."""
+    LFS is named as such. Out of memory or a CUDA error while copying a tensor to the device is the
+    device's, not the file's: returned as itself."""
+    if isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "CUDA" in str(e)):
+        return e
     try:
         with open(path, "rb") as f:
             head = f.read(len(_LFS_POINTER))
@@ -80,11 +83,7 @@ def iter_tensors(files: list[Path], device: torch.device,
                 for name in f.keys():
                     if keep is None or keep(name):
                         yield name, f.get_tensor(name)
-        except torch.OutOfMemoryError:
-            raise                            # (a RuntimeError, but the device's, not the file's)
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:
-            if isinstance(e, RuntimeError) and "CUDA" in str(e):
-                raise                        # the device's too
             raise _unreadable(path, e) from None
 
 
@@ -156,10 +155,6 @@ def tensor_names(files: list[Path]) -> set[str]:
         try:
             with safe_open(str(path), framework="pt") as f:
                 names.update(f.keys())
-        except torch.OutOfMemoryError:
-            raise                            # (a RuntimeError, but the device's, not the file's)
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:
-            if isinstance(e, RuntimeError) and "CUDA" in str(e):
-                raise                        # the device's too
             raise _unreadable(path, e) from None
     return names
