@@ -211,7 +211,6 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
                                                output=output, refuse=refuse)
             except InputChanged as e:
                 raise JobError(str(e)) from None
-            writer.settle_deferred()
             if writer.complete:
                 if not pending:
                     return stats.summary(output=output, complete_before=True, resumed=len(writer.done_rows))
@@ -220,6 +219,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
                 rows = writer.finalize()
                 return stats.summary(output=output, assembled=True, resumed=len(writer.done_rows),
                                      rows_in_output=rows, limit=opts.limit)
+        writer.settle_deferred()         # the committed rows (if any) passed: record what they predate
         return _generate(source, writer, recipe, opts, devices, output, stats, notify)
     except DeviceLost as e:
         e.restartable = e.restartable and input_path != "-"      # stdin is read once

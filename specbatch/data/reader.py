@@ -266,6 +266,11 @@ def _open_stdin(opts: dict) -> RowSource:
     return RowSource("-", None, lambda: _jsonl_rows(_stdin_lines(stream, opts), "<stdin>", opts))
 
 
+# Columns read since an older specbatch took them as the row's data: a row's null in one is left out
+# of its digest, so an output begun then still resumes (a row with a value is refused by name: job.py).
+_READ_SINCE = ("sampling_params", "tokenized_prompt")
+
+
 def _forms(opts: dict) -> tuple[str, ...]:
     """The fields a row's prompt can come in (Ray Data LLM's tokenized_prompt among them)."""
     return (opts["prompt_column"], "messages", "prompt_token_ids", "tokenized_prompt", "body")
@@ -322,6 +327,9 @@ def _open_parquet(path: str, opts: dict) -> RowSource:
                 out = parse_row(obj, row=row, where=f"{name} row {row}", **opts)
                 for c in noted:
                     del obj[c]
+                for c in _READ_SINCE:
+                    if obj.get(c, 0) is None:
+                        del obj[c]
                 out.digest = _parquet_digest(obj)
                 yield out
                 row += 1

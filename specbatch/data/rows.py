@@ -49,7 +49,7 @@ class RowRequest:
     request_model: str | None = None  # OpenAI batch lines: the body's `model`, echoed in the response
     batch_line: bool = False  # an OpenAI batch line (custom_id / url / body)
     unread: tuple[tuple[str, str], ...] = ()  # keys that look like request fields and are not: (key, field)
-    ray_fields: bool = False  # read from Ray Data LLM's sampling_params or tokenized_prompt
+    ray_fields: bool = False  # has Ray Data LLM's sampling_params or a lone tokenized_prompt (read or refused)
     where: str = ""
     digest: bytes = b""  # 16 bytes over the row's raw input (set by the readers; resume checks)
 
@@ -67,6 +67,7 @@ class RowError:
     keep: dict = field(default_factory=dict)
     digest: bytes = b""
     batch_line: bool | None = None  # an OpenAI batch line (it has a body); None: unknown or not
+    ray_fields: bool = False  # has Ray Data LLM's sampling_params or a lone tokenized_prompt (as RowRequest's)
 
 
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
@@ -180,7 +181,6 @@ def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequenc
     else:
         req.prompt_token_ids = check_token_ids(obj[form], form, non_empty=True)
     req.endpoint = "chat" if form == "messages" else "completion"
-    req.ray_fields = form == "tokenized_prompt" or obj.get("sampling_params") is not None
     fields, params = obj, {}
     if obj.get("sampling_params") is not None:
         params = sampling_params_fields(obj["sampling_params"])
@@ -214,6 +214,18 @@ def parse_row(
     keep_columns: Sequence[str] = (),
 ) -> RowRequest | RowError:
     """Validate one input row (a JSON object or a Parquet row as a dict)."""
+    out = _parse_row(obj, row=row, where=where, prompt_column=prompt_column, id_column=id_column,
+                     keep_columns=keep_columns)
+    # Whether the row has what an older specbatch took as its data (job.py checks a resume by it),
+    # whether or not it parses now.
+    out.ray_fields = isinstance(obj, dict) and (obj.get("sampling_params") is not None or (
+        obj.get("tokenized_prompt") is not None
+        and not _present(obj, (prompt_column, "messages", "prompt_token_ids", "body"))))
+    return out
+
+
+def _parse_row(obj: object, *, row: int, where: str, prompt_column: str, id_column: str | None,
+               keep_columns: Sequence[str]) -> RowRequest | RowError:
     if not isinstance(obj, dict):
         kind = "an array" if isinstance(obj, list) else show(obj)
         return RowError(row, row, f"{where}: expected a JSON object, got {kind}", {c: None for c in keep_columns})

@@ -113,5 +113,10 @@ class StdoutWriter:
     def reopen(self, digests: dict[int, bytes]) -> None:
         pass
 
+    deferred: frozenset[str] = frozenset()                # (nothing was written before this run)
+
+    def settle_deferred(self) -> None:
+        pass
+
     def close(self) -> None:
         pass

@@ -516,3 +516,31 @@ def test_an_output_begun_when_ray_fields_were_data_resumes_unless_a_committed_ro
     with pytest.raises(JobError, match=r"ray\.jsonl:1: has sampling_params or tokenized_prompt, which the specbatch "
                                        r"that began .* took as the row's data"):
         _job(tiny_model, ray, out)
+    # a row the new reading refuses (its error row would sit beside the old run's success) is refused too
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "def f():", "sampling_params": {"temperature": "hot"}}) + "\n")
+    legacy_parts(bad, tmp_path / "bad.out.jsonl")
+    with pytest.raises(JobError, match=r"row 0: has sampling_params or tokenized_prompt"):
+        _job(tiny_model, bad, tmp_path / "bad.out.jsonl")
+
+    # Parquet: a row's null in these columns stays out of its digest, so the old run's digest holds
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from specbatch.data.reader import _parquet_digest
+
+    pqin = tmp_path / "ray.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "def f():", "sampling_params": None},
+                                         {"prompt": "def g():", "sampling_params": {"max_tokens": 2}}]), pqin)
+    old_digest = _parquet_digest({"prompt": "def f():"})              # what the older reader hashed
+    assert next(iter(open_rows(str(pqin)))).digest == old_digest
+    out = tmp_path / "pq.out.jsonl"
+    recipe, opts, _ = _job(tiny_model, plain, tmp_path / "ref2.jsonl", overwrite=True)
+    fp = fingerprint(recipe, resolve_model(recipe.model), None, opts, "cpu")
+    del fp["ray_fields"]
+    w = OutputWriter(str(out), fingerprint=fp)
+    w.add(rec(0), old_digest)
+    w.commit()
+    w.close()
+    done = _job(tiny_model, pqin, out)[2]
+    assert done["resumed"] == 1 and [json.loads(x)["completion_tokens"] for x in out.read_text().splitlines()][1] <= 2
