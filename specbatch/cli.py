@@ -475,9 +475,38 @@ def train(
     typer.echo(json.dumps({k: report[k] for k in chosen}, indent=2, default=str))
 
 
+class _StderrGone:
+    """sys.stderr once its reader may close it (`2>&1 | head`): writes after that are dropped, so a
+    warning or progress line cannot end the job (nor rich's console, which on a broken pipe points
+    stdout at /dev/null and exits: the job would then generate every row into nothing)."""
+
+    def __init__(self, stream: Any):
+        self.stream, self.gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return self.stream.write(text)
+            except BrokenPipeError:
+                self.gone = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self.gone = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
 def main() -> None:
     """The console script: a malformed flag or argument is one line naming it (the CLI framework's
     own form is a usage block and a box), as every other error here is."""
+    if not isinstance(sys.stderr, _StderrGone):
+        sys.stderr = _StderrGone(sys.stderr)
     # click's exception classes, whether typer vendors click (0.2x) or imports it
     usage_error, click_error = (next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
                                 for name in ("UsageError", "ClickException"))

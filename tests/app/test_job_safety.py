@@ -247,6 +247,18 @@ def test_stdout_closed_by_its_reader_stops_quietly(tmp_path, tiny_model):
     assert p.wait(timeout=120) == 141, err
     assert "error" not in err and "Traceback" not in err and "stdout was closed by its reader after" in err
 
+    # `2>&1 | head -2`: stderr goes with it; a progress line must neither end the job nor (as rich's
+    # console does on a broken pipe) point stdout at /dev/null and generate every row into nothing
+    out = tmp_path / "o.jsonl"
+    for args in (["-o", "-", "--progress-every", "0.1"], ["-o", str(out), "--progress-every", "1000"]):
+        p = subprocess.Popen([sys.executable, "-m", "specbatch", "run", str(inp), "--model", str(tiny_model),
+                              "--device", "cpu", "--max-tokens", "24", "--ignore-eos", "--batch-size", "2", *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        p.stdout.readline()
+        p.stdout.close()
+        assert p.wait(timeout=120) == (141 if args[1] == "-" else 0)
+    assert len(read(out)) == 64
+
 
 def test_version():
     from specbatch import __version__
