@@ -266,8 +266,9 @@ def _open_stdin(opts: dict) -> RowSource:
     return RowSource("-", None, lambda: _jsonl_rows(_stdin_lines(stream, opts), "<stdin>", opts))
 
 
-# Columns read since an older specbatch took them as the row's data: a row's null in one is left out
-# of its digest, so an output begun then still resumes (a row with a value is refused by name: job.py).
+# Columns read since an older specbatch took them as the row's data: a row's null in one (or a
+# tokenized_prompt beside the prompt that reads) is left out of its digest, so an output begun then
+# still resumes (a row they change is refused by name: job.py).
 _READ_SINCE = ("sampling_params", "tokenized_prompt")
 
 
@@ -328,8 +329,8 @@ def _open_parquet(path: str, opts: dict) -> RowSource:
                 for c in noted:
                     del obj[c]
                 for c in _READ_SINCE:
-                    if obj.get(c, 0) is None:
-                        del obj[c]
+                    if c in obj and (obj[c] is None or (c == "tokenized_prompt" and not out.ray_fields)):
+                        del obj[c]           # (a tokenized_prompt beside a prompt changes nothing it reads)
                 out.digest = _parquet_digest(obj)
                 yield out
                 row += 1

@@ -534,6 +534,9 @@ def test_an_output_begun_when_ray_fields_were_data_resumes_unless_a_committed_ro
                                          {"prompt": "def g():", "sampling_params": {"max_tokens": 2}}]), pqin)
     old_digest = _parquet_digest({"prompt": "def f():"})              # what the older reader hashed
     assert next(iter(open_rows(str(pqin)))).digest == old_digest
+    both = tmp_path / "both.parquet"                                  # Ray's tokenize stage beside the prompt
+    pq.write_table(pa.Table.from_pylist([{"prompt": "def f():", "tokenized_prompt": [5, 6]}]), both)
+    assert next(iter(open_rows(str(both)))).digest == old_digest
     out = tmp_path / "pq.out.jsonl"
     recipe, opts, _ = _job(tiny_model, plain, tmp_path / "ref2.jsonl", overwrite=True)
     fp = fingerprint(recipe, resolve_model(recipe.model), None, opts, "cpu")
