@@ -464,14 +464,20 @@ def train(
 ) -> None:
     """Rebuild the embedded demo model: corpus -> tokenizer -> target -> EAGLE3 head -> NextN/MTP
     layer -> bundle (target, eagle3, nextn_mtp)."""
-    from .train.pipeline import STAGES, build_demo
+    from .engine.engine import resolve_device
+    from .models.config import ModelError
+    from .train.pipeline import build_demo, check_stages
 
     chosen = tuple(s.strip() for s in stages.split(",") if s.strip())
-    bad = [s for s in chosen if s not in STAGES]
-    if bad:
-        _fail(f"--stages: unknown stage {bad[0]!r} (stages: {', '.join(STAGES)})")
-    report = build_demo(work_dir, stages=chosen, smoke=smoke, device=device, seed=seed,
-                        log=lambda m: err.print(m, highlight=False, markup=False))
+    try:
+        check_stages(work_dir, chosen)
+        resolve_device(device)
+        report = build_demo(work_dir, stages=chosen, smoke=smoke, device=device, seed=seed,
+                            log=lambda m: err.print(m, highlight=False, markup=False))
+    except (ValueError, ModelError) as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"{e.filename or work_dir}: {e.strerror or e}")
     typer.echo(json.dumps({k: report[k] for k in chosen}, indent=2, default=str))
 
 

@@ -64,6 +64,32 @@ def build_demo(work_dir: str | Path, *, stages: tuple[str, ...] = STAGES, smoke:
     return report
 
 
+# What each stage reads from the work directory (made by the stage named), and where it writes.
+_NEEDS = {"tokenizer": (), "target": (("tokenizer", "tokenizer"), ("tokens", "tokenizer")),
+          "eagle3": (("target", "target"), ("tokens", "tokenizer")),
+          "mtp": (("target", "target"), ("tokens", "tokenizer")),
+          "bundle": (("target", "target"), ("eagle3", "eagle3"), ("mtp", "mtp"))}
+
+
+def check_stages(work_dir: str | Path, stages: tuple[str, ...]) -> None:
+    """Before anything runs: every stage known, and what each reads either made by an earlier
+    stage of this run or already in the work directory (a ValueError naming what is missing)."""
+    if not stages:
+        raise ValueError(f"--stages: no stage given (stages: {', '.join(STAGES)})")
+    work = Path(work_dir)
+    if work.exists() and not work.is_dir():
+        raise ValueError(f"--work-dir {work}: is a file, not a directory")
+    made: set[str] = set()
+    for stage in stages:
+        if stage not in STAGES:
+            raise ValueError(f"--stages: unknown stage {stage!r} (stages: {', '.join(STAGES)})")
+        for sub, by in _NEEDS[stage]:
+            if by not in made and not (work / sub).exists():
+                raise ValueError(f"--stages {stage}: needs {work / sub}, which the {by} stage makes: run it first "
+                                 f"(--stages {by},{stage}) or point --work-dir at a directory holding it")
+        made.add(stage)
+
+
 def _run_stages(work: Path, stages: tuple[str, ...], smoke: bool, device: str,
                 bundle_dir: str | Path | None, seed: int, log: Callable[[str], None],
                 report: dict[str, Any], report_path: Path) -> None:

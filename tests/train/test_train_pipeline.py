@@ -67,6 +67,28 @@ def test_unknown_stage_is_a_one_line_error(tmp_path):
     assert res.exit_code == 2 and "unknown stage 'nope'" in res.output
 
 
+@pytest.mark.parametrize("args, said", [
+    (["--stages", "bundle"], "--stages bundle: needs {w}/target, which the target stage makes: run it first "
+                             "(--stages target,bundle)"),
+    (["--stages", "target", "--smoke"], "--stages target: needs {w}/tokenizer, which the tokenizer stage makes"),
+    (["--stages", "tokenizer,eagle3", "--smoke"], "--stages eagle3: needs {w}/target, which the target stage makes"),
+    (["--stages", ""], "--stages: no stage given"),
+    (["--stages", "tokenizer", "--device", "tpu"], "--device tpu: expected cpu, cuda or cuda:N"),
+])
+def test_a_stage_missing_its_inputs_is_refused_before_any_runs(tmp_path, args, said):
+    """Each stage's inputs (made earlier in the run, or already in --work-dir) and the device are
+    checked first: one line, exit 2, nothing run; they were tracebacks after the earlier stages ran."""
+    work = tmp_path / "w"
+    res = CliRunner().invoke(app, ["train", "--work-dir", str(work), *args])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and said.format(w=work) in " ".join(res.output.split()), res.output
+    assert not (work / "tokenizer").exists()
+    f = tmp_path / "file"
+    f.write_text("x")
+    res = CliRunner().invoke(app, ["train", "--work-dir", str(f), "--stages", "tokenizer", "--smoke"])
+    assert res.exit_code == 2 and "is a file, not a directory" in res.output
+
+
 def test_bundle_needs_every_stage_and_checks_the_limit_first(tmp_path, monkeypatch):
     from specbatch.train import pipeline
 
