@@ -50,16 +50,24 @@ class DecoderConfig:
         arch = archs[0] if archs else None
         fam = registry.family(arch)
         if fam is None:
-            raise ModelError(
-                f"{where}: unsupported architecture {arch!r} "
-                f"(supported: {', '.join(registry.supported())})"
-            )
+            what = f"unsupported architecture {arch!r}" if arch is not None else "no 'architectures' entry"
+            raise ModelError(f"{where}: {what} (supported: {', '.join(registry.supported())})")
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ModelError(f"{where}: hidden_act {act!r} is not supported (expected 'silu')")
-        hidden = _req(d, "hidden_size", where)
-        heads = _req(d, "num_attention_heads", where)
-        head_dim = (d.get("head_dim") if fam.head_dim else None) or hidden // heads
+        hidden = _count(d, "hidden_size", where)
+        heads = _count(d, "num_attention_heads", where)
+        kv_heads = _count(d, "num_key_value_heads", where, default=heads)
+        if heads % kv_heads:
+            raise ModelError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                             f"{kv_heads} (each key/value head serves a whole group of query heads)")
+        if fam.head_dim and d.get("head_dim") is not None:
+            head_dim = _count(d, "head_dim", where)
+        elif hidden % heads:
+            raise ModelError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                             "(and no head_dim is given)")
+        else:
+            head_dim = hidden // heads
         rope_theta, scaling = _rope(d, where, fam.rope_types)
         attention_bias = bool(d.get("attention_bias", False))
         quant = d.get("quantization_config") or d.get("compression_config")
@@ -72,12 +80,12 @@ class DecoderConfig:
             raise ModelError(f"{where}: use_sliding_window is not supported for {arch}")
         return cls(
             architecture=arch,
-            vocab_size=_req(d, "vocab_size", where),
+            vocab_size=_count(d, "vocab_size", where),
             hidden_size=hidden,
-            intermediate_size=_req(d, "intermediate_size", where),
-            num_layers=_req(d, "num_hidden_layers", where),
+            intermediate_size=_count(d, "intermediate_size", where),
+            num_layers=_count(d, "num_hidden_layers", where),
             num_heads=heads,
-            num_kv_heads=d.get("num_key_value_heads") or heads,
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
@@ -196,6 +204,16 @@ def _req(d: dict, key: str, where: str) -> Any:
     if key not in d or d[key] is None:
         raise ModelError(f"{where}: missing required key {key!r}")
     return d[key]
+
+
+def _count(d: dict, key: str, where: str, default: Any = None) -> int:
+    """A size or count of the model: an integer >= 1 (a whole float as JSON may write it)."""
+    v = _req(d, key, where) if default is None else (d.get(key) if d.get(key) is not None else default)
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ModelError(f"{where}: {key} must be an integer >= 1, got {v!r}")
+    return v
 
 
 # what llama.rope_inv_freq reads for each scaling kind (transformers requires the same keys)

@@ -29,6 +29,23 @@ def test_rope_scaling_missing_a_key_is_a_one_line_error(tmp_path, scaling, key):
         DecoderConfig.from_dict({**BASE, "rope_scaling": scaling})
 
 
+@pytest.mark.parametrize("change, said", [
+    ({"hidden_size": "64"}, "hidden_size must be an integer >= 1, got '64'"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be an integer >= 1, got 0"),
+    ({"vocab_size": -3}, "vocab_size must be an integer >= 1, got -3"),
+    ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ({"num_attention_heads": 5, "num_key_value_heads": 5}, "hidden_size 64 is not a multiple of num_attention_heads 5"),
+    ({"architectures": []}, "no 'architectures' entry (supported: "),
+])
+def test_impossible_shapes_are_one_line_errors(change, said):
+    """A config whose sizes are not positive integers, or whose heads do not divide, was accepted
+    and failed later: a TypeError traceback, or every row of the job failing as if it were the row's."""
+    with pytest.raises(ModelError) as ei:
+        DecoderConfig.from_dict({**BASE, **change}, "c.json")
+    assert str(ei.value).startswith("c.json: ") and said in str(ei.value)
+    assert DecoderConfig.from_dict({**BASE, "hidden_size": 64.0}).hidden_size == 64      # a whole float is fine
+
+
 def test_mistral_without_sliding_window_key_uses_transformers_default():
     """transformers' MistralConfig (and so vLLM) default sliding_window to 4096 when the key is
     absent; an explicit null turns it off."""
