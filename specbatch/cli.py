@@ -365,7 +365,7 @@ def bench(
     prompt_median: int = typer.Option(256, min=1, help="--job: median prompt tokens (lognormal)."),
     prompt_sigma: float = typer.Option(0.8, min=0.0, help="--job: lognormal sigma of prompt lengths."),
     prompt_max: int = typer.Option(1536, min=1, help="--job: longest prompt (clip)."),
-    output_median: int = typer.Option(200, min=1, help="--job: median output tokens (lognormal; EOS ignored)."),
+    output_median: int = typer.Option(200, min=1, help="--job: median output tokens (lognormal; EOS ignored); a --prompts row without max_tokens generates this many."),
     output_sigma: float = typer.Option(0.6, min=0.0, help="--job: lognormal sigma of output lengths."),
     output_max: int = typer.Option(768, min=1, help="--job: longest output (clip)."),
     slots: Optional[int] = typer.Option(None, min=1, help="--job: engine slots (default: the recipe's, else from memory)."),
@@ -392,7 +392,12 @@ def bench(
         asked = [flag for flag, on in (("--fixed-width", fixed_width), ("--arrival-order-too", arrival_order_too),
                                        ("--every-size-too", every_size_too), ("--shared-prefix", shared_prefix > 0),
                                        ("--max-tokens-factor", max_tokens_factor != 1.0), ("--reserve-too", reserve_too),
-                                       ("--slots", slots is not None), ("--sampling", sampling is not None)) if on]
+                                       ("--slots", slots is not None), ("--sampling", sampling is not None),
+                                       ("--requests", requests != 1024), ("--prompt-median", prompt_median != 256),
+                                       ("--prompt-sigma", prompt_sigma != 0.8), ("--prompt-max", prompt_max != 1536),
+                                       ("--output-median", output_median != 200),
+                                       ("--output-sigma", output_sigma != 0.6), ("--output-max", output_max != 768))
+                 if on]
         if asked:
             _fail(f"{asked[0]} applies to whole jobs only: add --job")
     else:

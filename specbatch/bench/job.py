@@ -34,7 +34,7 @@ from ..records import emitted_tokens
 from ..prompts import PromptError, encode_row
 from .floor import copy_bandwidth, kv_bytes, weight_bytes
 from .sources import (BenchError, BenchOptions, Source, acceptance_label, build_engine, check_options,
-                      failure_message, free_memory, load_source, recipe_spec, recipes_model)
+                      depth_note, failure_message, free_memory, load_source, recipe_spec, recipes_model)
 
 Log = Callable[[str], None]
 
@@ -105,9 +105,12 @@ def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> list[RowRequest]:
             except PromptError as e:
                 raise BenchError(str(e)) from None
             # the row's own sampling fields ride along (logprobs, penalties, ...): their cost is measured
+            # a row without max_tokens generates --output-median tokens (EOS ignored, as every bench row)
             overrides = {**mix.sampling, **item.overrides,
                          "max_tokens": item.overrides.get("max_tokens", mix.output_median)}
-            rows.append(RowRequest(row=len(rows), id=len(rows), prompt_token_ids=ids, overrides=overrides))
+            row = RowRequest(row=len(rows), id=len(rows), prompt_token_ids=ids, overrides=overrides)
+            row.asked_max = "max_tokens" in item.overrides
+            rows.append(row)
             if len(rows) == mix.requests:
                 break
         return rows
@@ -281,7 +284,11 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
     meta = {"mode": "job", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "model": src.name, "model_source": src.kind,
             "dtype": str(src.model.lm_head.weight.dtype).removeprefix("torch."),
-            "requests": len(rows), "mix": vars(mix), "copy_bandwidth_bytes_per_s": bandwidth,
+            "requests": len(rows), "mix": {**vars(mix), "prompts": opts.prompts,
+                                           "rows_without_max_tokens": sum(not getattr(r, "asked_max", True)
+                                                                          for r in rows)
+                                           if opts.prompts else None},
+            "copy_bandwidth_bytes_per_s": bandwidth,
             "matmul_flops_per_s": rate, "acceptance": acceptance_label(opts.simulate_acceptance),
             "simulated_acceptance": list(opts.simulate_acceptance) if opts.simulate_acceptance else None,
             "graphs": opts.graphs and device.type == "cuda"}
@@ -295,6 +302,9 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
         log(f"{recipe.name}: building the engine ...")
         try:
             engine = build_engine(eopts, src, head)
+            deep = depth_note(sim, engine.drafter.max_depth) if sim else None
+            if deep:
+                log(f"note: {recipe.name}: {deep}")
             list(engine.generate(rows[:8], SamplingDefaults(max_tokens=4, ignore_eos=True, temperature=0.0, repetition_penalty=1.0)))     # warm-up
             # one engine: input order (--arrival-order-too), as runs do, replaying every size (--every-size-too)
             # and admission reserving every row's max_tokens (--reserve-too)
@@ -311,7 +321,8 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
                     engine.graphs.route_by_time = timed_sizes
                 name = (recipe.name + ("" if longest_first else " (input order)") + ("" if timed_sizes else " (every size)")
                         + (" (reserve max_tokens)" if reserve else ""))
-                points.append(_measure_job(engine, rows, name, src, bandwidth, rate))
+                points.append({**_measure_job(engine, rows, name, src, bandwidth, rate),
+                               "algorithm": recipe.algorithm, "plain": name == recipe.name})
                 _log_point(points[-1], log)
         except Exception as e:                          # noqa: BLE001 - recorded, the next recipe runs
             points.append({"recipe": recipe.name, "failed": True, "error": failure_message(e)})
@@ -319,7 +330,9 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
             engine = None
         del engine
         free_memory(device)
-    base = next((p for p in points if p["recipe"] == "vanilla" and not p.get("failed")), None)
+    # the baseline: the first plain-decoding recipe (vanilla, or a recipe file of that algorithm), as run
+    base = next((p for p in points if p.get("algorithm") == "vanilla" and p.get("plain") and not p.get("failed")),
+                None)
     for p in points:
         if base and not p.get("failed"):
             p["speedup_vs_vanilla"] = p["job_tokens_per_s"] / base["job_tokens_per_s"]
@@ -435,10 +448,18 @@ def job_markdown(result: dict[str, Any]) -> str:
     ending = f"max_tokens {factor:g}x the output, ending by EOS" if factor > 1 else "EOS ignored"
     sampling = ("sampling " + ", ".join(f"{k} {v}" for k, v in mix["sampling"].items()) + " · "
                 if mix.get("sampling") else "greedy · ")
+    if mix.get("prompts"):
+        unset = mix.get("rows_without_max_tokens") or 0
+        lengths = (f"prompts and max_tokens from {mix['prompts']}"
+                   + (f" ({unset} row{'s' if unset != 1 else ''} without max_tokens: --output-median "
+                      f"{mix['output_median']})" if unset else "")
+                   + " (EOS ignored)")
+    else:
+        lengths = (f"prompts lognormal median {mix['prompt_median']} sigma {mix['prompt_sigma']} max "
+                   f"{mix['prompt_max']} · outputs median {mix['output_median']} sigma {mix['output_sigma']} max "
+                   f"{mix['output_max']} ({ending})")
     lines = [f"# specbatch bench --job: {meta['model']} on {meta['device']}, {meta['acceptance']}", "",
-             f"{meta.get('date', '')} · {meta['dtype']} · {meta['requests']} requests · prompts lognormal "
-             f"median {mix['prompt_median']} sigma {mix['prompt_sigma']} max {mix['prompt_max']} · outputs "
-             f"median {mix['output_median']} sigma {mix['output_sigma']} max {mix['output_max']} ({ending}) · "
+             f"{meta.get('date', '')} · {meta['dtype']} · {meta['requests']} requests · {lengths} · "
              f"{sampling}{shared}copy {meta['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s · matmul "
              f"{meta['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", ""]
     if meta.get("command"):

@@ -95,6 +95,14 @@ def acceptance_label(sim: tuple[float, ...] | None) -> str:
     return "simulated acceptance " + "/".join(f"{p:g}" for p in sim)
 
 
+def depth_note(sim: tuple[float, ...] | None, depth: int) -> str | None:
+    """A note when --simulate-acceptance names more positions than a recipe's drafts reach."""
+    if not sim or len(sim) <= depth:
+        return None
+    cut = f"P{depth + 1}" + (f"..P{len(sim)}" if len(sim) > depth + 1 else "")
+    return f"its drafts go {depth} deep: {cut} of --simulate-acceptance do not apply to it"
+
+
 def failure_message(e: BaseException) -> str:
     """One line for a point that raised: out-of-memory errors shortened, others as
     `Type: message` (BenchError: just the message)."""

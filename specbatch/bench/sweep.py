@@ -25,7 +25,7 @@ from ..stats import RunStats
 from .floor import copy_bandwidth, draft_bytes, kv_bytes, step_floor_ms, weight_bytes
 from .hf_peer import PEER_NAME, hf_model, hf_tokens_per_s
 from .sources import (BenchError, BenchOptions, Source, acceptance_label, bench_prompts,
-                      build_engine, check_options, device_name, failure_message, free_memory, load_source,
+                      build_engine, check_options, depth_note, device_name, failure_message, free_memory, load_source,
                       recipe_spec, recipes_model)
 
 GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -97,6 +97,10 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
         engine, error = None, None
         try:
             engine = build_engine(eopts, src, head)
+            deep = depth_note(sim, engine.drafter.max_depth) if sim else None
+            if deep and name not in noted:
+                noted.add(name)
+                log(f"note: {name}: {deep}")
             if opts.warmup:
                 # First-call costs (allocator, kernel selection); smallest batch: its prefill is cheap.
                 warm = [RowRequest(row=i, id=str(i), prompt_token_ids=p) for i, p in enumerate(prompts[:sizes[0]])]
@@ -298,8 +302,10 @@ def _hf_points(src: Source, prompts: list[list[int]], sizes: list[int], opts: Be
 
 
 def _speedups(points: list[dict[str, Any]]) -> None:
-    """speedup_vs_vanilla: tokens/s over vanilla's (ours) at the same batch size."""
-    base = {p["batch_size"]: p["tokens_per_s"] for p in points if p["recipe"] == "vanilla" and not p["peer"]}
+    """speedup_vs_vanilla: tokens/s over plain decoding's (ours: the first recipe of algorithm
+    vanilla, whatever its name) at the same batch size."""
+    plain = next((p["recipe"] for p in points if p["algorithm"] == "vanilla" and not p["peer"]), None)
+    base = {p["batch_size"]: p["tokens_per_s"] for p in points if p["recipe"] == plain and not p["peer"]}
     for p in points:
         ref, rate = base.get(p["batch_size"]), p.get("tokens_per_s")
         p["speedup_vs_vanilla"] = rate / ref if ref and rate is not None else None

@@ -263,7 +263,8 @@ def test_job_mode_measures_input_order_admission_on_the_same_engine(tiny_config,
     assert longest["speedup_vs_vanilla"] == 1.0
 
 
-@pytest.mark.parametrize("flag", [["--every-size-too"], ["--arrival-order-too"], ["--shared-prefix", "8"], ["--slots", "4"]])
+@pytest.mark.parametrize("flag", [["--every-size-too"], ["--arrival-order-too"], ["--shared-prefix", "8"], ["--slots", "4"],
+                                  ["--requests", "4"], ["--output-median", "50"], ["--prompt-max", "64"]])
 def test_job_flags_without_job_are_refused(flag, tmp_path):
     r = CliRunner().invoke(app, ["bench", "--random-weights", "llama-3.1-8b", *flag, "--out", str(tmp_path)])
     assert r.exit_code != 0 and f"{flag[0]} applies to whole jobs only" in r.output
@@ -445,6 +446,31 @@ def test_job_mode_prompts_rows_that_do_not_ignore_eos_keep_max_tokens_in_the_flo
     p = json.loads((out / "job.json").read_text())["points"][0]
     assert not p.get("failed"), p.get("error")
     assert p["floor_output_tokens"] == 4 * 8
+
+
+def test_job_mode_prompts_file_is_named_with_its_rows_default_length(tiny_config, tmp_path):
+    """A --prompts file's rows without max_tokens generate --output-median tokens: the report names
+    the file and says so, rather than describing a lognormal mix it did not run; a vanilla recipe of
+    another name is the speedup baseline; simulated positions past a recipe's depth are noted."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n"
+                       + json.dumps({"prompt_token_ids": [5, 6, 8], "max_tokens": 6}) + "\n")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("algorithm: vanilla\n")
+    out = tmp_path / "job"
+    r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", str(plain),
+                                 "-r", "eagle3_topk1", "--simulate-acceptance", "0.5,0.5,0.5,0.5,0.5",
+                                 "--prompts", str(prompts), "--requests", "2", "--slots", "2", "--output-median", "4",
+                                 "--device", "cpu", "--eager", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    md = (out / "job.md").read_text()
+    assert f"prompts and max_tokens from {prompts} (1 row without max_tokens: --output-median 4)" in md
+    assert "lognormal" not in md
+    res = json.loads((out / "job.json").read_text())
+    assert [p["floor_output_tokens"] for p in res["points"]][0] == 4 + 6
+    assert all(p["speedup_vs_vanilla"] is not None for p in res["points"])
+    assert "note: eagle3_topk1: its drafts go 3 deep: P4..P5 of --simulate-acceptance do not apply" in " ".join(
+        r.output.split())
 
 
 def test_job_mode_with_sampling_fields_runs_every_row_sampled(tiny_config, tmp_path):
