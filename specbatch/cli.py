@@ -445,17 +445,20 @@ def bench(
         (folder / "job.md").write_text(text)
         typer.echo(text)
         log(f"wrote {folder / 'job.json'}, {folder / 'job.md'}")
-        return
-    paths, note = write_all(result, out_dir)
-    if note:
-        log(f"note: {note}")
-    head, rows = table(result, short=True)
-    view = Table(*head, title=escape(title(result["meta"])))
-    for cells in rows:
-        view.add_row(*map(escape, cells))
-    # Logs are not terminals: give the table its full width there rather than rich's 80 columns.
-    Console(width=None if out.is_terminal else 200).print(view)
-    log("wrote " + ", ".join(str(p) for p in paths.values()))
+    else:
+        paths, note = write_all(result, out_dir)
+        if note:
+            log(f"note: {note}")
+        head, rows = table(result, short=True)
+        view = Table(*head, title=escape(title(result["meta"])))
+        for cells in rows:
+            view.add_row(*map(escape, cells))
+        # Logs are not terminals: give the table its full width there rather than rich's 80 columns.
+        Console(width=None if out.is_terminal else 200).print(view)
+        log("wrote " + ", ".join(str(p) for p in paths.values()))
+    ours = [p for p in result["points"] if not p.get("peer")]
+    if ours and all(p.get("failed") for p in ours):      # nothing measured: a script must not take it as done
+        _fail(f"every point failed (the first: {ours[0].get('error')}); see the reports in {out_dir}", EXIT_FAILED)
 
 
 @app.command()

@@ -186,6 +186,25 @@ def test_an_engine_that_cannot_be_built_fails_its_recipe_only(tiny_config, monke
                    ("vanilla", 1, None), ("vanilla", 2, None)]
 
 
+@pytest.mark.parametrize("job", [False, True])
+def test_a_bench_where_every_point_failed_exits_non_zero(tiny_config, tmp_path, monkeypatch, job):
+    """The reports are written, but a script running the bench must not take a run that measured
+    nothing as done (it exited 0)."""
+    from specbatch.bench import job as job_mod
+    from specbatch.bench import sweep
+
+    def broken(eopts, src, head):
+        raise ValueError("heads do not divide")
+
+    monkeypatch.setattr(job_mod if job else sweep, "build_engine", broken)
+    mode = ["--job", "--requests", "4", "--slots", "2", "--output-median", "4", "--prompt-median", "8",
+            "--prompt-max", "16"] if job else ["--batch-sizes", "1", "--max-tokens", "4", "--prompt-len", "8"]
+    r = CliRunner().invoke(app, ["bench", "--random-weights", str(tiny_config), "-r", "vanilla", *mode,
+                                 "--device", "cpu", "--eager", "--no-hf", "--out", str(tmp_path / "o")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and "every point failed (the first: " in said and "heads do not divide)" in said, r.output
+
+
 def test_simulated_points_are_reproducible_and_carry_the_chain_formula(tiny_config):
     opts = tiny_opts(tiny_config, recipes=("eagle3_tree",), batch_sizes=(2,), max_tokens=24,
                       simulate_acceptance=(0.8, 0.6, 0.45))
