@@ -31,10 +31,10 @@ from ..data import RowError, RowRequest, open_rows
 from ..engine import Engine, EngineOptions, resolve_device
 from ..recipe import SamplingDefaults, load_recipe
 from ..records import emitted_tokens
-from ..prompts import PromptError, encode_row
 from .floor import copy_bandwidth, kv_bytes, weight_bytes
 from .sources import (BenchError, BenchOptions, Source, acceptance_label, build_engine, check_options,
-                      depth_note, failure_message, free_memory, load_source, recipe_spec, recipes_model)
+                      depth_note, failure_message, free_memory, load_source, recipe_spec, recipes_model,
+                      row_token_ids)
 
 Log = Callable[[str], None]
 
@@ -100,10 +100,7 @@ def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> list[RowRequest]:
         for item in open_rows(opts.prompts):
             if isinstance(item, RowError):
                 raise BenchError(item.error)
-            try:
-                ids = encode_row(src.tokenizer, item, src.model.cfg.vocab_size)
-            except PromptError as e:
-                raise BenchError(str(e)) from None
+            ids = row_token_ids(opts, src, item)
             # the row's own sampling fields ride along (logprobs, penalties, ...): their cost is measured
             # a row without max_tokens generates --output-median tokens (EOS ignored, as every bench row)
             overrides = {**mix.sampling, **item.overrides,

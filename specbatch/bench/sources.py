@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..algorithms import get_drafter
-from ..data import RowError, open_rows
+from ..data import RowError, RowRequest, open_rows
 from ..engine import Engine, EngineOptions
 from ..models.config import DecoderConfig
 from ..models.eagle3 import Eagle3Head
@@ -131,7 +131,10 @@ def check_options(opts: BenchOptions) -> None:
 def recipes_model(opts: BenchOptions, recipes: list[Any]) -> BenchOptions:
     """Without --model (or --random-weights), the target is the recipes' own `model:`, and with
     --dtype auto their `dtype:`, as in `specbatch run`; every recipe runs on the one target, so
-    they must name the same ones."""
+    they must name the same ones. A --draft none of them drafts with is refused, as `run` refuses it."""
+    if opts.draft is not None and all(r.drafter is None for r in recipes):
+        raise BenchError(f"--draft {opts.draft}: none of the recipes ({', '.join(r.name for r in recipes)}) "
+                         "uses a draft model")
     if opts.dtype == "auto":
         dtypes = dict.fromkeys(r.dtype for r in recipes if r.dtype != "auto")
         if len(dtypes) > 1:
@@ -193,6 +196,16 @@ def build_engine(eopts: EngineOptions, src: Source, head: Eagle3Head | MTPLayer 
                          f"{eopts.max_model_len} positions: lower --batch-sizes or --max-model-len") from None
 
 
+def row_token_ids(opts: BenchOptions, src: Source, row: RowRequest) -> list[int]:
+    """A --prompts row's prompt as token ids (random weights have no tokenizer: token-id rows only)."""
+    if src.kind == "random" and row.prompt_token_ids is None:
+        raise BenchError(f"{opts.prompts}: random weights have no tokenizer; give prompt_token_ids rows")
+    try:
+        return encode_row(src.tokenizer, row, src.model.cfg.vocab_size)
+    except PromptError as e:
+        raise BenchError(str(e)) from None
+
+
 def bench_prompts(opts: BenchOptions, src: Source, n: int) -> list[list[int]]:
     """n prompts (token ids), the same for every recipe and batch size."""
     vocab = src.model.cfg.vocab_size
@@ -201,12 +214,7 @@ def bench_prompts(opts: BenchOptions, src: Source, n: int) -> list[list[int]]:
         for row in open_rows(opts.prompts):
             if isinstance(row, RowError):
                 raise BenchError(row.error)
-            if src.kind == "random" and row.prompt_token_ids is None:
-                raise BenchError(f"{opts.prompts}: random weights have no tokenizer; give prompt_token_ids rows")
-            try:
-                ids.append(encode_row(src.tokenizer, row, vocab))
-            except PromptError as e:
-                raise BenchError(str(e)) from None
+            ids.append(row_token_ids(opts, src, row))
             if len(ids) == n:
                 break
         if not ids:

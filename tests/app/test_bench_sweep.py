@@ -86,6 +86,7 @@ def test_random_drafts_without_simulation_warn(tiny_config):
     (["--batch-sizes", "1,x"], "--batch-sizes"),
     (["--random-weights", "llama-3.1-8b", "--model", "somewhere"], "--random-weights"),
     (["-r", "no_such_recipe"], "no_such_recipe"),
+    (["-r", "vanilla", "--draft", "/nowhere"], "--draft /nowhere: none of the recipes (vanilla) uses a draft model"),
 ])
 def test_bench_usage_errors(args, says, tmp_path):
     r = CliRunner().invoke(app, ["bench", "--device", "cpu", "--out", str(tmp_path), *args])
