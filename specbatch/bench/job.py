@@ -483,5 +483,7 @@ def job_markdown(result: dict[str, Any]) -> str:
               "Occupancy: mean active sequences per cycle / slots. Waited / preempted: requests that "
               "waited in the queue for KV pages / gave theirs back mid-run (resumed by recompute). "
               "Prefill s: GPU time of the prefill forwards (recomputes included); decode s: the rest "
-              "of the wall time."]
+              "of the wall time. Accept len: tokens emitted per target forward of a row, its prefill "
+              "counted as one (as `specbatch run`'s mean accept length; the batch sweep's counts decode "
+              "cycles only, so it reads higher for the same drafts)."]
     return "\n".join(lines) + "\n"
