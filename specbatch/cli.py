@@ -321,6 +321,12 @@ def inspect(
         path = resolve_model(r.model)
         cfg, _ = load_config(path)
         draft = resolve_draft(r)
+        if draft is not None:          # a draft directory: a config and weights, as loading will need
+            from .models.config import load_config_dict
+            from .models.loader import safetensors_files
+
+            load_config_dict(draft)
+            safetensors_files(draft)
         sampling = describe_defaults(r.sampling, generation_sampling_defaults(path))
     except (RecipeError, JobError, ModelError) as e:
         _fail(str(e))

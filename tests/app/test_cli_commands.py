@@ -59,5 +59,10 @@ def test_inspect_shows_the_resolved_draft(tiny_model):
     flat = "".join(line.strip("│ ").split("│")[-1].strip() for line in r.output.splitlines())
     assert str(DEMO_DIR / "eagle3") in flat, r.output
     one_line_cli_error(cli("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model)), EXIT_USAGE)
-    r = ok("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model), "--draft", "/some/head")
-    assert "/some/head" in r.output
+    r = ok("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model), "--draft", str(DEMO_DIR / "eagle3"))
+    flat = "".join(line.strip("│ ").split("│")[-1].strip() for line in r.output.splitlines())
+    assert str(DEMO_DIR / "eagle3") in flat, r.output
+    # a directory that holds no draft is said, as loading it would (it was shown as the draft)
+    line = one_line_cli_error(cli("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model),
+                                  "--draft", "/some/head"), EXIT_USAGE)
+    assert "/some/head: model directory not found" in line
