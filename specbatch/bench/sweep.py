@@ -92,6 +92,9 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
         eopts = EngineOptions(batch_size=sizes[-1], max_model_len=max_len, device=str(device),
                               spec=spec, graphs=opts.graphs, fused=fused, profile=True, simulate_acceptance=sim,
                               adaptive=False,        # steady state measures the recipe's whole proposal
+                              # on a CPU, launching a cycle computes it: overlapped, each cycle's time
+                              # would be paired with the next one's stages (host ms below zero)
+                              overlap=device.type == "cuda",
                               gpu_memory_utilization=recipe.gpu_memory_utilization)
         log(f"{name}: building the engine for batch {sizes[-1]} ...")
         engine, error = None, None

@@ -187,6 +187,22 @@ def test_an_engine_that_cannot_be_built_fails_its_recipe_only(tiny_config, monke
                    ("vanilla", 1, None), ("vanilla", 2, None)]
 
 
+def test_the_cpu_sweep_times_cycles_unoverlapped(tiny_config, monkeypatch):
+    """On a CPU, launching a cycle computes it: overlapped, each cycle's wall time was paired with
+    the next cycle's stage times (host ms below zero); the CPU sweep runs cycles one after another."""
+    from specbatch.bench import sweep
+
+    real, seen = sweep.build_engine, []
+
+    def spy(eopts, src, head):
+        seen.append(eopts.overlap)
+        return real(eopts, src, head)
+
+    monkeypatch.setattr(sweep, "build_engine", spy)
+    res = run_bench(tiny_opts(tiny_config, recipes=("vanilla",), batch_sizes=(1, 2)), log=lambda m: None)
+    assert seen == [False] and all(p["host_ms"] >= 0 for p in res["points"] if not p["peer"])
+
+
 @pytest.mark.parametrize("job", [False, True])
 def test_a_bench_where_every_point_failed_exits_non_zero(tiny_config, tmp_path, monkeypatch, job):
     """The reports are written, but a script running the bench must not take a run that measured
