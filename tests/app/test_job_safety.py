@@ -232,32 +232,30 @@ def test_a_line_still_being_written_is_added_once_complete(tmp_path, base):
 
 def test_stdout_closed_by_its_reader_stops_quietly(tmp_path, tiny_model):
     """`specbatch run ... -o - | head -1`: once the reader closes the pipe, the run stops as a
-    piped tool does (exit 141, one plain line, no error and no traceback)."""
+    piped tool does (exit 141, one plain line, no error and no traceback). With `2>&1 | head`,
+    stderr goes too: a progress line must neither end the job nor (as rich's console does on a
+    broken pipe) point stdout at /dev/null and generate every row into nothing."""
     import subprocess
     import sys
 
-    inp = write(tmp_path / "in.jsonl", [{"id": i, "prompt": "def f():"} for i in range(64)])
+    inp = write(tmp_path / "in.jsonl", [{"id": i, "prompt": "def f():"} for i in range(32)])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    p = subprocess.Popen([sys.executable, "-m", "specbatch", "run", str(inp), "-o", "-", "--model", str(tiny_model),
-                          "--device", "cpu", "--max-tokens", "24", "--ignore-eos", "--batch-size", "2"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    assert json.loads(p.stdout.readline())["row"] == 0
-    p.stdout.close()                                          # the reader has what it wanted
-    err = p.stderr.read().decode()
-    assert p.wait(timeout=120) == 141, err
-    assert "error" not in err and "Traceback" not in err and "stdout was closed by its reader after" in err
-
-    # `2>&1 | head -2`: stderr goes with it; a progress line must neither end the job nor (as rich's
-    # console does on a broken pipe) point stdout at /dev/null and generate every row into nothing
     out = tmp_path / "o.jsonl"
-    for args in (["-o", "-", "--progress-every", "0.1"], ["-o", str(out), "--progress-every", "1000"]):
-        p = subprocess.Popen([sys.executable, "-m", "specbatch", "run", str(inp), "--model", str(tiny_model),
-                              "--device", "cpu", "--max-tokens", "24", "--ignore-eos", "--batch-size", "2", *args],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    base = [sys.executable, "-m", "specbatch", "run", str(inp), "--model", str(tiny_model), "--device", "cpu",
+            "--max-tokens", "12", "--ignore-eos", "--batch-size", "2"]
+    runs = [(subprocess.Popen([*base, "-o", "-"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env), 141)]
+    runs += [(subprocess.Popen([*base, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env), code)
+             for args, code in ((["-o", "-", "--progress-every", "0.1"], 141),
+                                (["-o", str(out), "--progress-every", "1000"], 0))]     # (three at once: startup)
+    first = runs[0][0]
+    assert json.loads(first.stdout.readline())["row"] == 0
+    for p, _ in runs:
         p.stdout.readline()
-        p.stdout.close()
-        assert p.wait(timeout=120) == (141 if args[1] == "-" else 0)
-    assert len(read(out)) == 64
+        p.stdout.close()                                      # the reader has what it wanted
+    err = first.stderr.read().decode()
+    assert [p.wait(timeout=120) for p, _ in runs] == [code for _, code in runs], err
+    assert "error" not in err and "Traceback" not in err and "stdout was closed by its reader after" in err
+    assert len(read(out)) == 32
 
 
 def test_version():
