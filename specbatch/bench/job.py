@@ -438,6 +438,12 @@ def _speedup(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def _tflops(rate: float) -> str:
+    """A GPU's hundreds as whole numbers, a CPU's fraction of one still readable (not "0")."""
+    t = rate / 1e12
+    return f"{t:,.0f}" if t >= 10 else f"{t:.2g}"
+
+
 def job_markdown(result: dict[str, Any]) -> str:
     meta, mix = result["meta"], result["meta"]["mix"]
     shared = f"every prompt begins with the same {mix['shared_prefix']} tokens · " if mix.get("shared_prefix") else ""
@@ -458,7 +464,7 @@ def job_markdown(result: dict[str, Any]) -> str:
     lines = [f"# specbatch bench --job: {meta['model']} on {meta['device']}, {meta['acceptance']}", "",
              f"{meta.get('date', '')} · {meta['dtype']} · {meta['requests']} requests · {lengths} · "
              f"{sampling}{shared}copy {meta['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s · matmul "
-             f"{meta['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", ""]
+             f"{_tflops(meta['matmul_flops_per_s'])} TFLOP/s", ""]
     if meta.get("command"):
         lines += [f"`{meta['command']}`", ""]
     lines += ["| recipe | job tok/s | vs vanilla | wall s | prefill s (forwards) | decode s (cycles) | floor s | "
