@@ -238,15 +238,16 @@ def test_stdout_closed_by_its_reader_stops_quietly(tmp_path, tiny_model):
     import subprocess
     import sys
 
-    inp = write(tmp_path / "in.jsonl", [{"id": i, "prompt": "def f():"} for i in range(32)])
+    long = write(tmp_path / "long.jsonl", [{"id": i, "prompt": "def f():"} for i in range(2000)])  # (never done first)
+    short = write(tmp_path / "short.jsonl", [{"id": i, "prompt": "def f():"} for i in range(32)])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = tmp_path / "o.jsonl"
-    base = [sys.executable, "-m", "specbatch", "run", str(inp), "--model", str(tiny_model), "--device", "cpu",
+    base = [sys.executable, "-m", "specbatch", "run", "--model", str(tiny_model), "--device", "cpu",
             "--max-tokens", "12", "--ignore-eos", "--batch-size", "2"]
-    runs = [(subprocess.Popen([*base, "-o", "-"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env), 141)]
+    runs = [(subprocess.Popen([*base, long, "-o", "-"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env), 141)]
     runs += [(subprocess.Popen([*base, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env), code)
-             for args, code in ((["-o", "-", "--progress-every", "0.1"], 141),
-                                (["-o", str(out), "--progress-every", "1000"], 0))]     # (three at once: startup)
+             for args, code in (([long, "-o", "-", "--progress-every", "0.1"], 141),
+                                ([short, "-o", str(out), "--progress-every", "1000"], 0))]  # (three at once: start-up)
     first = runs[0][0]
     assert json.loads(first.stdout.readline())["row"] == 0
     for p, _ in runs:
