@@ -295,11 +295,11 @@ def recipes(name: Optional[str] = typer.Argument(None, help="Print this recipe i
             _fail(str(e))
         typer.echo(f"# {r.source}\n" + yaml.safe_dump(r.to_dict(), sort_keys=False, width=1000).rstrip())
         return
-    table = Table("recipe", "algorithm", "S", "k", "N", "model", "description")
+    table = Table("recipe", "algorithm", "drafter", "S", "k", "N", "model", "description")
     for n in builtin_recipes():
         r = load_recipe(n)
-        table.add_row(n, r.algorithm, *(str(v) if v is not None else "-" for v in (r.num_steps, r.topk, r.num_draft_tokens)),
-                      escape(r.model), escape(r.description))
+        spec = (str(v) if v is not None else "-" for v in (r.num_steps, r.topk, r.num_draft_tokens))
+        table.add_row(n, r.algorithm, r.drafter or "-", *spec, escape(r.model), escape(r.description))
     out.print(table)
 
 

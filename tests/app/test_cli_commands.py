@@ -21,9 +21,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # ---------------------------------------------------------------- recipes / inspect
 
 
-def test_recipes_lists_vanilla():
+def test_recipes_lists_vanilla(monkeypatch):
     r = ok("recipes")
     assert re.search(r"\bvanilla\b", r.stdout)
+    # the drafter tells naive_2token (an EAGLE3 head) from naive_2token_mtp (the MTP layer)
+    monkeypatch.setenv("COLUMNS", "300")
+    r = ok("recipes")
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[1:-1]]
+            for line in r.stdout.splitlines() if line.count("│") > 3 and line.split("│")[1].strip()}
+    assert rows["naive_2token"][2] == "eagle3" and rows["naive_2token_mtp"][2] == "nextn_mtp"
+    assert rows["vanilla"][2] == "-"
 
 
 def test_recipes_prints_yaml():
