@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from specbatch.cli import EXIT_USAGE
-from specbatch.recipe import load_recipe
+from specbatch.recipe import builtin_recipes, load_recipe
 
 from cli_helpers import broken_models  # noqa: F401
 from cli_runner import cli, ok
@@ -22,15 +22,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_recipes_lists_vanilla(monkeypatch):
-    r = ok("recipes")
-    assert re.search(r"\bvanilla\b", r.stdout)
-    # the drafter tells naive_2token (an EAGLE3 head) from naive_2token_mtp (the MTP layer)
-    monkeypatch.setenv("COLUMNS", "300")
-    r = ok("recipes")
+    """Every builtin recipe, with its drafter: it tells naive_2token (an EAGLE3 head) from
+    naive_2token_mtp (the MTP layer). Printed wide, so no cell wraps whatever the terminal."""
+    import io
+
+    from rich.console import Console
+
+    from specbatch import cli as cli_mod
+
+    wide = io.StringIO()
+    monkeypatch.setattr(cli_mod, "out", Console(file=wide, width=300))     # no cell wrapped
+    cli_mod.recipes(None)
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[1:-1]]
-            for line in r.stdout.splitlines() if line.count("│") > 3 and line.split("│")[1].strip()}
+            for line in wide.getvalue().splitlines() if line.count("│") > 3 and line.split("│")[1].strip()}
     assert rows["naive_2token"][2] == "eagle3" and rows["naive_2token_mtp"][2] == "nextn_mtp"
-    assert rows["vanilla"][2] == "-"
+    assert rows["vanilla"][1:3] == ["vanilla", "-"] and set(rows) == set(builtin_recipes())
 
 
 def test_recipes_prints_yaml():
