@@ -393,17 +393,19 @@ def bench(
     from .models.config import ModelError
     from .recipe import RecipeError
 
+    from .bench.job import JobMix
+
     log = lambda m: err.print(m, highlight=False, markup=False)      # noqa: E731
+    # the mix as the flags give it (--sampling parsed later, with the rest of the job's options)
+    mix = JobMix(requests=requests, prompt_median=prompt_median, prompt_sigma=prompt_sigma, prompt_max=prompt_max,
+                 output_median=output_median, output_sigma=output_sigma, output_max=output_max, slots=slots,
+                 shared_prefix=shared_prefix, max_tokens_factor=max_tokens_factor)
     if not job:
         asked = [flag for flag, on in (("--fixed-width", fixed_width), ("--arrival-order-too", arrival_order_too),
-                                       ("--every-size-too", every_size_too), ("--shared-prefix", shared_prefix > 0),
-                                       ("--max-tokens-factor", max_tokens_factor != 1.0), ("--reserve-too", reserve_too),
-                                       ("--slots", slots is not None), ("--sampling", sampling is not None),
-                                       ("--requests", requests != 1024), ("--prompt-median", prompt_median != 256),
-                                       ("--prompt-sigma", prompt_sigma != 0.8), ("--prompt-max", prompt_max != 1536),
-                                       ("--output-median", output_median != 200),
-                                       ("--output-sigma", output_sigma != 0.6), ("--output-max", output_max != 768))
-                 if on]
+                                       ("--every-size-too", every_size_too), ("--reserve-too", reserve_too),
+                                       ("--sampling", sampling is not None)) if on]
+        default = JobMix()
+        asked += ["--" + f.replace("_", "-") for f in vars(mix) if getattr(mix, f) != getattr(default, f)]
         if asked:
             _fail(f"{asked[0]} applies to whole jobs only: add --job")
     else:
@@ -431,12 +433,9 @@ def bench(
             simulate_acceptance=parse_list(simulate_acceptance, float, "--simulate-acceptance")
             if simulate_acceptance else None)
         if job:
-            from .bench.job import JobMix, job_markdown, parse_sampling, run_job_bench
+            from .bench.job import job_markdown, parse_sampling, run_job_bench
 
-            mix = JobMix(requests=requests, prompt_median=prompt_median, prompt_sigma=prompt_sigma,
-                         prompt_max=prompt_max, output_median=output_median, output_sigma=output_sigma,
-                         output_max=output_max, slots=slots, shared_prefix=shared_prefix,
-                         max_tokens_factor=max_tokens_factor, sampling=parse_sampling(sampling) if sampling else {})
+            mix.sampling = parse_sampling(sampling) if sampling else {}
             result = run_job_bench(opts, mix, log)
         else:
             result = run_bench(opts, log)

@@ -90,13 +90,18 @@ def lognormal_lengths(n: int, median: int, sigma: float, most: int, gen: torch.G
     return [int(v) for v in x.exp().round().clamp(1, most).tolist()]
 
 
-def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> list[RowRequest]:
+class JobRows(list):
+    """job_rows' rows, and how many --prompts rows took --output-median for want of a max_tokens."""
+    defaulted = 0
+
+
+def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> JobRows:
     """The job's rows: token-id prompts (random ids, or held-out text of the demo/model) with
     per-row max_tokens; or a --prompts file."""
     if opts.prompts:
         if mix.max_tokens_factor != 1:
             raise BenchError("--max-tokens-factor applies to the generated mix, not --prompts (rows set their own)")
-        rows = []
+        rows = JobRows()
         for item in open_rows(opts.prompts):
             if isinstance(item, RowError):
                 raise BenchError(item.error)
@@ -105,9 +110,8 @@ def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> list[RowRequest]:
             # a row without max_tokens generates --output-median tokens (EOS ignored, as every bench row)
             overrides = {**mix.sampling, **item.overrides,
                          "max_tokens": item.overrides.get("max_tokens", mix.output_median)}
-            row = RowRequest(row=len(rows), id=len(rows), prompt_token_ids=ids, overrides=overrides)
-            row.asked_max = "max_tokens" in item.overrides
-            rows.append(row)
+            rows.defaulted += "max_tokens" not in item.overrides
+            rows.append(RowRequest(row=len(rows), id=len(rows), prompt_token_ids=ids, overrides=overrides))
             if len(rows) == mix.requests:
                 break
         return rows
@@ -127,8 +131,8 @@ def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> list[RowRequest]:
     if mix.shared_prefix:
         head = torch.randint(0, vocab, (mix.shared_prefix,), generator=gen).tolist()
         prompts = [head + p for p in prompts]
-    return [RowRequest(row=i, id=i, prompt_token_ids=p, overrides={**mix.sampling, **_lengths(o, mix, src)})
-            for i, (p, o) in enumerate(zip(prompts, o_lens))]
+    return JobRows(RowRequest(row=i, id=i, prompt_token_ids=p, overrides={**mix.sampling, **_lengths(o, mix, src)})
+                   for i, (p, o) in enumerate(zip(prompts, o_lens)))
 
 
 def _lengths(out: int, mix: JobMix, src: Source) -> dict[str, Any]:
@@ -282,9 +286,7 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
             "model": src.name, "model_source": src.kind,
             "dtype": str(src.model.lm_head.weight.dtype).removeprefix("torch."),
             "requests": len(rows), "mix": {**vars(mix), "prompts": opts.prompts,
-                                           "rows_without_max_tokens": sum(not getattr(r, "asked_max", True)
-                                                                          for r in rows)
-                                           if opts.prompts else None},
+                                           "rows_without_max_tokens": rows.defaulted if opts.prompts else None},
             "copy_bandwidth_bytes_per_s": bandwidth,
             "matmul_flops_per_s": rate, "acceptance": acceptance_label(opts.simulate_acceptance),
             "simulated_acceptance": list(opts.simulate_acceptance) if opts.simulate_acceptance else None,
