@@ -359,12 +359,15 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
             return
         yield from runner.stream(rows)
 
+    def tokens() -> int:
+        """Tokens generated so far (in process: unfinished rows' too; workers report theirs when they
+        end, so finished rows' until then)."""
+        return runner.tokens if runner.llm else stats.completion_tokens
+
     notify("start", {"total": None if total is None else total - resumed, "resumed": resumed,
                      "device": runner.device, "max_model_len": runner.max_len,
                      "model": str(resolve_model(recipe.model)), "capture_s": runner.capture_s,
-                     "load_s": stats.load_s,
-                     # tokens generated so far; workers report theirs when they end: finished rows' then
-                     "tokens_now": lambda: runner.tokens if runner.llm else stats.completion_tokens})
+                     "load_s": stats.load_s, "tokens_now": tokens})
     try:
         for rec in generated():
             if opts.fail_fast and rec["error"]:
@@ -374,7 +377,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
                 rec.pop("output_token_ids", None)
             writer.add(rec, digests.pop(rec["row"], b""))
             stats.add(rec)
-            notify("record", {"record": rec, "tokens": runner.tokens if runner.llm else stats.completion_tokens,
+            notify("record", {"record": rec, "tokens": tokens(),
                               "errors": stats.errors, "on_stdout": getattr(writer, "count", None)})
     except BaseException as e:
         if isinstance(e, OutputError):     # the output itself failed (disk full...): committed parts stay

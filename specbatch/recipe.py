@@ -446,7 +446,8 @@ def load_recipe(name_or_path: str) -> Recipe:
     text_arg = str(name_or_path)
     path = Path(text_arg).expanduser()
     looks_like_path = text_arg.endswith((".yaml", ".yml")) or "/" in text_arg or "\\" in text_arg
-    if looks_like_path or path.is_file():
+    in_file = looks_like_path or path.is_file()
+    if in_file:
         if not path.is_file():
             raise RecipeError(f"{text_arg}: recipe file not found")
         try:
@@ -467,9 +468,7 @@ def load_recipe(name_or_path: str) -> Recipe:
         text = entry.read_text(encoding="utf-8")
         source = f"{BUILTIN_PREFIX}/{entry.name}"
     data = _load_yaml(text, source)
-    if looks_like_path or path.is_file():
-        data = _beside(data, path)
-    return parse_recipe(data, source)
+    return parse_recipe(_beside(data, path) if in_file else data, source)
 
 
 def _beside(data: Any, path: Path) -> Any:

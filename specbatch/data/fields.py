@@ -634,7 +634,8 @@ def check_body_keys(body: dict, prefix: str) -> None:
     for key, value in body.items():
         if key in REQUEST_FIELDS or key in UNSUPPORTED_FIELDS or key in INERT_BODY_FIELDS or _empty(value):
             continue         # (null or empty asks nothing; a Parquet struct fills every row's keys with null)
-        near = [near_field(str(key))] if near_field(str(key)) else difflib.get_close_matches(
+        meant = near_field(str(key))
+        near = [meant] if meant else difflib.get_close_matches(
             str(key), sorted(REQUEST_FIELDS | UNSUPPORTED_FIELDS.keys()), 1, 0.7)
         hint = f" (did you mean '{prefix}{near[0]}'?)" if near else ""
         raise BadField(f"field '{prefix}{key}': not a request field specbatch knows{hint}; remove it")
