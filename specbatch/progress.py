@@ -111,13 +111,9 @@ class ProgressView:
                 if rec.get("spec"):
                     self.completion_tokens += emitted_tokens(rec["spec"])
                     self.verify_steps += rec["spec"]["verify_steps"]
-                now = time.perf_counter()
-                rate, al = self._rates(now)
-                if self.progress is not None:
+                if self.progress is not None:          # (in a log, the heartbeat writes the lines)
+                    rate, al = self._rates(time.perf_counter())
                     self.progress.update(self.task, advance=1, rate=rate, al=al)
-                elif not self.quiet and not self.bar and now - self.last_line >= self.every:
-                    self.last_line = now
-                    self._say(self.line(now, rate, al))
 
     def line(self, now: float, rate: float, al: float) -> str:
         elapsed = now - self.started
