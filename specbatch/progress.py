@@ -75,8 +75,8 @@ class ProgressView:
             return
         try:
             self.err.print(text, highlight=False, markup=False, soft_wrap=True)
-        except OSError:                        # stderr closed (2>&1 | head): the job goes on without lines
-            self.gone = True
+        except OSError:                        # stderr unwritable (a log on a full disk; a closed pipe is the
+            self.gone = True                   # console script's own stderr's to absorb): the job goes on
 
     def update(self, event: str, info: dict[str, Any]) -> None:
         if event == "start":
