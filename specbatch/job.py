@@ -386,7 +386,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
             raise
         from .engine.failures import DeviceFailed, EngineFailed
 
-        failure = None
+        failure, assembled = None, None
         try:
             if isinstance(e, DeviceFailed):
                 failure = _device_failed(e, writer, digests, suspects, opts.fail_fast)
@@ -395,13 +395,15 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
                                                     for r in runner.pool.suspects}})
             writer.commit()      # what finished is kept; a rerun resumes after it
             if opts.fail_fast and isinstance(e, JobError):
-                writer.finalize()        # --fail-fast: what finished is assembled into the output
+                assembled = writer.finalize()    # --fail-fast: what finished is assembled into the output
         except Exception as failed:  # noqa: BLE001 - the first error is the one to report
             print(f"warning: could not commit the finished rows: {failed}", file=sys.stderr)
         if runner.pool:
             runner.pool.close()
         if failure is not None:
             raise failure from None
+        if assembled is not None:
+            raise JobError(f"{e} (--fail-fast: {_fail_fast_note(assembled, writer.path)})") from None
         if isinstance(e, (WorkerError, EngineFailed)):
             raise JobError(f"{e}; {resume_note(writer.path)}") from None
         # a stop (Ctrl-C, SIGTERM): what this run did, for --stats-json (a scheduler's log of it)
@@ -432,6 +434,14 @@ def resume_note(output: str) -> str:
     if output == "-":
         return f"finished rows went to stdout; {NO_RESUME}"
     return "finished rows are committed, rerun the same command to resume"
+
+
+def _fail_fast_note(rows: int, output: str) -> str:
+    """Where a --fail-fast stop leaves the rows that finished before it."""
+    if output == "-":
+        return f"stopped there; {rows:,} finished rows went to stdout"
+    return (f"stopped there; {rows:,} finished rows are in {output}: mend that row and rerun the same command "
+            "to add the rest")
 
 
 def _device_failed(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[int, bytes],

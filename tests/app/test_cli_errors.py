@@ -85,6 +85,7 @@ def test_fail_fast_commits_finished_rows_and_resumes(tiny_model, tmp_path):
     assert not (tmp_path / "ff.parquet.parts").exists()
     committed = [x["row"] for x in read_out(out)]
     assert committed and set(committed) <= set(range(10)) and committed == sorted(committed)
+    assert f"--fail-fast: stopped there; {len(committed)} finished rows are in {out}" in line
 
     r = ok(*args[:-1])          # not -q: the resume says what it kept
     assert f"resuming: {len(committed)} rows already committed" in r.stderr
@@ -199,7 +200,7 @@ def test_device_cuda_without_cuda(tiny_model, data_dir, tmp_path):
 def test_error_message_is_not_rich_markup(tiny_model, tmp_path):
     inp = write_jsonl(tmp_path / "ff.jsonl", [{"prompt": [True]}])
     line = one_line_cli_error(cli(*run_args(tiny_model, inp, tmp_path / "o.parquet", "--fail-fast")), EXIT_FAILED)
-    assert line.endswith("got [true]")
+    assert "got [true] (--fail-fast: stopped there; 0 finished rows" in line
 
 
 def test_error_message_with_brackets_in_path(tiny_model, tmp_path):
