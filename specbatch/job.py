@@ -48,8 +48,14 @@ class JobOptions:
 def default_output(input_path: str) -> str:
     if input_path == "-":
         return "completions.parquet"
-    base = os.path.basename(input_path.rstrip("/")) or "input"
-    return os.path.join(os.path.dirname(input_path), base.rsplit(".", 1)[0] + ".completions.parquet")
+    path = os.path.normpath(input_path)
+    base = os.path.basename(path)
+    if not os.path.isdir(path):
+        base = base.rsplit(".", 1)[0]
+    elif base in (".", ".."):             # beside the directory's files, not among them
+        name = (os.path.basename(os.path.abspath(path)) or "input") + ".completions.parquet"
+        return os.path.normpath(os.path.join(path, os.pardir, name))
+    return os.path.join(os.path.dirname(path), (base or "input") + ".completions.parquet")
 
 
 def fingerprint(recipe: Recipe, model: Any, draft: str | None, opts: JobOptions,
@@ -125,6 +131,11 @@ def _check_paths(input_path: str, output: str) -> None:
     for p in _output_paths(output):
         if _same_file(input_path, p):
             raise JobError(f"--output {output}: that is the input file {input_path}; choose another --output")
+    if os.path.isdir(input_path):
+        inside = os.path.relpath(os.path.realpath(os.path.abspath(output)), os.path.realpath(input_path))
+        if not inside.startswith(os.pardir):
+            raise JobError(f"--output {output}: inside the input directory {input_path}, whose files are read as "
+                           "input (a rerun would read the output's own); choose a path outside it")
 
 
 def check_stats_path(path: str, input_path: str, output: str | None) -> None:

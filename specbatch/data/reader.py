@@ -100,8 +100,8 @@ def _display(name: str) -> str:
         return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _jsonl_rows(lines: Iterable[bytes], name: str, opts: dict) -> Iterator[Row]:
-    row = 0
+def _jsonl_rows(lines: Iterable[bytes], name: str, opts: dict, first_row: int = 0) -> Iterator[Row]:
+    row = first_row
     for lineno, line in enumerate(lines, 1):
         if lineno == 1 and line.startswith(_BOM):
             line = line[len(_BOM) :]            # before the blank check: a line of only a BOM is blank
@@ -218,7 +218,8 @@ def _check_block(name: str, lines: list[bytes], cut: bool, opts: dict) -> None:
             raise InputError(f"{name}: keep column '{c}' is not in the first {rows} (fields: {seen})")
 
 
-def _open_jsonl_file(path: str, opts: dict, display: str | None = None) -> RowSource:
+def _open_jsonl_file(path: str, opts: dict, display: str | None = None, first_row: int = 0) -> RowSource:
+    """`first_row`: the job's number of the file's first row (a directory's later files)."""
     shown = display or path          # what messages call it (stdin spooled to a file: "<stdin>")
     try:
         with open(path, "rb") as f:
@@ -242,7 +243,7 @@ def _open_jsonl_file(path: str, opts: dict, display: str | None = None) -> RowSo
         except OSError as e:
             raise InputError(f"{shown}: cannot read JSONL: {e.strerror or _one_line(e)}") from None
         with f:
-            yield from _jsonl_rows(f, name, opts)
+            yield from _jsonl_rows(f, name, opts, first_row)
 
     return RowSource(path, total, rows)
 
@@ -289,7 +290,7 @@ def _parquet_columns(names: list[str], opts: dict) -> tuple[list[str], list[str]
     return read, [c for c in names if c not in read and near_field(c) is not None]
 
 
-def _open_parquet(path: str, opts: dict) -> RowSource:
+def _open_parquet(path: str, opts: dict, first_row: int = 0) -> RowSource:
     if not os.path.exists(path):
         raise InputError(f"{path}: cannot read Parquet: no such file")
     try:
@@ -314,7 +315,7 @@ def _open_parquet(path: str, opts: dict) -> RowSource:
     name = _display(path)
 
     def rows() -> Iterator[Row]:
-        row = 0
+        row = 0                              # in this file (its messages' numbering)
         batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns + noted)
         while True:
             try:
@@ -325,7 +326,7 @@ def _open_parquet(path: str, opts: dict) -> RowSource:
             except (OSError, pa.ArrowException, ValueError) as e:
                 raise InputError(f"{path}: cannot read Parquet: {_one_line(e)}") from None
             for obj in records:
-                out = parse_row(obj, row=row, where=f"{name} row {row}", **opts)
+                out = parse_row(obj, row=first_row + row, where=f"{name} row {row}", **opts)
                 for c in noted:
                     del obj[c]
                 for c in _READ_SINCE:
@@ -347,6 +348,76 @@ def _parquet_digest(obj: dict) -> bytes:
     return _digest(text.encode("utf-8", "surrogatepass"))
 
 
+INPUT_FORMATS = (".jsonl", ".parquet")
+
+
+def _skipped(name: str) -> bool:
+    """Names a dataset directory holds beside its data: hidden files and a writer's markers
+    (_SUCCESS, _metadata, _common_metadata, .crc files)."""
+    return name.startswith((".", "_"))
+
+
+def directory_files(path: str) -> list[str]:
+    """A directory input's files, in the order their rows are numbered: every .jsonl or .parquet
+    file in it or below it (hive partitions, a dataset's data/ folder), by path, name by name."""
+    found: list[str] = []
+
+    def unreadable(e: OSError) -> None:
+        raise InputError(f"{e.filename or path}: cannot read the input directory: {e.strerror or _one_line(e)}")
+
+    for root, dirs, files in os.walk(path, onerror=unreadable):    # (linked folders not followed: no loops)
+        dirs[:] = [d for d in dirs if not _skipped(d)]
+        found += [os.path.join(root, f) for f in files if not _skipped(f) and f.lower().endswith(INPUT_FORMATS)]
+    found.sort(key=lambda p: os.path.relpath(p, path).split(os.sep))
+    if not found:
+        raise InputError(f"{path}: a directory with no .jsonl or .parquet file in it (hidden files and names "
+                         "starting with _ are left out)")
+    kinds = {os.path.splitext(f)[1].lower() for f in found}
+    if len(kinds) > 1:
+        first = {k: next(f for f in found if f.lower().endswith(k)) for k in sorted(kinds)}
+        raise InputError(f"{path}: holds both .jsonl and .parquet files ({first['.jsonl']}, {first['.parquet']}); "
+                         "give a directory of one format")
+    return found
+
+
+def _keep_types(sources: list[RowSource], keep_columns: Sequence[str]) -> dict[str, pa.DataType]:
+    """One type per kept column over a directory's Parquet files (int32 in one, int64 in another:
+    int64); types no value converts between are the input's error, naming both files."""
+    types: dict[str, pa.DataType] = {}
+    first: dict[str, str] = {}
+    for src in sources:
+        for c, t in src.column_types.items():
+            if c not in types:
+                types[c], first[c] = t, src.path
+                continue
+            try:
+                merged = pa.unify_schemas([pa.schema([(c, types[c])]), pa.schema([(c, t)])],
+                                          promote_options="permissive")
+            except (pa.ArrowException, ValueError):
+                raise InputError(f"{src.path}: keep column '{c}' is {t} here and {types[c]} in {first[c]}; "
+                                 "kept columns need one type across the directory's files") from None
+            types[c] = merged.field(c).type
+    return types
+
+
+def _open_directory(path: str, opts: dict) -> RowSource:
+    """The files of a dataset directory as one input, rows numbered on from file to file; each
+    row's messages name its file and its line or row there."""
+    sources: list[RowSource] = []
+    first_row = 0
+    for f in directory_files(path):
+        src = _open_jsonl_file(f, opts, first_row=first_row) if f.lower().endswith(".jsonl") \
+            else _open_parquet(f, opts, first_row)
+        sources.append(src)
+        first_row += src.total or 0
+
+    def rows() -> Iterator[Row]:
+        for src in sources:
+            yield from src
+
+    return RowSource(path, first_row, rows, _keep_types(sources, opts["keep_columns"]))
+
+
 def open_rows(
     path: str,
     *,
@@ -355,14 +426,18 @@ def open_rows(
     keep_columns: Sequence[str] = (),
     display: str | None = None,
 ) -> RowSource:
-    """Open `path` (.jsonl, .parquet, or - for JSONL on stdin) as a streaming RowSource;
-    `display`: the name messages give a JSONL file (stdin a resume spooled to a file)."""
+    """Open `path` (.jsonl, .parquet, a directory of either, or - for JSONL on stdin) as a
+    streaming RowSource; `display`: the name messages give a JSONL file (stdin a resume spooled to
+    a file)."""
     opts = {"prompt_column": prompt_column, "id_column": id_column, "keep_columns": tuple(keep_columns)}
     if path == "-":
         return _open_stdin(opts)
+    if os.path.isdir(path):
+        return _open_directory(path, opts)
     low = path.lower()
     if low.endswith(".jsonl"):
         return _open_jsonl_file(path, opts, display)
     if low.endswith(".parquet"):
         return _open_parquet(path, opts)
-    raise InputError(f"{path}: unsupported input; expected a .jsonl or .parquet file, or - for JSONL on stdin")
+    raise InputError(f"{path}: unsupported input; expected a .jsonl or .parquet file, a directory of them, or - for "
+                     "JSONL on stdin")

@@ -17,7 +17,8 @@ from specbatch.cli import app
 
 from cli_helpers import BASE_COLUMNS, N, PROMPTS, SPEC_FIELDS, out_columns, read_out, run_args, write_jsonl
 from cli_helpers import data_dir, tokenizer  # noqa: F401
-from cli_runner import ok
+from cli_runner import cli, ok
+from errors import one_line_cli_error
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -316,3 +317,28 @@ def test_bad_gpus_flags_fail_before_any_output(tiny_model, tmp_path):
     r = cli(*run_args(tiny_model, inp, tmp_path / "o.jsonl", "--gpus", "all", "--workers", "2"))
     assert r.exit_code == 2 and "give either --gpus or --workers/--device" in r.output
     assert not list(tmp_path.glob("o.jsonl*"))
+
+
+def test_a_directory_of_shards_runs_as_one_input_and_a_new_shard_resumes(tiny_model, data_dir, jsonl_run, tmp_path):
+    rows = read_out(jsonl_run[0])
+    ds = tmp_path / "ds"
+    (ds / "year=2026").mkdir(parents=True)
+    src = pq.read_table(data_dir / "rows.parquet")
+    pq.write_table(src.slice(0, 5), ds / "year=2026" / "part-00000.parquet")
+    pq.write_table(src.slice(5, 4), ds / "year=2026" / "part-00001.parquet")
+    (ds / "_SUCCESS").write_bytes(b"")
+    out = tmp_path / "ds.completions.parquet"
+    ok("run", ds, "--model", tiny_model, "--max-tokens", 8, "--device", "cpu", "-q", "--keep-columns", "a")
+    got = read_out(out)
+    assert [r["id"] for r in got] == [r["id"] for r in rows[:9]] and [r["row"] for r in got] == list(range(9))
+    assert [r["completion"] for r in got] == [r["completion"] for r in rows[:9]]
+    assert [r["a"] for r in got] == [i * 10 for i in range(9)]
+    # a shard added after the last: its rows are new rows, a rerun adds them
+    pq.write_table(src.slice(9), ds / "year=2026" / "part-00002.parquet")
+    ok("run", ds, "--model", tiny_model, "--max-tokens", 8, "--device", "cpu", "-q", "--keep-columns", "a")
+    got = read_out(out)
+    assert [r["id"] for r in got] == [r["id"] for r in rows] and [r["row"] for r in got] == list(range(N))
+    assert [r["completion"] for r in got] == [r["completion"] for r in rows]
+    # the output among the files it reads is refused before anything is written
+    line = one_line_cli_error(cli(*run_args(tiny_model, ds, ds / "year=2026" / "o.parquet")), 2)
+    assert "inside the input directory" in line and not (ds / "year=2026" / "o.parquet").exists()
