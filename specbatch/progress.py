@@ -67,8 +67,11 @@ class ProgressView:
                 text = self.line(now, *self._rates(now))
             self._say(text)                    # (outside the lock: a stalled stderr must not stall the job)
 
-    def _rates(self, now: float) -> tuple[float, float]:
-        return self.tokens / max(now - self.started, 1e-9), self.completion_tokens / max(self.verify_steps, 1)
+    def _rates(self, now: float) -> tuple[float, str]:
+        """Tokens a second, and the mean accept length ("-" until a finished row reports cycles:
+        the first rows done may be error rows)."""
+        al = f"{self.completion_tokens / self.verify_steps:.2f}" if self.verify_steps else "-"
+        return self.tokens / max(now - self.started, 1e-9), al
 
     def _say(self, text: str) -> None:
         if self.gone:
@@ -95,10 +98,10 @@ class ProgressView:
                 return
             self.progress = Progress(
                 TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[rate]:>8.1f} tok/s"), TextColumn("accept {task.fields[al]:.2f}"),
+                TextColumn("{task.fields[rate]:>8.1f} tok/s"), TextColumn("accept {task.fields[al]}"),
                 TimeElapsedColumn(), TimeRemainingColumn(), console=self.err, transient=False)
             self.progress.start()
-            self.task = self.progress.add_task("rows", total=info["total"], rate=0.0, al=0.0)
+            self.task = self.progress.add_task("rows", total=info["total"], rate=0.0, al="-")
         elif event == "record":
             rec = info["record"]
             with self.lock:                    # (the heartbeat reads these)
@@ -115,7 +118,7 @@ class ProgressView:
                     rate, al = self._rates(time.perf_counter())
                     self.progress.update(self.task, advance=1, rate=rate, al=al)
 
-    def line(self, now: float, rate: float, al: float) -> str:
+    def line(self, now: float, rate: float, al: str) -> str:
         elapsed = now - self.started
         if self.total:
             share = f"{self.done:,}/{self.total:,} rows ({100 * self.done / self.total:.1f}%)"
@@ -128,7 +131,7 @@ class ProgressView:
                 eta = f"ETA {hms((self.total - self.done) * (now - self.first_done) / paced)}"
         else:
             share, eta = f"{self.done:,} rows", "ETA ?"
-        return (f"progress: {share}, {rate:,.0f} tok/s, {self.errors:,} errors, accept {al:.2f}, "
+        return (f"progress: {share}, {rate:,.0f} tok/s, {self.errors:,} errors, accept {al}, "
                 f"elapsed {hms(elapsed)}, {eta}")
 
 

@@ -592,8 +592,12 @@ def test_the_eta_is_paced_from_the_first_finished_row(monkeypatch):
     rec = {"record": {"row": 0, "spec": None}, "tokens": 0}
     clock[0] = 60.0                                      # the first row, a minute in
     view.update("record", rec)
-    assert view.line(61.0, 0.0, 1.0).endswith("ETA ?")
+    assert view.line(61.0, 0.0, "1.00").endswith("ETA ?")
+    # no finished row has reported cycles yet (an error row, or vanilla's first): no accept length to show
+    assert ", accept -, " in view.line(61.0, *view._rates(61.0))
     for i in range(8):                                   # then one a second
         clock[0] = 61.0 + i
         view.update("record", rec)
-    assert view.line(clock[0], 0.0, 1.0).endswith(f"ETA {progress.hms(91)}")        # 91 rows left at 1 s
+    assert view.line(clock[0], 0.0, "1.00").endswith(f"ETA {progress.hms(91)}")        # 91 rows left at 1 s
+    view.update("record", {"record": {"row": 9, "spec": {"verify_steps": 4, "accept_length": 2.25}}, "tokens": 9})
+    assert ", accept 2.25, " in view.line(clock[0], *view._rates(clock[0]))
