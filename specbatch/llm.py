@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from .data import RowError, RowRequest, parse_row
-from .params import DEFAULT_LOGPROBS_MODE, SamplingParams
+from .params import DEFAULT_LOGPROBS_MODE, FALLBACK, MODEL_DEFAULT_KEYS, SamplingParams
 from .recipe import Recipe, RecipeError, load_recipe
 from .resolve import describe_draft, resolve_model, spec_config
 from .row_notes import GreedyByDefault, UnreadFields
@@ -226,6 +226,22 @@ class LLM:
                                       f"vocabulary (size {vocab})", "logit_bias", "outside the vocabulary")
         return out
 
+    def _unset_as_given(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """The values a SamplingParams object leaves unset among those a model's generation config
+        may set: the LLM's own defaults (recipe, keywords) stay, the rest take specbatch's."""
+        return {k: FALLBACK[k] for k in MODEL_DEFAULT_KEYS
+                if fields.get(k) is None and getattr(self.recipe.sampling, k) is None}
+
+    def _as_given(self, params: SamplingParams) -> dict[str, Any]:
+        """A SamplingParams used as given, as vLLM's LLM.generate uses one: the model's
+        generation_config.json does not fill its unset temperature, top_p, top_k or
+        repetition_penalty (it fills those of a mapping, a row or params=None, as vLLM's server and
+        its default params do). A mapping, for sampling()."""
+        d = params.to_dict()
+        if d["max_tokens"] is None:             # unset: the recipe's, else the row's default (sampling())
+            del d["max_tokens"]
+        return {**d, **self._unset_as_given(d)}
+
     def stream(self, rows: Iterable[RowRequest | RowError],
                params: SamplingParams | Mapping[str, Any] | None = None,
                alone: Sequence[RowRequest | RowError] = (), vouch: bool = True) -> Iterator[dict[str, Any]]:
@@ -274,6 +290,7 @@ class LLM:
             if len(params) != len(rows):
                 raise ValueError(f"params: {len(params)} sampling params for {len(rows)} prompts; give one "
                                  "per prompt, or one mapping for all")
+            given = []                              # prompts whose params are SamplingParams objects
             for i, (r, p) in enumerate(zip(rows, params)):
                 if isinstance(r, RowRequest):       # the prompt's own params, under its row's fields
                     try:
@@ -286,10 +303,19 @@ class LLM:
                     if own["max_tokens"] is None:   # unset: the row's form's default, as for one mapping
                         del own["max_tokens"]
                     r.overrides = {**own, **r.overrides}
+                    if isinstance(p, SamplingParams):
+                        given.append(r)
             params = None
-        self._greedy.use(self.sampling(params), self.engine.model_defaults)
+        self._greedy.use(self.sampling(params), self.engine.model_defaults,
+                         seeded=params is not None and _get(params, "seed") is not None)
         for r in rows:
             self._greedy.check(r)
+        # (after the note, which asks whether anything set a temperature)
+        if isinstance(params, SamplingParams):
+            params = self._as_given(params)
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
+            for r in given:
+                r.overrides = {**r.overrides, **self._unset_as_given(r.overrides)}
         self.calls += 1
         records = self._records(rows, params, call=self.calls - 1)
         out = [Completion.from_record(rec) for rec in _with_progress(records, len(rows), use_tqdm)]

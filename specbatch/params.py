@@ -59,7 +59,7 @@ class SamplingError(ValueError):
         self.field, self.detail = field, detail
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)     # keywords only: vLLM's first positional field is n, not max_tokens
 class SamplingParams:
     max_tokens: int | None = None     # None: the model's max_new_tokens, else default_max_tokens
     temperature: float | None = None  # 0 = greedy; None: the model's generation_config, else 0
@@ -154,18 +154,22 @@ class SamplingParams:
                                 f"--min-tokens or the recipe's sampling.min_tokens)")
         return p
 
-    def unsampled(self, overrides: Mapping[str, Any], model: Mapping[str, Any] | None = None) -> list[str]:
+    def unsampled(self, overrides: Mapping[str, Any], model: Mapping[str, Any] | None = None,
+                  seeded: bool = False) -> list[str]:
         """What a plain row asks of sampling (top_p, top_k, min_p, n > 1: these defaults with its
-        `overrides`) that changes nothing because it runs greedy for want of a temperature: none in
-        the row, these defaults or the model's generation config. vLLM's SamplingParams default to
-        temperature 1.0, so a vLLM user's {top_p, n} would sample there."""
+        `overrides`; a seed of its own, in `overrides` or `seeded`: LLM.generate's params) that
+        changes nothing because it runs greedy for want of a temperature: none in the row, these
+        defaults or the model's generation config. vLLM's SamplingParams default to temperature 1.0,
+        so a vLLM user's {top_p, n, seed} would sample there. (These defaults' own seed is the run
+        seed, which also seeds rows that set a temperature: not a sign.)"""
         if overrides.get("temperature") is not None or self.temperature is not None or \
                 "temperature" in (model or {}):
             return []
-        p = replace(self, **{k: _field_value(k, v) for k, v in overrides.items()})
+        p = replace(self, **{k: _field_value(k, v) for k, v in overrides.items() if k != "seed"})
         asked = [k for k, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0))
                  if getattr(p, k) is not None and getattr(p, k) not in (off, -1)]
-        return asked + (["n"] if p.n > 1 else [])
+        asked += ["n"] if p.n > 1 else []
+        return asked + (["seed"] if seeded or overrides.get("seed") is not None else [])
 
     def for_choice(self, index: int) -> "SamplingParams":
         """Choice `index` of n: choice 0 is the row itself; the others draw from their own seed

@@ -171,7 +171,7 @@ class SpecbatchPredictor:
 
     def _row(self, i: int, row: dict[str, Any], seen: Counter):
         """Row `row` of a batch as the engine's request; `seen`: the batch's content keys so far."""
-        from .data import RowError, parse_row
+        from .data import RowError, RowRequest, parse_row
 
         where = f"row {row['id']}" if row.get("id") is not None else "row"
         try:
@@ -181,11 +181,13 @@ class SpecbatchPredictor:
             obj = {**sampling_params_fields(row.get("sampling_params")), **prompt}
         except BadField as e:
             return RowError(i, i, f"{where}: {e}")
-        if obj.get("seed") is None:
+        req = parse_row(obj, row=i, where=where)
+        self.greedy.check(req)                  # (before a seed of its own is derived: not the row's sign)
+        if isinstance(req, RowRequest) and req.overrides.get("seed") is None:
             key = _content_key(row, self.llm.recipe.sampling.seed)
-            obj["seed"] = _content_seed(key, seen[key])
+            req.overrides = {**req.overrides, "seed": _content_seed(key, seen[key])}
             seen[key] += 1
-        return parse_row(obj, row=i, where=where)
+        return req
 
     async def __call__(self, batch):
         if self.failure is not None:
@@ -206,7 +208,6 @@ class SpecbatchPredictor:
                 self.waiting[i] = (loop, fut, row)
                 futures.append(fut)
                 items.append(self._row(i, row, seen))
-                self.greedy.check(items[-1])
         for item in items:
             self.inbox.put(item)
         done = await asyncio.gather(*futures)

@@ -60,24 +60,25 @@ class UnreadFields:
 
 
 class GreedyByDefault:
-    """A plain row setting top_p, top_k, min_p or n > 1 with nothing setting a temperature runs
-    greedy (specbatch's default), so those fields change nothing and n > 1 repeats one completion;
-    vLLM's SamplingParams default to temperature 1.0, so its users' {top_p, n} would sample. Said
-    once."""
+    """A plain row setting top_p, top_k, min_p, n > 1 or a seed of its own with nothing setting a
+    temperature runs greedy (specbatch's default), so those fields change nothing and n > 1 repeats
+    one completion; vLLM's SamplingParams default to temperature 1.0, so its users' {top_p, n, seed}
+    would sample. Said once."""
 
-    SHAPING = ("top_p", "top_k", "min_p", "n")
+    SHAPING = ("top_p", "top_k", "min_p", "n", "seed")
 
     def __init__(self, defaults: Any, model: dict | None):
         """`defaults`: the run's SamplingParams (flags and recipe); `model`: generation_config.json's."""
         self.said = False
         self.use(defaults, model)
 
-    def use(self, defaults: Any, model: dict | None) -> None:
-        """Other run defaults (LLM.generate's per call); what was said stays said."""
-        self.defaults, self.model = defaults, model or {}
+    def use(self, defaults: Any, model: dict | None, seeded: bool = False) -> None:
+        """Other run defaults (LLM.generate's per call; `seeded`: its params set a seed, every
+        prompt's own); what was said stays said."""
+        self.defaults, self.model, self.seeded = defaults, model or {}, seeded
         # per row only what a row can change: most rows set none of these, and cost a lookup each
         self.tempered = defaults.temperature is not None or "temperature" in self.model
-        self.asked_by_defaults = bool(defaults.unsampled({}, self.model))
+        self.asked_by_defaults = bool(defaults.unsampled({}, self.model, seeded))
 
     def check(self, row: Any) -> None:
         if self.said or self.tempered or not isinstance(getattr(row, "overrides", None), dict) or row.batch_line:
@@ -85,11 +86,11 @@ class GreedyByDefault:
         ov = row.overrides
         if not self.asked_by_defaults and not any(k in ov for k in self.SHAPING):
             return
-        asked = self.defaults.unsampled(ov, self.model)
+        asked = self.defaults.unsampled(ov, self.model, self.seeded)
         if not asked:
             return
         self.said = True
-        names = " and ".join("n > 1" if k == "n" else k for k in asked)
+        names = " and ".join("n > 1" if k == "n" else "a seed" if k == "seed" else k for k in asked)
         repeat = " and its n completions are one, repeated" if "n" in asked else ""
         print(f"warning: {row.place}: {names} {'are' if len(asked) > 1 else 'is'} set but no temperature is (row, "
               f"flags, recipe or the model's generation_config.json), so the row runs greedy{repeat}; vLLM's "

@@ -110,3 +110,39 @@ def test_run_flag_errors(flag, value, expected, tiny_model, tmp_path):
     src.write_text('{"prompt": "x"}\n')
     line = one_line_cli_error(cli("run", src, "--model", tiny_model, "--device", "cpu", flag, value), EXIT_USAGE)
     assert expected in line, line
+
+
+def test_a_sampling_params_object_is_used_as_given_as_vllms_llm_uses_one(gen_model, tiny_model):
+    """vLLM's LLM.generate takes a SamplingParams as given: the model's generation config fills
+    only params=None (its default params), as its server fills a request's unset fields. A
+    mapping, a row's fields and params=None read as the server's (the config fills what they leave
+    unset); a SamplingParams object, alone or in a per-prompt list, does not, so
+    SamplingParams(temperature=0) is plain greedy whatever the model's config says."""
+    from specbatch import LLM, SamplingParams
+
+    texts = ["def add(a, b):", "import os", "for i in range(10):"]
+    gen, plain = LLM(model=gen_model, device="cpu"), LLM(model=tiny_model, device="cpu")
+
+    def out(llm, params, prompts=texts):
+        return [c.token_ids for c in llm.generate(prompts, params, use_tqdm=False)]
+
+    greedy = out(plain, {"temperature": 0, "max_tokens": 8})
+    assert out(gen, SamplingParams(temperature=0, max_tokens=8)) == greedy
+    assert out(gen, [SamplingParams(temperature=0, max_tokens=8)] * 3) == greedy
+    # a mapping's unset repetition_penalty is the model's (1.3): not greedy's tokens
+    penalised = out(gen, {"temperature": 0, "max_tokens": 8})
+    assert penalised == out(plain, {"temperature": 0, "max_tokens": 8, "repetition_penalty": 1.3}) != greedy
+    # a row's own fields win over its SamplingParams either way
+    rows = [{"prompt": t, "repetition_penalty": 1.3} for t in texts]
+    assert out(gen, SamplingParams(temperature=0, max_tokens=8), rows) == penalised
+    # the LLM's own defaults (its keywords, a recipe's sampling) stay under a SamplingParams
+    assert out(LLM(model=gen_model, device="cpu", repetition_penalty=1.3),
+               SamplingParams(temperature=0, max_tokens=8)) == penalised
+
+
+def test_sampling_params_take_keywords_only():
+    """vLLM's first positional field is n: SamplingParams(4) there is 4 completions of 16 tokens."""
+    from specbatch import SamplingParams
+
+    with pytest.raises(TypeError):
+        SamplingParams(4, temperature=0.8)

@@ -99,6 +99,14 @@ def test_sampling_params_without_a_temperature_are_said_greedy(capsys):
     llm.generate(["def f():"], [{"top_k": 3, "temperature": 0.5, "max_tokens": 2}], use_tqdm=False)
     llm.generate(["def f():"], SamplingParams(top_k=4, max_tokens=2), use_tqdm=False)     # said once an LLM
     assert capsys.readouterr().err == ""
+    # a seed of its own is a sign too (a pass@k loop seeding each call), a prompt's or every prompt's
+    for params in (SamplingParams(seed=7, max_tokens=2), [{"seed": 7, "max_tokens": 2}], {"seed": 7}):
+        LLM(recipe="vanilla", device="cpu").generate(["def f():"], params, use_tqdm=False)
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("warning: prompt 0: a seed is set but no temperature is"), err
+    LLM(recipe="vanilla", device="cpu").generate(["def f():"], {"seed": 7, "temperature": 0.5, "max_tokens": 2},
+                                                 use_tqdm=False)
+    assert capsys.readouterr().err == ""
 
 
 def test_every_prompt_form_in_order_and_reusable(llm):
