@@ -16,6 +16,7 @@ from typing import Any, Union
 from .data import RowError, RowRequest, parse_row
 from .params import DEFAULT_LOGPROBS_MODE, FALLBACK, MODEL_DEFAULT_KEYS, SamplingParams
 from .recipe import Recipe, RecipeError, load_recipe
+from .request_output import CompletionOutput, outputs
 from .resolve import describe_draft, resolve_model, spec_config
 from .row_notes import GreedyByDefault, UnreadFields
 
@@ -53,6 +54,16 @@ class Completion:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    # ---- read as vLLM's RequestOutput (a migrated script's o.outputs[0].text) ----
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """Every completion (n of them) as vLLM's CompletionOutput; none for a prompt that failed."""
+        return outputs(self.record)
+
+    @property
+    def finished(self) -> bool:
+        return True                         # generate() returns finished prompts only
 
 
 def _row(prompt: Prompt, index: int) -> RowRequest | RowError:
@@ -339,6 +350,10 @@ class LLM:
                                 f"got {type(conv).__name__}")
             rows.append({"messages": [dict(m) for m in conv], **options})
         return self.generate(rows, sampling_params, use_tqdm) if rows else []
+
+    def get_tokenizer(self) -> Any:
+        """The target's tokenizer (transformers'), as vLLM's LLM.get_tokenizer()."""
+        return self.engine.tokenizer
 
     @property
     def device(self) -> str:

@@ -428,3 +428,33 @@ def test_a_vllm_engine_argument_names_what_specbatch_has_instead(tiny_model):
     with pytest.raises(RecipeError, match=r"^LLM\(\.\.\.\): unknown key 'max_num_seqs' .*vLLM's max_num_seqs is, "
                                           r"here, batch_size"):
         LLM(tiny_model, device="cpu", max_num_seqs=8)
+
+
+def test_a_completion_reads_as_vllms_request_output(llm):
+    """A migrated script's o.outputs[0].text, .token_ids, .finish_reason, .stop_reason,
+    .cumulative_logprob and .logprobs[i][token_id].logprob run unchanged; llm.get_tokenizer() too."""
+    from specbatch import SamplingParams
+
+    one, bad, many = llm.generate(["def add(a, b):", "", "import os"],
+                                  [SamplingParams(max_tokens=6, logprobs=2, stop=["("]), SamplingParams(max_tokens=4),
+                                   SamplingParams(max_tokens=5, n=3, temperature=0.9, seed=1, logprobs=1)],
+                                  use_tqdm=False)
+    (out,) = one.outputs
+    assert (out.index, out.text, out.token_ids, out.finish_reason, out.stop_reason) == \
+        (0, one.text, one.token_ids, one.finish_reason, one.stop_reason)
+    assert one.finished and out.finished()
+    assert len(out.logprobs) == len(out.token_ids)
+    for tok, entry, raw in zip(out.token_ids, out.logprobs, one.logprobs):
+        assert entry[tok].logprob == raw["logprob"] and entry[tok].decoded_token == raw["token"]
+        tops = raw["top_logprobs"]
+        assert [entry[t["token_id"]].rank for t in tops] == [1, 2]
+        assert entry[tok].rank == next((i for i, t in enumerate(tops, 1) if t["token_id"] == tok), None)
+    assert out.cumulative_logprob == pytest.approx(sum(e["logprob"] for e in one.logprobs))
+    assert bad.error and bad.outputs == []
+    assert [o.index for o in many.outputs] == [0, 1, 2]
+    assert [o.text for o in many.outputs] == [c["completion"] for c in many.choices]
+    assert [o.token_ids for o in many.outputs] == [c["output_token_ids"] for c in many.choices]
+    assert len({tuple(o.token_ids) for o in many.outputs}) > 1            # sampled: distinct choices
+    assert llm.generate(["x"], {"max_tokens": 2}, use_tqdm=False)[0].outputs[0].cumulative_logprob is None
+    tok = llm.get_tokenizer()
+    assert tok.decode(out.token_ids, skip_special_tokens=True).startswith(out.text)

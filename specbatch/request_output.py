@@ -1,0 +1,65 @@
+"""A Completion read as vLLM's RequestOutput is read: `outputs[i]` with text, token_ids,
+finish_reason, stop_reason, cumulative_logprob and logprobs as vLLM's (one {token id: Logprob}
+per generated token), so a migrated `o.outputs[0].text` runs unchanged."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's Logprob: the token's logprob, its rank in the distribution (1 = the most likely;
+    None for a sampled token outside the top alternatives, whose rank the row did not record) and
+    its text."""
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """vLLM's CompletionOutput: one of a prompt's n completions."""
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None          # the sampled tokens' logprobs summed; None: not asked
+    logprobs: list[dict[int, Logprob]] | None  # per generated token: it and its top alternatives
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def _vllm_logprobs(entries: Sequence[Mapping[str, Any]] | None) -> list[dict[int, Logprob]] | None:
+    if entries is None:
+        return None
+    out = []
+    for e in entries:
+        top = {t["token_id"]: Logprob(t["logprob"], rank, t["token"])
+               for rank, t in enumerate(e.get("top_logprobs") or (), start=1)}
+        sampled = top.get(e["token_id"])
+        out.append({e["token_id"]: sampled or Logprob(e["logprob"], None, e["token"]), **top})
+    return out
+
+
+def _output(index: int, text: str | None, token_ids: Sequence[int] | None, logprobs: Any,
+            finish_reason: str | None, stop_reason: int | str | None) -> CompletionOutput:
+    entries = _vllm_logprobs(logprobs)
+    total = None if logprobs is None else float(sum(e["logprob"] for e in logprobs))
+    return CompletionOutput(index, text or "", list(token_ids or ()), total, entries, finish_reason, stop_reason)
+
+
+def outputs(record: Mapping[str, Any]) -> list[CompletionOutput]:
+    """A record's completions as vLLM's `RequestOutput.outputs` (none for a row that failed)."""
+    if record.get("error") is not None:
+        return []
+    choices = record.get("choices")
+    if not choices:
+        return [_output(0, record.get("completion"), record.get("output_token_ids"), record.get("logprobs"),
+                        record.get("finish_reason"), record.get("stop_reason"))]
+    return [_output(c["index"], c["completion"], c.get("output_token_ids"), c.get("logprobs"), c["finish_reason"],
+                    c["stop_string"] if c.get("stop_string") is not None else c.get("stop_token_id"))
+            for c in choices]
