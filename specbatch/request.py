@@ -64,9 +64,12 @@ class Request:
 class StopChecker:
     """Decides, token by token, whether a request is finished."""
 
-    def __init__(self, tokenizer: Detokenizer, eos_ids: set[int]):
+    def __init__(self, tokenizer: Detokenizer, eos_ids: set[int], primary_eos: int | None = None):
+        """`primary_eos`: the tokenizer's EOS among `eos_ids`, the one whose stop has no stop_reason;
+        the model's other EOS ids report theirs, as vLLM adds them to stop_token_ids (None: none does)."""
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
+        self.primary_eos = primary_eos
 
     def append(self, req: Request, tokens: list[int]) -> int:
         """Append tokens in order until the request finishes; returns how many were kept. Before
@@ -88,7 +91,8 @@ class StopChecker:
         eos = tok in self.eos_ids and not p.ignore_eos
         if tok in p.stop_token_ids or eos:
             req.stop_token = True
-            req.stop_id = None if eos else tok          # EOS is checked first, as vLLM does
+            # the tokenizer's EOS is checked first, as vLLM does
+            req.stop_id = None if eos and self.primary_eos in (None, tok) else tok
             return True
         if p.stop and len(req.output_ids) > p.min_tokens:
             longest = max(len(s) for s in p.stop)

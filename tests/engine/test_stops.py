@@ -107,6 +107,20 @@ def test_stop_string_spanning_tokens_and_multi_token_append():
     assert chk.completion(req)[0] == "abc"
 
 
+def test_the_models_other_eos_ids_report_their_stop_reason_as_vllms_stop_token_ids():
+    """vLLM stops on the tokenizer's EOS with no stop_reason and adds the generation config's other
+    EOS ids (Llama 3's <|eom_id|>, Qwen's <|endoftext|>) to stop_token_ids: those report their id."""
+    chk = StopChecker(_CharTokenizer(), eos_ids={0, 1}, primary_eos=0)
+    for tok, reason in ((0, None), (1, 1)):
+        req = _req()
+        assert chk.append(req, [ord("a"), tok, ord("b")]) == 2 and req.finish_reason == "stop"
+        assert chk.completion(req) == ("a", reason)
+    req = _req(ignore_eos=True, max_tokens=3)                # ignore_eos: neither stops (vLLM adds none)
+    assert chk.append(req, [1, 0, ord("c")]) == 3 and req.finish_reason == "length"
+    req = _req(min_tokens=2)                                 # masked alike until min_tokens
+    assert chk.append(req, [ord("a"), 1]) == 2 and chk.completion(req) == ("a", 1)
+
+
 def test_eos_ignore_eos_and_length_in_order():
     chk = StopChecker(_CharTokenizer(), eos_ids={0})
     req = _req()
