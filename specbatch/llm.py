@@ -168,6 +168,31 @@ def _refuse_unsupported(params: dict) -> None:
         del params[key]
 
 
+# vLLM's LLM.generate / chat arguments specbatch has nothing for: their defaults ask for nothing.
+_VLLM_ARGUMENTS = {
+    "lora_request": "LoRA adapters", "priority": "request priorities", "tokenization_kwargs": "tokenization options",
+    "chat_template": "a chat template other than the model's", "tools": "tool definitions for the template",
+    "mm_processor_kwargs": "multimodal inputs",
+}
+
+
+def _refuse_vllm_arguments(call: str, given: Mapping[str, Any]) -> None:
+    """A vLLM argument at its default (None; priority all zeros; chat_template_content_format
+    'auto' or 'string', as specbatch reads content) is dropped; set, a ValueError naming it."""
+    for key, value in given.items():
+        if key == "chat_template_content_format":
+            if value not in ("auto", "string"):
+                raise ValueError(f"{call}(chat_template_content_format={value!r}): specbatch reads message content as "
+                                 "text (a string or text parts): 'auto' or 'string'")
+            continue
+        if value is None or (key == "priority" and not any(value)):
+            continue
+        what = _VLLM_ARGUMENTS.get(key)
+        if what is None:
+            raise TypeError(f"{call}() got an unexpected keyword argument '{key}'")
+        raise ValueError(f"{call}({key}=...): not supported by specbatch yet ({what}); remove it")
+
+
 class LLM:
     """A loaded target (and draft) ready to generate, reusable across calls.
 
@@ -285,12 +310,15 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]]
-                 | None = None, use_tqdm: bool | Callable[..., Any] = True) -> list[Completion]:
+                 | None = None, use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None,
+                 **vllm: Any) -> list[Completion]:
         """One Completion per prompt, in the order given. A prompt that cannot run (too long,
         bad fields) comes back with `error` set; the others are unaffected. `sampling_params`:
         defaults for every prompt, or (as vLLM's list of SamplingParams) one per prompt, each
         complete; a row dict's own fields win over either. `use_tqdm`: a progress bar on stderr
-        (as vLLM's: True, False, or a tqdm-like class called with total= and desc=)."""
+        (as vLLM's: True, False, or a tqdm-like class called with total= and desc=). vLLM's other
+        arguments (lora_request, priority, tokenization_kwargs) are taken at their defaults only."""
+        _refuse_vllm_arguments("generate", {"lora_request": lora_request, **vllm})
         if _one_prompt(prompts):
             prompts = [prompts]
         rows = [_row(p, i) for i, p in enumerate(prompts)]
@@ -334,12 +362,20 @@ class LLM:
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]]
-             | None = None, use_tqdm: bool | Callable[..., Any] = True, *, add_generation_prompt: bool = True,
-             continue_final_message: bool = False,
-             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[Completion]:
-        """vLLM's LLM.chat: one conversation (a list of {role, content} messages) or a list of
-        them, each rendered by the model's chat template with these options (as a row's fields of
-        the same names), then `generate`."""
+             | None = None, use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None,
+             chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: Any = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None, **vllm: Any) -> list[Completion]:
+        """vLLM's LLM.chat (its arguments in its order): one conversation (a list of {role, content}
+        messages) or a list of them, each rendered by the model's chat template with these options
+        (as a row's fields of the same names), then `generate`. lora_request, chat_template, tools
+        and mm_processor_kwargs are taken at their defaults only."""
+        _refuse_vllm_arguments("chat", {"lora_request": lora_request, "chat_template": chat_template,
+                                        "chat_template_content_format": chat_template_content_format,
+                                        "tools": tools, **vllm})
+        if continue_final_message and add_generation_prompt:       # the caller's, as vLLM raises it
+            raise ValueError("chat(continue_final_message=True) needs add_generation_prompt=False: the final "
+                             "message is continued, not followed by a new turn")
         convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    "chat_template_kwargs": None if chat_template_kwargs is None else dict(chat_template_kwargs)}

@@ -315,8 +315,8 @@ def test_chat_takes_one_conversation_or_many_as_vllms_does(llm):
     assert llm.chat([], params) == []
     with pytest.raises(TypeError, match=r"messages\[1\]: expected a conversation"):
         llm.chat([chat, "hi"], params)
-    (bad,) = llm.chat(chat, params, use_tqdm=False, continue_final_message=True)     # needs no generation prompt
-    assert "continue_final_message" in bad.error
+    with pytest.raises(ValueError, match="continue_final_message"):                 # needs no generation prompt
+        llm.chat(chat, params, use_tqdm=False, continue_final_message=True)
 
 
 def test_use_tqdm_shows_progress_or_none_as_asked(llm, capsys):
@@ -458,3 +458,29 @@ def test_a_completion_reads_as_vllms_request_output(llm):
     assert llm.generate(["x"], {"max_tokens": 2}, use_tqdm=False)[0].outputs[0].cumulative_logprob is None
     tok = llm.get_tokenizer()
     assert tok.decode(out.token_ids, skip_special_tokens=True).startswith(out.text)
+
+
+def test_vllms_other_arguments_at_their_defaults_run_and_set_are_refused_by_name():
+    """A migrated call passing vLLM's arguments at their defaults (generate(..., lora_request=None),
+    chat's positional order) runs; one that asks for something specbatch lacks is a ValueError
+    naming it, not a TypeError or a silent drop; chat's conflicting options raise as vLLM's."""
+    from specbatch import SamplingParams
+
+    llm = LLM(recipe="vanilla", device="cpu")
+    conv = [{"role": "user", "content": "hi"}]
+    sp = SamplingParams(max_tokens=2)
+    assert len(llm.generate(["x", "y"], sp, False, None, priority=[0, 0], tokenization_kwargs=None)) == 2
+    assert len(llm.chat(conv, sp, False, None, None, "string", True, False, None, None)) == 1
+    for kw, named in (({"lora_request": object()}, "lora_request"), ({"priority": [0, 1]}, "priority")):
+        with pytest.raises(ValueError, match=rf"^generate\({named}=\.\.\.\): not supported by specbatch yet"):
+            llm.generate(["x", "y"], sp, False, **kw)
+    for kw, named in (({"tools": [{"type": "function"}]}, "tools"), ({"chat_template": "{{ x }}"}, "chat_template"),
+                      ({"mm_processor_kwargs": {"a": 1}}, "mm_processor_kwargs")):
+        with pytest.raises(ValueError, match=rf"^chat\({named}=\.\.\.\): not supported by specbatch yet"):
+            llm.chat(conv, sp, False, **kw)
+    with pytest.raises(ValueError, match="continue_final_message=True\\) needs add_generation_prompt=False"):
+        llm.chat(conv, sp, False, continue_final_message=True)
+    assert len(llm.chat(conv + [{"role": "assistant", "content": "he"}], sp, False, add_generation_prompt=False,
+                        continue_final_message=True)) == 1
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sampling'"):
+        llm.generate(["x"], sampling=sp)
