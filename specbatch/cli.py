@@ -155,6 +155,7 @@ def run(
 
     from .data import InputError, OutputError, StdoutClosed
     from .job import DeviceLost, JobError, JobOptions, check_stats_path, run_job
+    from .resolve import RowStopped
     from .models.config import ModelError
     from .params import check_logprobs_mode
     from .recipe import RecipeError, load_recipe
@@ -213,7 +214,9 @@ def run(
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(EXIT_USAGE)
-        _fail(str(e), EXIT_FAILED if fail_fast else EXIT_USAGE)
+        # 1: the rows' doing (--fail-fast at a bad row, or a row that brought the device down); 2: the job's
+        _fail(str(e), EXIT_FAILED if isinstance(e, RowStopped) or (fail_fast and isinstance(e, DeviceLost))
+              else EXIT_USAGE)
     except StdoutClosed as e:
         # -o - read by `head` and the like: the reader had what it wanted; stop as a piped tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (no second error flushing at exit)
@@ -251,9 +254,12 @@ def _report(summary: dict, quiet: bool, stats_json: str | None) -> None:
             _write_stats(stats_json, summary)
         except OSError as e:
             _fail(f"--stats-json {stats_json}: {e.strerror or e} (the job itself finished: {summary['output']})")
-    if summary.get("requests") and summary["errors"] == summary["requests"]:
-        _fail(f"every row failed ({summary['errors']} rows); see the error column of {summary['output']}",
-              EXIT_FAILED)
+    # every row of the output (a resume's committed rows too: not only this run's), where it is known
+    rows, errors = summary.get("rows_in_output"), summary.get("errors_in_output")
+    if rows is None or errors is None:
+        rows, errors = summary.get("requests"), summary.get("errors")
+    if rows and errors == rows:
+        _fail(f"every row failed ({errors} rows); see the error column of {summary['output']}", EXIT_FAILED)
 
 
 def _stopped_stats(e: BaseException, stats_json: str | None, how: str) -> None:

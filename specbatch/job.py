@@ -17,7 +17,7 @@ from .data.writer import output_file_format
 from .params import DEFAULT_LOGPROBS_MODE, OPENAI_LINES
 from .recipe import Recipe
 from .row_notes import GreedyByDefault, ModelNames, RepeatedIds, UnreadFields
-from .resolve import DEMO_DIR, DeviceLost, JobError, describe_draft, resolve_draft, resolve_model, spec_config
+from .resolve import DEMO_DIR, DeviceLost, JobError, RowStopped, describe_draft, resolve_draft, resolve_model, spec_config
 from .stats import RunStats
 from .workers import WorkerError
 
@@ -383,7 +383,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
         for rec in generated():
             if opts.fail_fast and rec["error"]:
                 digests.pop(rec["row"], None)
-                raise JobError(rec["error"])
+                raise RowStopped(rec["error"])
             if not opts.save_token_ids:
                 rec.pop("output_token_ids", None)
             writer.add(rec, digests.pop(rec["row"], b""))
@@ -405,7 +405,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
                 writer.set_suspects({**suspects, **{r: "a worker's device failed with it in flight"
                                                     for r in runner.pool.suspects}})
             writer.commit()      # what finished is kept; a rerun resumes after it
-            if opts.fail_fast and isinstance(e, JobError):
+            if isinstance(e, RowStopped):
                 assembled = writer.finalize()    # --fail-fast: what finished is assembled into the output
         except Exception as failed:  # noqa: BLE001 - the first error is the one to report
             print(f"warning: could not commit the finished rows: {failed}", file=sys.stderr)
@@ -414,7 +414,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
         if failure is not None:
             raise failure from None
         if assembled is not None:
-            raise JobError(f"{e} (--fail-fast: {_fail_fast_note(assembled, writer.path)})") from None
+            raise RowStopped(f"{e} (--fail-fast: {_fail_fast_note(assembled, writer.path)})") from None
         if isinstance(e, (WorkerError, EngineFailed)):
             raise JobError(f"{e}; {resume_note(writer.path)}") from None
         # a stop (Ctrl-C, SIGTERM): what this run did, for --stats-json (a scheduler's log of it)

@@ -14,6 +14,10 @@ class JobError(Exception):
     """A job that must stop with a non-zero exit; the message is one actionable line."""
 
 
+class RowStopped(JobError):
+    """--fail-fast stopped the job at a bad row (exit 1; a problem with the job itself is exit 2)."""
+
+
 class DeviceLost(JobError):
     """The device failed and this process cannot go on (a CUDA error: leave by os._exit, its
     context's teardown may abort the exit). `restartable`: the same command in a fresh process

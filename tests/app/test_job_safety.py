@@ -272,6 +272,24 @@ def test_a_job_where_every_row_failed_exits_non_zero(tmp_path, base):
     line = one_line_cli_error(cli("run", inp, "-o", out, *base), EXIT_FAILED)
     assert "every row failed (2 rows)" in line
     assert [r["error"] is not None for r in read(out)] == [True, True]
+    # a rerun whose new rows all fail, over an output of good rows: not every row failed
+    good = tmp_path / "good.jsonl"
+    write(good, [{"prompt": "def f():"}])
+    out = tmp_path / "good.parquet"
+    ok("run", good, "-o", out, *base)
+    write(good, [{"prompt": "def f():"}, {"prompt": ""}])
+    ok("run", good, "-o", out, *base)
+    assert [r["error"] is not None for r in read(out)] == [False, True]
+
+
+def test_fail_fast_exits_1_for_a_bad_row_only(tmp_path, base):
+    """Exit 1 under --fail-fast is the rows' doing; a problem with the job itself stays exit 2."""
+    inp = write(tmp_path / "in.jsonl", ROWS)
+    one_line_cli_error(cli("run", inp, "-o", inp, *base, "--fail-fast"), EXIT_USAGE)
+    one_line_cli_error(cli("run", inp, "-o", tmp_path / "o.parquet", *base, "--fail-fast", "--recipe", "nope"),
+                       EXIT_USAGE)
+    bad = write(tmp_path / "bad.jsonl", [{"prompt": 5}])
+    one_line_cli_error(cli("run", bad, "-o", tmp_path / "b.parquet", *base, "--fail-fast"), EXIT_FAILED)
 
 
 def test_stats_json_that_cannot_be_written_fails_before_the_job(tmp_path, base):
