@@ -15,7 +15,7 @@ random token-id prompts, lognormal lengths (median 256, sigma 0.8, max 1,536) an
 Scaling efficiency = tok/s(N) / (N x tok/s(1)), on the wall clock (process start, model load and
 Ray start included) and on generation alone (from every engine loaded to the end: what a long job
 sees). With --device cpu the counts are CPU worker
-processes (`--workers N`) and an existing --model-dir is used as it is. Writes scale_out.json /
+processes (`--workers N`) and --model-dir (default: the demo model) is used as it is. Writes scale_out.json /
 scale_out.md.
 """
 from __future__ import annotations
@@ -234,7 +234,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--rows-per-gpu", type=int, default=1024)
     ap.add_argument("--shapes", default="llama-3.1-8b")
-    ap.add_argument("--model-dir", default="/tmp/specbatch-random-8b")
+    ap.add_argument("--model-dir", default=None,
+                    help="the checkpoint (default: a random-weight 8B built at /tmp/specbatch-random-8b on CUDA, "
+                         "the demo model on CPU)")
     ap.add_argument("--ray", action="store_true", help="also through specbatch.ray (needs ray[data])")
     ap.add_argument("--kill-test", action="store_true",
                     help="SIGKILL a worker mid-job, then the parent of another job; rerun each, count rows")
@@ -251,9 +253,11 @@ def main() -> None:
     counts = sorted(set(args.gpus or [1, count]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = Path(args.model_dir)
+    model = Path(args.model_dir or ("/tmp/specbatch-random-8b" if args.device == "cuda" else DEMO))
     if args.device == "cuda":
         build_model(model, args.shapes)
+    elif not (model / "config.json").exists():
+        raise SystemExit(f"--model-dir {model}: no config.json (on CPU a model is not built; give a checkpoint)")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     results = []
     for n in counts:

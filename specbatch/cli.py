@@ -108,7 +108,7 @@ def run(
     recipe: str = typer.Option("vanilla", "--recipe", "-r", help="Builtin recipe name or a recipe .yaml path."),
     model: Optional[str] = typer.Option(None, help="HF model directory (default: the recipe's model)."),
     draft: Optional[str] = typer.Option(None, help=algorithms.draft_help("run")),
-    output: Optional[str] = typer.Option(None, "--output", "-o", help="Output .parquet or .jsonl, or - for JSONL on stdout (default: <input>.completions.parquet)."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="Output .parquet or .jsonl, or - for JSONL on stdout (default: beside the input, data.jsonl -> data.completions.parquet; stdin: completions.parquet)."),
     batch_size: Optional[int] = typer.Option(None, help="Scheduler slots (sequences decoded together)."),
     max_tokens: Optional[int] = typer.Option(None, help="Completion length limit of rows that set none (default: the recipe's, else the model's max_new_tokens, else 256; OpenAI /v1/completions lines 16, /v1/chat/completions lines the model's max_new_tokens, else up to the context)."),
     temperature: Optional[float] = typer.Option(None, help="Default temperature (0 = greedy)."),
@@ -136,11 +136,11 @@ def run(
     gpu_memory_utilization: Optional[float] = typer.Option(None, help="Share of each GPU's whole memory the engine may take, weights, activations and KV pool together, as vLLM's (default: the KV pool takes 90% of what is free once the model is loaded)."),
     limit: Optional[int] = typer.Option(None, min=0, help="Only the first N input rows."),
     prompt_column: str = typer.Option("prompt", help="Column holding the text prompt."),
-    id_column: Optional[str] = typer.Option(None, help="Column holding the row id (default: id, then custom_id, then the row number)."),
+    id_column: Optional[str] = typer.Option(None, help="Column holding the row id (default: id, then custom_id (custom_id first for OpenAI batch lines), then the row number)."),
     keep_columns: Optional[str] = typer.Option(None, help="Comma-separated input columns copied to the output."),
     save_token_ids: bool = typer.Option(False, "--save-token-ids", help="Add output_token_ids to each output row."),
     output_format: str = typer.Option("auto", help="native | openai (OpenAI Batch output lines, JSONL) | auto: openai for OpenAI batch input written to .jsonl."),
-    bucket: int = typer.Option(0, min=0, help="Length-bucketing window: admit similar prompt lengths together (0 = FIFO)."),
+    bucket: int = typer.Option(0, min=0, help="Length-bucketing window: admit similar prompt lengths together (0 = none: the largest max_tokens first among the rows read ahead)."),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs: run every cycle eagerly (the reference path)."),
     logprobs_mode: str = typer.Option("raw_logprobs", help="What logprobs hold (vLLM's --logprobs-mode): raw_logprobs (the model's distribution, default), processed_logprobs (the one each token was drawn from: after bias, penalties, temperature and filters), raw_logits or processed_logits."),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Prompts that begin alike share the KV pages of their common prefix, and prefill skips it (default; the same outputs, up to the rounding batching already varies)."),
@@ -148,7 +148,7 @@ def run(
     fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop at the first bad row (exit 1), assembling the rows that finished."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Discard an existing specbatch output or unfinished parts instead of resuming."),
     progress_every: float = typer.Option(30.0, min=0.1, help="Seconds between progress lines when stderr is not a terminal (a scheduler's log)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Errors only: no progress, no summary."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Errors and warnings only: no progress, no summary."),
 ) -> None:
     """Generate a completion for every row of INPUT. Rerunning the same command resumes."""
     import signal
