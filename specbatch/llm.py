@@ -262,6 +262,31 @@ class LLM:
                                       f"vocabulary (size {vocab})", "logit_bias", "outside the vocabulary")
         return out
 
+    def _per_prompt(self, rows: list[RowRequest | RowError],
+                    params: Sequence[SamplingParams | Mapping[str, Any]]) -> list[RowRequest]:
+        """vLLM's list of SamplingParams, one per prompt: each prompt's own, under its row's fields
+        (into the row's overrides). -> the rows whose params are SamplingParams objects."""
+        if len(params) != len(rows):
+            raise ValueError(f"params: {len(params)} sampling params for {len(rows)} prompts; give one "
+                             "per prompt, or one mapping for all")
+        given = []
+        for i, (r, p) in enumerate(zip(rows, params)):
+            if not isinstance(r, RowRequest):
+                continue
+            try:
+                own = self.sampling(p).to_dict()
+            except SamplingParamsError as e:
+                raise SamplingParamsError(str(e).replace("sampling_params:", f"sampling_params[{i}]:", 1),
+                                          e.key, e.detail) from None
+            if _get(p, "seed") is None:     # the run seed stays a run seed (rows derive theirs)
+                del own["seed"]
+            if own["max_tokens"] is None:   # unset: the row's form's default, as for one mapping
+                del own["max_tokens"]
+            r.overrides = {**own, **r.overrides}
+            if isinstance(p, SamplingParams):
+                given.append(r)
+        return given
+
     def _unset_as_given(self, fields: Mapping[str, Any]) -> dict[str, Any]:
         """The values a SamplingParams object leaves unset among those a model's generation config
         may set: the LLM's own defaults (recipe, keywords) stay, the rest take specbatch's."""
@@ -326,34 +351,23 @@ class LLM:
             self._unread.check(r)
         params = sampling_params
         if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
-            if len(params) != len(rows):
-                raise ValueError(f"params: {len(params)} sampling params for {len(rows)} prompts; give one "
-                                 "per prompt, or one mapping for all")
-            given = []                              # prompts whose params are SamplingParams objects
-            for i, (r, p) in enumerate(zip(rows, params)):
-                if isinstance(r, RowRequest):       # the prompt's own params, under its row's fields
-                    try:
-                        own = self.sampling(p).to_dict()
-                    except SamplingParamsError as e:
-                        raise SamplingParamsError(str(e).replace("sampling_params:", f"sampling_params[{i}]:", 1),
-                                                  e.key, e.detail) from None
-                    if _get(p, "seed") is None:     # the run seed stays a run seed (rows derive theirs)
-                        del own["seed"]
-                    if own["max_tokens"] is None:   # unset: the row's form's default, as for one mapping
-                        del own["max_tokens"]
-                    r.overrides = {**own, **r.overrides}
-                    if isinstance(p, SamplingParams):
-                        given.append(r)
+            given = self._per_prompt(rows, params)     # rows whose params are SamplingParams objects
             params = None
+        else:
+            given = [r for r in rows if isinstance(r, RowRequest)] if isinstance(params, SamplingParams) else []
         self._greedy.use(self.sampling(params), self.engine.model_defaults,
                          seeded=params is not None and _get(params, "seed") is not None)
         for r in rows:
             self._greedy.check(r)
-        # (after the note, which asks whether anything set a temperature)
+        # (after the notes, which ask whether anything set a temperature)
+        if self.recipe.sampling.temperature is None and any(
+                r.overrides.get("temperature") is None for r in given) and (
+                not isinstance(params, SamplingParams) or params.temperature is None):
+            self._greedy.unset_in_object()
         if isinstance(params, SamplingParams):
             params = self._as_given(params)
-        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
-            for r in given:
+        else:
+            for r in given:                         # (a per-prompt list's)
                 r.overrides = {**r.overrides, **self._unset_as_given(r.overrides)}
         self.calls += 1
         records = self._records(rows, params, call=self.calls - 1)

@@ -97,6 +97,18 @@ class GreedyByDefault:
               "SamplingParams would sample at temperature 1.0: set temperature to sample (said once)", file=sys.stderr)
 
 
+    def unset_in_object(self) -> None:
+        """LLM.generate's SamplingParams object with no temperature (nor the LLM's): greedy here,
+        where vLLM's SamplingParams() samples at 1.0 (a pass@k loop would get k copies). Said once,
+        with the row note above."""
+        if self.said:
+            return
+        self.said = True
+        print("warning: sampling_params: a SamplingParams with no temperature runs greedy here (specbatch's default), "
+              "where vLLM's samples at temperature 1.0: set temperature (0 for greedy) to say which (said once)",
+              file=sys.stderr)
+
+
 class RepeatedIds:
     """Rows whose id another row has too (a row without one takes its row number, which can meet a
     given id; 1 and "1" count as one, as a Parquet id column of mixed types stores them): results

@@ -107,6 +107,19 @@ def test_sampling_params_without_a_temperature_are_said_greedy(capsys):
     LLM(recipe="vanilla", device="cpu").generate(["def f():"], {"seed": 7, "temperature": 0.5, "max_tokens": 2},
                                                  use_tqdm=False)
     assert capsys.readouterr().err == ""
+    # a bare SamplingParams: vLLM's samples at 1.0 (a pass@k loop of them), specbatch's is greedy: said once
+    for params in (SamplingParams(max_tokens=2), [SamplingParams(max_tokens=2)]):
+        fresh = LLM(recipe="vanilla", device="cpu")
+        fresh.generate(["def f():"], params, use_tqdm=False)
+        fresh.generate(["def f():"], params, use_tqdm=False)
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("warning: sampling_params: a SamplingParams with no temperature "
+                                                   "runs greedy here"), err
+    quiet = LLM(recipe="vanilla", device="cpu")
+    for params in (SamplingParams(max_tokens=2, temperature=0), {"max_tokens": 2}, None):
+        quiet.generate(["def f():"], params, use_tqdm=False)
+    quiet.generate([{"prompt": "def f():", "temperature": 0}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert capsys.readouterr().err == ""
 
 
 def test_every_prompt_form_in_order_and_reusable(llm):
