@@ -543,6 +543,9 @@ def main() -> None:
             sys.exit(e.exit_code)
         ctx = getattr(e, "ctx", None)
         hint = f" (see '{ctx.command_path} --help')" if isinstance(e, usage_error) and ctx is not None else ""
+        if ctx is not None and ctx.info_name == "run" and "unexpected extra argument" in e.format_message():
+            hint = ("; run takes one input: for several files (a shell glob), pass their directory, whose .jsonl or "
+                    ".parquet files are read in path order")
         err.print(f"[bold red]error:[/] {escape(e.format_message())}{escape(hint)}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except typer.Abort:
