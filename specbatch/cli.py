@@ -214,9 +214,7 @@ def run(
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(EXIT_USAGE)
-        # 1: the rows' doing (--fail-fast at a bad row, or a row that brought the device down); 2: the job's
-        _fail(str(e), EXIT_FAILED if isinstance(e, RowStopped) or (fail_fast and isinstance(e, DeviceLost))
-              else EXIT_USAGE)
+        _fail(str(e), EXIT_FAILED if isinstance(e, RowStopped) else EXIT_USAGE)   # 1: --fail-fast at a bad row
     except StdoutClosed as e:
         # -o - read by `head` and the like: the reader had what it wanted; stop as a piped tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (no second error flushing at exit)

@@ -133,7 +133,7 @@ def _check_paths(input_path: str, output: str) -> None:
             raise JobError(f"--output {output}: that is the input file {input_path}; choose another --output")
     if os.path.isdir(input_path):
         inside = os.path.relpath(os.path.realpath(os.path.abspath(output)), os.path.realpath(input_path))
-        if not inside.startswith(os.pardir):
+        if inside != os.pardir and not inside.startswith(os.pardir + os.sep):
             raise JobError(f"--output {output}: inside the input directory {input_path}, whose files are read as "
                            "input (a rerun would read the output's own); choose a path outside it")
 
@@ -482,7 +482,8 @@ def _device_failed(e: Any, writer: OutputWriter | StdoutWriter, digests: dict[in
                     "so a rerun fails the same way: write to a file (-o PATH) to have those rows run one "
                     "at a time on the rerun")
         else:
+            then = ("stops the run there (--fail-fast)" if fail_fast else "is written as its error")
             line = (f"the device failed with {len(e.items)} rows in flight ({e.cause}); finished rows are "
                     "committed: rerun the same command to resume, and those rows run one at a time first, so a "
-                    "row that brings the device down is written as its error")
+                    f"row that brings the device down {then}")
     return DeviceLost(line, e.hard_exit, writer.path != "-" and not fail_fast)

@@ -185,7 +185,7 @@ def _refuse_vllm_arguments(call: str, given: Mapping[str, Any]) -> None:
                 raise ValueError(f"{call}(chat_template_content_format={value!r}): specbatch reads message content as "
                                  "text (a string or text parts): 'auto' or 'string'")
             continue
-        if value is None or (key == "priority" and not any(value)):
+        if value is None or (key == "priority" and not any(value if isinstance(value, Sequence) else [value])):
             continue
         what = _VLLM_ARGUMENTS.get(key)
         if what is None:
@@ -288,20 +288,11 @@ class LLM:
         return given
 
     def _unset_as_given(self, fields: Mapping[str, Any]) -> dict[str, Any]:
-        """The values a SamplingParams object leaves unset among those a model's generation config
-        may set: the LLM's own defaults (recipe, keywords) stay, the rest take specbatch's."""
+        """The values a SamplingParams object (under a row's fields) leaves unset among those a
+        model's generation config may set: the LLM's own defaults (recipe, keywords) stay, the
+        rest take specbatch's."""
         return {k: FALLBACK[k] for k in MODEL_DEFAULT_KEYS
                 if fields.get(k) is None and getattr(self.recipe.sampling, k) is None}
-
-    def _as_given(self, params: SamplingParams) -> dict[str, Any]:
-        """A SamplingParams used as given, as vLLM's LLM.generate uses one: the model's
-        generation_config.json does not fill its unset temperature, top_p, top_k or
-        repetition_penalty (it fills those of a mapping, a row or params=None, as vLLM's server and
-        its default params do). A mapping, for sampling()."""
-        d = params.to_dict()
-        if d["max_tokens"] is None:             # unset: the recipe's, else the row's default (sampling())
-            del d["max_tokens"]
-        return {**d, **self._unset_as_given(d)}
 
     def stream(self, rows: Iterable[RowRequest | RowError],
                params: SamplingParams | Mapping[str, Any] | None = None,
@@ -350,25 +341,26 @@ class LLM:
         for r in rows:
             self._unread.check(r)
         params = sampling_params
+        if isinstance(params, SamplingParams):      # used as given, prompt by prompt (see below)
+            self.sampling(params)                   # (its errors named as one set's, not prompt 0's)
+            params = [params] * len(rows)
+        given: list[RowRequest] = []                # rows whose params are SamplingParams objects
         if isinstance(params, Sequence) and not isinstance(params, (str, bytes)):
-            given = self._per_prompt(rows, params)     # rows whose params are SamplingParams objects
+            given = self._per_prompt(rows, params)
             params = None
-        else:
-            given = [r for r in rows if isinstance(r, RowRequest)] if isinstance(params, SamplingParams) else []
         self._greedy.use(self.sampling(params), self.engine.model_defaults,
                          seeded=params is not None and _get(params, "seed") is not None)
         for r in rows:
             self._greedy.check(r)
-        # (after the notes, which ask whether anything set a temperature)
-        if self.recipe.sampling.temperature is None and any(
-                r.overrides.get("temperature") is None for r in given) and (
-                not isinstance(params, SamplingParams) or params.temperature is None):
+        # A SamplingParams is used as given, as vLLM's LLM.generate uses one: the model's
+        # generation_config.json does not fill what it leaves unset (it fills a mapping's, a row's,
+        # params=None's, as vLLM's server and its default params do). An OpenAI batch line reads
+        # as the API (its unset temperature 1). (After the notes, which ask what set a temperature.)
+        plain = [r for r in given if not r.batch_line]
+        if self.recipe.sampling.temperature is None and any(r.overrides.get("temperature") is None for r in plain):
             self._greedy.unset_in_object()
-        if isinstance(params, SamplingParams):
-            params = self._as_given(params)
-        else:
-            for r in given:                         # (a per-prompt list's)
-                r.overrides = {**r.overrides, **self._unset_as_given(r.overrides)}
+        for r in plain:
+            r.overrides = {**r.overrides, **self._unset_as_given(r.overrides)}
         self.calls += 1
         records = self._records(rows, params, call=self.calls - 1)
         out = [Completion.from_record(rec) for rec in _with_progress(records, len(rows), use_tqdm)]

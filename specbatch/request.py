@@ -65,8 +65,9 @@ class StopChecker:
     """Decides, token by token, whether a request is finished."""
 
     def __init__(self, tokenizer: Detokenizer, eos_ids: set[int], primary_eos: int | None = None):
-        """`primary_eos`: the tokenizer's EOS among `eos_ids`, the one whose stop has no stop_reason;
-        the model's other EOS ids report theirs, as vLLM adds them to stop_token_ids (None: none does)."""
+        """`primary_eos`: the tokenizer's EOS, whose stop has no stop_reason; the model's other EOS
+        ids (generation_config.json's) report theirs, as vLLM adds them to stop_token_ids (None: no
+        EOS id reports one)."""
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.primary_eos = primary_eos

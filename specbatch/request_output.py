@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .records import choice_stop_reason
+
 
 @dataclass(frozen=True)
 class Logprob:
@@ -61,5 +63,4 @@ def outputs(record: Mapping[str, Any]) -> list[CompletionOutput]:
         return [_output(0, record.get("completion"), record.get("output_token_ids"), record.get("logprobs"),
                         record.get("finish_reason"), record.get("stop_reason"))]
     return [_output(c["index"], c["completion"], c.get("output_token_ids"), c.get("logprobs"), c["finish_reason"],
-                    c["stop_string"] if c.get("stop_string") is not None else c.get("stop_token_id"))
-            for c in choices]
+                    choice_stop_reason(c)) for c in choices]

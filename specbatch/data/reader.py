@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -293,10 +294,10 @@ def _parquet_columns(names: list[str], opts: dict) -> tuple[list[str], list[str]
 def _open_parquet(path: str, opts: dict, first_row: int = 0) -> RowSource:
     if not os.path.exists(path):
         raise InputError(f"{path}: cannot read Parquet: no such file")
-    try:
-        pf = pq.ParquetFile(path)
-        names = pf.schema_arrow.names
-        total = pf.metadata.num_rows
+    try:       # closed until read (a directory's thousand shards must not hold a thousand descriptors)
+        with pq.ParquetFile(path) as pf:
+            schema, total = pf.schema_arrow, pf.metadata.num_rows
+        names = schema.names
     except (OSError, pa.ArrowException, ValueError) as e:
         raise InputError(f"{path}: cannot read Parquet: {_one_line(e)}") from None
     cols = ", ".join(names)
@@ -315,28 +316,38 @@ def _open_parquet(path: str, opts: dict, first_row: int = 0) -> RowSource:
     name = _display(path)
 
     def rows() -> Iterator[Row]:
-        row = 0                              # in this file (its messages' numbering)
-        batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns + noted)
-        while True:
-            try:
-                batch = next(batches)
-                records = batch.to_pylist()
-            except StopIteration:
-                return
-            except (OSError, pa.ArrowException, ValueError) as e:
-                raise InputError(f"{path}: cannot read Parquet: {_one_line(e)}") from None
-            for obj in records:
-                out = parse_row(obj, row=first_row + row, where=f"{name} row {row}", **opts)
-                for c in noted:
-                    del obj[c]
-                for c in _READ_SINCE:
-                    if c in obj and (obj[c] is None or (c == "tokenized_prompt" and not out.ray_fields)):
-                        del obj[c]           # (a tokenized_prompt beside a prompt changes nothing it reads)
-                out.digest = _parquet_digest(obj)
-                yield out
-                row += 1
+        try:
+            pf = pq.ParquetFile(path)
+            batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns + noted)
+        except (OSError, pa.ArrowException, ValueError) as e:
+            raise InputError(f"{path}: cannot read Parquet: {_one_line(e)}") from None
+        with pf:
+            yield from _parquet_rows(path, name, batches, noted, first_row, opts)
 
-    return RowSource(path, total, rows, {c: pf.schema_arrow.field(c).type for c in opts["keep_columns"]})
+    return RowSource(path, total, rows, {c: schema.field(c).type for c in opts["keep_columns"]})
+
+
+def _parquet_rows(path: str, name: str, batches: Iterator[pa.RecordBatch], noted: list[str], first_row: int,
+                  opts: dict) -> Iterator[Row]:
+    row = 0                              # in this file (its messages' numbering)
+    while True:
+        try:
+            batch = next(batches)
+            records = batch.to_pylist()
+        except StopIteration:
+            return
+        except (OSError, pa.ArrowException, ValueError) as e:
+            raise InputError(f"{path}: cannot read Parquet: {_one_line(e)}") from None
+        for obj in records:
+            out = parse_row(obj, row=first_row + row, where=f"{name} row {row}", **opts)
+            for c in noted:
+                del obj[c]
+            for c in _READ_SINCE:
+                if c in obj and (obj[c] is None or (c == "tokenized_prompt" and not out.ray_fields)):
+                    del obj[c]           # (a tokenized_prompt beside a prompt changes nothing it reads)
+            out.digest = _parquet_digest(obj)
+            yield out
+            row += 1
 
 
 def _parquet_digest(obj: dict) -> bytes:
@@ -380,7 +391,7 @@ def directory_files(path: str) -> list[str]:
     return found
 
 
-def _keep_types(sources: list[RowSource], keep_columns: Sequence[str]) -> dict[str, pa.DataType]:
+def _keep_types(sources: list[RowSource]) -> dict[str, pa.DataType]:
     """One type per kept column over a directory's Parquet files (int32 in one, int64 in another:
     int64); types no value converts between are the input's error, naming both files."""
     types: dict[str, pa.DataType] = {}
@@ -412,10 +423,12 @@ def _open_directory(path: str, opts: dict) -> RowSource:
         first_row += src.total or 0
 
     def rows() -> Iterator[Row]:
-        for src in sources:
-            yield from src
+        for i, src in enumerate(sources):
+            # A file that grew since it was counted: the rows past its count wait for a rerun (they
+            # would take the next file's numbers); the last file's extra rows are numbered on.
+            yield from src if i == len(sources) - 1 else itertools.islice(src, src.total)
 
-    return RowSource(path, first_row, rows, _keep_types(sources, opts["keep_columns"]))
+    return RowSource(path, first_row, rows, _keep_types(sources))
 
 
 def open_rows(

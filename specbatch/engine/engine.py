@@ -167,9 +167,7 @@ class Engine:
             from ..speculative.simulate import PlantedChain
 
             self.drafter = PlantedChain(self.drafter)       # bench: trees reach the full draft depth
-        primary = getattr(self.tokenizer, "eos_token_id", None)
-        self.stops = StopChecker(self.tokenizer, self.eos_ids,
-                                 primary if primary in self.eos_ids and len(self.eos_ids) > 1 else None)
+        self.stops = StopChecker(self.tokenizer, self.eos_ids, getattr(self.tokenizer, "eos_token_id", None))
         self.state = SlotState(self.num_slots, self.device)
         acceptor = exact_acceptance
         if opts.simulate_acceptance is not None:

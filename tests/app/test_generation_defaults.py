@@ -135,6 +135,11 @@ def test_a_sampling_params_object_is_used_as_given_as_vllms_llm_uses_one(gen_mod
     # a row's own fields win over its SamplingParams either way
     rows = [{"prompt": t, "repetition_penalty": 1.3} for t in texts]
     assert out(gen, SamplingParams(temperature=0, max_tokens=8), rows) == penalised
+    # an OpenAI batch line reads as the API whatever params come with it: its unset temperature is 1
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "def add(a, b):", "max_tokens": 8, "seed": 3}}
+    sampled = out(plain, {"max_tokens": 8}, [line])
+    assert out(plain, SamplingParams(max_tokens=8), [line]) == sampled != out(plain, {"temperature": 0}, [line])
     # the LLM's own defaults (its keywords, a recipe's sampling) stay under a SamplingParams
     assert out(LLM(model=gen_model, device="cpu", repetition_penalty=1.3),
                SamplingParams(temperature=0, max_tokens=8)) == penalised

@@ -284,10 +284,13 @@ def test_a_job_where_every_row_failed_exits_non_zero(tmp_path, base):
 
 def test_fail_fast_exits_1_for_a_bad_row_only(tmp_path, base):
     """Exit 1 under --fail-fast is the rows' doing; a problem with the job itself stays exit 2."""
-    inp = write(tmp_path / "in.jsonl", ROWS)
+    inp = write(tmp_path / "in.jsonl", ROWS[:2])
     one_line_cli_error(cli("run", inp, "-o", inp, *base, "--fail-fast"), EXIT_USAGE)
-    one_line_cli_error(cli("run", inp, "-o", tmp_path / "o.parquet", *base, "--fail-fast", "--recipe", "nope"),
-                       EXIT_USAGE)
+    out = tmp_path / "o.parquet"
+    ok("run", inp, "-o", out, *base, "--fail-fast")
+    write(inp, [ROWS[1], ROWS[0]])                       # the input the output was made from, edited
+    line = one_line_cli_error(cli("run", inp, "-o", out, *base, "--fail-fast"), EXIT_USAGE)
+    assert "differ from the rows" in line
     bad = write(tmp_path / "bad.jsonl", [{"prompt": 5}])
     one_line_cli_error(cli("run", bad, "-o", tmp_path / "b.parquet", *base, "--fail-fast"), EXIT_FAILED)
 

@@ -107,3 +107,28 @@ def test_a_directory_inputs_default_output_is_beside_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "ds.v2")
     assert default_output(".") == os.path.join("..", "ds.v2.completions.parquet")
     assert default_output("data.jsonl") == "data.completions.parquet"
+
+
+def test_a_directory_holds_no_file_open_but_the_one_read_and_a_grown_file_waits(tmp_path):
+    """Thousands of shards under a 1,024 descriptor limit: opening the input keeps none open. A file
+    that grew after it was counted gives its extra rows at a rerun, not the next file's numbers."""
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(64):
+        write_parquet(many / f"part-{i:05d}.parquet", [{"prompt": f"p{i}"}])
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    src = open_rows(str(many))
+    rows = iter(src)
+    first = next(rows)
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) <= fds + 2
+    assert first.prompt == "p0" and [r.prompt for r in rows] == [f"p{i}" for i in range(1, 64)]
+
+    grow = tmp_path / "grow"
+    grow.mkdir()
+    write_jsonl(grow / "a.jsonl", [{"prompt": "a0"}])
+    write_jsonl(grow / "b.jsonl", [{"prompt": "b0"}])
+    src = open_rows(str(grow))
+    with open(grow / "a.jsonl", "a") as f:
+        f.write('{"prompt": "a1"}\n')
+    assert [(r.row, r.prompt) for r in src] == [(0, "a0"), (1, "b0")]

@@ -118,7 +118,7 @@ def test_the_models_other_eos_ids_report_their_stop_reason_as_vllms_stop_token_i
     req = _req(ignore_eos=True, max_tokens=3)                # ignore_eos: neither stops (vLLM adds none)
     assert chk.append(req, [1, 0, ord("c")]) == 3 and req.finish_reason == "length"
     req = _req(min_tokens=2)                                 # masked alike until min_tokens
-    assert chk.append(req, [ord("a"), 1]) == 2 and chk.completion(req) == ("a", 1)
+    assert chk.append(req, [1, ord("a"), 1]) == 3 and chk.completion(req) == ("\x01a", 1)
 
 
 def test_eos_ignore_eos_and_length_in_order():

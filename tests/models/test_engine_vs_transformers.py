@@ -96,6 +96,8 @@ def test_eos_from_generation_config_list(tiny_model_factory, tmp_path):
         (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
     assert got == ref
     assert got[0][-1] == eos and len(got[0]) <= 4 and recs[0]["finish_reason"] == "stop"
+    # not the tokenizer's EOS: its id is the stop_reason, as vLLM adds the config's other EOS ids to stop_token_ids
+    assert eos != tf.AutoTokenizer.from_pretrained(d).eos_token_id and recs[0]["stop_reason"] == eos
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
