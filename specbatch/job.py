@@ -217,6 +217,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
                                    keep_columns=opts.keep_columns, display="<stdin>")
             try:
                 refuse = _ray_fields_refusal(output) if "ray_fields" in writer.deferred else None
+                notify("checking", {"committed": len(writer.done_rows), "output": output})
                 digests, pending = check_input(iter(source), writer.expected(), limit=opts.limit,
                                                input_name="<stdin>" if input_path == "-" else input_path,
                                                output=output, refuse=refuse)
@@ -227,6 +228,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
                     return stats.summary(output=output, complete_before=True, resumed=len(writer.done_rows))
                 writer.reopen(digests)       # finished before with a smaller --limit, or new rows: add them
             elif not pending:                # every row (below --limit) is committed: assemble, no model
+                notify("assembling", {"rows": len(writer.done_rows), "output": output})
                 rows = writer.finalize()
                 return stats.summary(output=output, assembled=True, resumed=len(writer.done_rows),
                                      rows_in_output=rows, limit=opts.limit)
@@ -421,6 +423,8 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
         e.partial_summary = stats.summary(output=output, resumed=resumed, device=runner.device,
                                           max_model_len=runner.max_len, recipe=recipe.name)
         raise
+    if output != "-":
+        notify("assembling", {"rows": len(writer.done_rows) + writer.buffered, "output": output})
     rows_written = writer.finalize()
     repeated, first = ids.count()
     if first is not None:

@@ -82,6 +82,16 @@ class ProgressView:
             self.gone = True                   # console script's own stderr's to absorb): the job goes on
 
     def update(self, event: str, info: dict[str, Any]) -> None:
+        if event in ("checking", "assembling"):   # steps that read every committed row: say them
+            if event == "assembling":             # no more progress lines: every row is done
+                self.stop.set()
+                if self.beat is not None:
+                    self.beat.join(timeout=1.0)   # (a line it is writing comes before this one)
+            if not self.quiet:
+                what = (f"checking the input against the {info['committed']:,} rows committed in {info['output']}"
+                        if event == "checking" else f"assembling {info['rows']:,} rows into {info['output']}")
+                self._say(what)
+            return
         if event == "start":
             self.total, self.started = info["total"], time.perf_counter()
             self.last_line = self.started

@@ -317,7 +317,9 @@ def _open_parquet(path: str, opts: dict, first_row: int = 0) -> RowSource:
 
     def rows() -> Iterator[Row]:
         try:
-            pf = pq.ParquetFile(path)
+            # pre_buffer off: with it, every row group read stays allocated until the file's end
+            # (a 10M-row input's prompts held in memory; apache/arrow#39808)
+            pf = pq.ParquetFile(path, pre_buffer=False)
             batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns + noted)
         except (OSError, pa.ArrowException, ValueError) as e:
             raise InputError(f"{path}: cannot read Parquet: {_one_line(e)}") from None

@@ -95,6 +95,19 @@ def output_file_format(path: str) -> str:
     raise ValueError(f"{path}: unsupported output; expected a path ending in .parquet or .jsonl")
 
 
+# A part's schema metadata: what the final merge asks of its rows, so that it reads no part whole
+# for it (a million-row output has thousands of parts).
+PART_SUMMARY = "specbatch_part_summary"
+
+
+def _summary(recs: list[dict]) -> dict:
+    """The on-request columns (logprobs, choices...) some record holds, and the first row whose
+    form is known with whether it is an OpenAI batch line ([row, bool] or None)."""
+    known = [(r["row"], bool(r["batch_line"])) for r in recs if r.get("batch_line") is not None]
+    return {"set": [name for name in ON_REQUEST if any(r.get(name) is not None for r in recs)],
+            "first_form": min(known) if known else None}
+
+
 class OutputWriter:
     """Buffers result records and commits them as atomic Parquet parts; finalize() merges them.
     Holds the output's lock from construction to close() (or the end of a `with` block)."""
@@ -468,6 +481,7 @@ class OutputWriter:
         part = os.path.join(self.parts_dir, self._part_name())
         try:
             table = self._part_table(items)
+            table = table.replace_schema_metadata({PART_SUMMARY: json.dumps(_summary([r for r, _ in items]))})
             write_atomic(part, lambda f: pq.write_table(table, f))
         except BaseException:
             if not os.path.exists(part):
@@ -499,31 +513,26 @@ class OutputWriter:
 
     # ---- final merge ---------------------------------------------------
 
-    def _openai_output(self, parts: list[str]) -> bool:
+    def _openai_output(self, parts: list[str], summaries: list[dict]) -> bool:
         """Whether the final file is OpenAI batch lines: asked for, or "auto" and the first row
         whose form is known is an OpenAI batch line (a malformed line's is not), as `-o -` decides."""
         if self.output_format != "auto":
             return self.output_format == "openai"
-        first: tuple[int, bool] | None = None
-        for p in parts:
-            if "batch_line" not in pq.read_schema(p).names:
-                continue
-            t = pq.read_table(p, columns=["row", "batch_line"])
-            known = [(r, b) for r, b in zip(t.column("row").to_pylist(), t.column("batch_line").to_pylist())
-                     if b is not None]
-            if known:
-                first = min([*known, *([first] if first else [])])
-        return bool(first and first[1])
+        known = [tuple(s["first_form"]) for s in summaries if s["first_form"] is not None]
+        return bool(known and min(known)[1])
 
-    @staticmethod
-    def _any_set(parts: list[str], column: str) -> bool:
-        """Whether some row of the parts holds a value in `column` (logprobs, choices: written
-        when some row of the job asked for them)."""
-        for p in parts:
-            if column in pq.read_schema(p).names and pq.read_table(p, columns=[column]).column(column).null_count \
-                    < pq.read_metadata(p).num_rows:
-                return True
-        return False
+    def _summaries(self, parts: list[str]) -> tuple[list[pa.Schema], list[dict]]:
+        """Each part's schema, and what the merge asks of its rows (_summary): from the part's own
+        metadata, read from its rows for a part written before parts held it."""
+        schemas = [pq.read_schema(p) for p in parts]
+        summaries = []
+        for p, schema in zip(parts, schemas):
+            held = (schema.metadata or {}).get(PART_SUMMARY.encode())
+            if held is None:
+                cols = [c for c in ("row", "batch_line", *ON_REQUEST) if c in schema.names]
+                held = json.dumps(_summary(pq.read_table(p, columns=cols).to_pylist()))
+            summaries.append(json.loads(held))
+        return schemas, summaries
 
     def finalize(self) -> int:
         """Commit, merge all parts into the final file (sorted by row, deduplicated); return the row count."""
@@ -534,10 +543,11 @@ class OutputWriter:
         self.commit()
         try:
             parts = self._part_paths()
-            openai = self._openai_output(parts)
+            schemas, summaries = self._summaries(parts)
+            openai = self._openai_output(parts, summaries)
             options = {"save_token_ids": self.save_token_ids, "openai": openai,
-                       **{name: self._any_set(parts, name) for name in ON_REQUEST}}
-            schema, as_json = merged_schema([pq.read_schema(p) for p in parts], options, self.keep_columns, parts)
+                       **{name: any(name in s["set"] for s in summaries) for name in ON_REQUEST}}
+            schema, as_json = merged_schema(schemas, options, self.keep_columns, parts)
             rows, digests = part_rows(parts)
             self.error_rows = error_rows(parts)
         except OSError as e:

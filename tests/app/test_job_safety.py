@@ -203,6 +203,16 @@ def test_quiet_prints_nothing_and_logs_get_progress_lines(tmp_path, base):
     for p in progress:
         assert re.match(r"progress: \d+/12 rows \(\d+\.\d%\), \d+ tok/s, 0 errors, accept \d\.\d\d, "
                         r"elapsed \dm\d\ds, ETA (\dm\d\ds|\?)$", p), p
+    # the steps that read every committed row are said (a million rows take minutes to check or merge),
+    # and no progress line follows the last row's
+    lines = r.stderr.splitlines()
+    assembling = lines.index(f"assembling 12 rows into {tmp_path / 'l.parquet'}")
+    assert not [x for x in lines[assembling:] if x.startswith("progress:")]
+    write(inp, ROWS + ROWS[:2])
+    r = ok("run", inp, "-o", tmp_path / "l.parquet", *loud)
+    assert r.stderr.startswith(f"checking the input against the 12 rows committed in {tmp_path / 'l.parquet'}\n"
+                               "resuming: 12 rows already committed\n"), r.stderr
+    assert f"assembling 14 rows into {tmp_path / 'l.parquet'}" in r.stderr
 
 
 def test_progress_lines_keep_coming_while_no_row_finishes(tmp_path, base):

@@ -228,3 +228,36 @@ def test_kept_columns_that_arrow_cannot_type_as_they_came_still_finish(tmp_path,
     w.finalize()
     w.close()
     assert [r["v"] for r in _rows(out2)] == [3, 1.5]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_the_merge_reads_what_it_asks_of_each_part_from_its_metadata(tmp_path, fmt, monkeypatch):
+    """Which on-request columns (logprobs, choices) and which output form (OpenAI lines) the final
+    file takes are summarised in each part's metadata when it is committed: the merge reads no part
+    whole for them (thousands of parts at a million rows). A part without it (an older writer's)
+    is read as before, to the same output."""
+    def run(out, strip):
+        w = OutputWriter(str(out), fingerprint=FP, commit_rows=3)
+        for r in range(9):
+            extra = {"logprobs": [{"token_id": 1, "token": "a", "logprob": -0.5, "top_logprobs": []}]} if r == 7 else {}
+            w.add(rec(r, batch_line=r > 1, endpoint="completion", **extra))
+        w.commit()
+        if strip:                                      # an older writer's parts: no summary
+            for i in range(3):
+                p = part_file(out, i)
+                pq.write_table(pq.read_table(p).replace_schema_metadata(None), p)
+        else:
+            assert all(b"specbatch_part_summary" in pq.read_schema(part_file(out, i)).metadata for i in range(3))
+            reads = []
+            real = pq.read_table
+            monkeypatch.setattr(pq, "read_table", lambda p, *a, **k: reads.append(k.get("columns")) or real(p, *a, **k))
+        w.finalize()
+        monkeypatch.undo()
+        if not strip:                                  # the merge's own reads: rows and digests, errors, the rows
+            assert not any(c and set(c) & {"logprobs", "prompt_logprobs", "choices", "batch_line"} for c in reads)
+        w.close()
+        return read_final(out)
+
+    new, old = run(tmp_path / f"a.{fmt}", False), run(tmp_path / f"b.{fmt}", True)
+    assert new.equals(old)
+    assert "logprobs" in new.column_names and "choices" not in new.column_names
