@@ -180,27 +180,22 @@ def _conform(table: pa.Table, schema: pa.Schema, as_json: set[str]) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def part_rows(parts: Sequence[str]) -> tuple[pa.Array, list[bytes]]:
-    """(sorted unique row numbers, their input digests) over every part."""
-    tables = [pq.read_table(p, columns=["row", DIGEST_COLUMN]) for p in parts]
+def part_rows(parts: Sequence[str], count_errors: bool = False) -> tuple[pa.Array, list[bytes], int | None]:
+    """(sorted unique row numbers, their input digests, and with `count_errors` how many of those
+    rows the parts hold as errors: a resumed output's count, earlier runs' included) over every part,
+    in one read of each."""
+    columns = ["row", DIGEST_COLUMN, *(["error"] if count_errors else [])]
+    tables = [pq.read_table(p, columns=columns) for p in parts]
     if not tables:
-        return pa.array([], pa.int64()), []
+        return pa.array([], pa.int64()), [], 0 if count_errors else None
     t = pa.concat_tables(tables)
+    errors = len(pc.unique(t.filter(pc.is_valid(t.column("error"))).column("row"))) if count_errors else None
     t = t.take(pc.sort_indices(t, sort_keys=[("row", "ascending")]))
     rows = t.column("row").combine_chunks()
     if len(rows) > 1:
         first = pc.not_equal(rows.slice(1), rows.slice(0, len(rows) - 1))
         t = t.filter(pa.concat_arrays([pa.array([True]), first]))
-    return t.column("row").combine_chunks(), t.column(DIGEST_COLUMN).to_pylist()
-
-
-def error_rows(parts: Sequence[str]) -> int:
-    """Rows (each once) that the parts hold as errors: a resumed output's count, earlier runs' included."""
-    tables = [pq.read_table(p, columns=["row", "error"]) for p in parts]
-    if not tables:
-        return 0
-    t = pa.concat_tables(tables)
-    return len(pc.unique(t.filter(pc.is_valid(t.column("error"))).column("row")))
+    return t.column("row").combine_chunks(), t.column(DIGEST_COLUMN).to_pylist(), errors
 
 
 def merge_chunks(parts: Sequence[str], schema: pa.Schema, as_json: set[str]) -> Iterator[pa.Table]:

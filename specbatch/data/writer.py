@@ -43,7 +43,6 @@ from .merge import (
     STANDARD_COLUMNS,
     merged_schema,
     output_schema,
-    error_rows,
     part_rows,
     part_table,
     typed_columns,
@@ -405,7 +404,7 @@ class OutputWriter:
         if self.complete:
             info = (self._final_manifest or {}).get("input", {})
             return Expected(done=self.done_rows, block=int(info.get("block", 0) or 0), blocks=info.get("blocks"))
-        rows, digests = part_rows(self._part_paths()) if self.done_rows else (pa.array([], pa.int64()), [])
+        rows, digests, _ = part_rows(self._part_paths()) if self.done_rows else (pa.array([], pa.int64()), [], None)
         return Expected(done=self.done_rows, rows=rows.to_numpy(), digests=digests)
 
     def reopen(self, digests: dict[int, bytes]) -> None:
@@ -548,8 +547,7 @@ class OutputWriter:
             options = {"save_token_ids": self.save_token_ids, "openai": openai,
                        **{name: any(name in s["set"] for s in summaries) for name in ON_REQUEST}}
             schema, as_json = merged_schema(schemas, options, self.keep_columns, parts)
-            rows, digests = part_rows(parts)
-            self.error_rows = error_rows(parts)
+            rows, digests, self.error_rows = part_rows(parts, count_errors=True)
         except OSError as e:
             raise fs_error(self.parts_dir, e) from None
         row_list = rows.to_pylist()
