@@ -104,7 +104,7 @@ def _check_stats_path(path: str) -> None:
 
 @app.command()
 def run(
-    input: str = typer.Argument(..., help="Input rows: a .jsonl or .parquet file, a directory of them (a dataset's files, read in path order), or - for JSONL on stdin."),
+    input: str = typer.Argument(..., help="Input rows: a .jsonl (or .jsonl.gz, .zst, .bz2, .lz4) or .parquet file, a directory of them (a dataset's files, read in path order), or - for JSONL on stdin."),
     recipe: str = typer.Option("vanilla", "--recipe", "-r", help="Builtin recipe name or a recipe .yaml path."),
     model: Optional[str] = typer.Option(None, help="HF model directory (default: the recipe's model)."),
     draft: Optional[str] = typer.Option(None, help=algorithms.draft_help("run")),

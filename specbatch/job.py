@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .data import InputChanged, OutputError, OutputWriter, StdoutWriter, check_input, open_rows
+from .data.reader import jsonl_suffix
 from .data.reader import Row
 from .data.writer import output_file_format
 from .params import DEFAULT_LOGPROBS_MODE, OPENAI_LINES
@@ -51,7 +52,8 @@ def default_output(input_path: str) -> str:
     path = os.path.normpath(input_path)
     base = os.path.basename(path)
     if not os.path.isdir(path):
-        base = base.rsplit(".", 1)[0]
+        suffix = jsonl_suffix(base)              # data.jsonl.gz -> data
+        base = base[: -len(suffix)] if suffix else base.rsplit(".", 1)[0]
     elif base in (".", ".."):             # beside the directory's files, not among them
         name = (os.path.basename(os.path.abspath(path)) or "input") + ".completions.parquet"
         return os.path.normpath(os.path.join(path, os.pardir, name))

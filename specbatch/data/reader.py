@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -178,7 +179,9 @@ def _check_block(name: str, lines: list[bytes], cut: bool, opts: dict) -> None:
         head = head[len(_BOM) :]
     for magic, what in _MAGIC:
         if head.startswith(magic):
-            raise InputError(f"{name}: looks like {what}, not JSONL")
+            named = next((f" (compressed JSONL is read when named {suffix})" for suffix, codec in JSONL_CODECS.items()
+                          if codec and codec in what.replace("bzip2", "bz2")), "")
+            raise InputError(f"{name}: looks like {what}, not JSONL{named}")
     keys: dict = {}
     objects = nonblank = 0
     partial = False  # the cut last line may be an object whose keys we did not see
@@ -219,14 +222,43 @@ def _check_block(name: str, lines: list[bytes], cut: bool, opts: dict) -> None:
             raise InputError(f"{name}: keep column '{c}' is not in the first {rows} (fields: {seen})")
 
 
+# JSONL as datasets are often shipped, compressed: read through pyarrow's codecs, one stream, never
+# whole. A row's digest is over its decompressed line, so a resume may switch between the forms.
+JSONL_CODECS = {".jsonl": None, ".jsonl.gz": "gzip", ".jsonl.zst": "zstd", ".jsonl.bz2": "bz2", ".jsonl.lz4": "lz4"}
+
+
+def jsonl_suffix(path: str) -> str | None:
+    """The JSONL suffix `path` ends with (.jsonl, .jsonl.gz, ...), else None."""
+    low = path.lower()
+    return next((s for s in JSONL_CODECS if low.endswith(s)), None)
+
+
+def _open_binary(path: str) -> BinaryIO:
+    codec = JSONL_CODECS.get(jsonl_suffix(path) or ".jsonl")
+    if codec is None:
+        return open(path, "rb")
+    if not os.path.exists(path):
+        raise FileNotFoundError(path)
+    return io.BufferedReader(pa.input_stream(path, compression=codec), buffer_size=1 << 20)
+
+
+def _checked_lines(f: BinaryIO, shown: str) -> Iterator[bytes]:
+    """The lines of `f`; a read that fails midway (a compressed file cut short or corrupt) is the
+    input's error, naming it."""
+    try:
+        yield from f
+    except OSError as e:
+        raise InputError(f"{shown}: cannot read JSONL: {e.strerror or _one_line(e)}") from None
+
+
 def _open_jsonl_file(path: str, opts: dict, display: str | None = None, first_row: int = 0) -> RowSource:
     """`first_row`: the job's number of the file's first row (a directory's later files)."""
     shown = display or path          # what messages call it (stdin spooled to a file: "<stdin>")
     try:
-        with open(path, "rb") as f:
+        with _open_binary(path) as f:
             lines, cut = _read_block(f)
             _check_block(shown, lines, cut, opts)
-            f.seek(0)
+        with _open_binary(path) as f:         # (a compressed stream does not seek)
             total = count_nonblank_lines(f)
             if lines and lines[0].startswith(_BOM) and not lines[0][len(_BOM):].strip():
                 total -= 1                      # a first line of only a BOM is blank
@@ -240,11 +272,11 @@ def _open_jsonl_file(path: str, opts: dict, display: str | None = None, first_ro
 
     def rows() -> Iterator[Row]:
         try:
-            f = open(path, "rb")
+            f = _open_binary(path)
         except OSError as e:
             raise InputError(f"{shown}: cannot read JSONL: {e.strerror or _one_line(e)}") from None
         with f:
-            yield from _jsonl_rows(f, name, opts, first_row)
+            yield from _jsonl_rows(_checked_lines(f, shown), name, opts, first_row)
 
     return RowSource(path, total, rows)
 
@@ -361,7 +393,9 @@ def _parquet_digest(obj: dict) -> bytes:
     return _digest(text.encode("utf-8", "surrogatepass"))
 
 
-INPUT_FORMATS = (".jsonl", ".parquet")
+def _input_format(name: str) -> str | None:
+    """"jsonl" (compressed too), "parquet", or None for a file of neither."""
+    return "jsonl" if jsonl_suffix(name) else "parquet" if name.lower().endswith(".parquet") else None
 
 
 def _skipped(name: str) -> bool:
@@ -380,15 +414,15 @@ def directory_files(path: str) -> list[str]:
 
     for root, dirs, files in os.walk(path, onerror=unreadable):    # (linked folders not followed: no loops)
         dirs[:] = [d for d in dirs if not _skipped(d)]
-        found += [os.path.join(root, f) for f in files if not _skipped(f) and f.lower().endswith(INPUT_FORMATS)]
+        found += [os.path.join(root, f) for f in files if not _skipped(f) and _input_format(f)]
     found.sort(key=lambda p: os.path.relpath(p, path).split(os.sep))
     if not found:
         raise InputError(f"{path}: a directory with no .jsonl or .parquet file in it (hidden files and names "
                          "starting with _ are left out)")
-    kinds = {os.path.splitext(f)[1].lower() for f in found}
+    kinds = {_input_format(f) for f in found}
     if len(kinds) > 1:
-        first = {k: next(f for f in found if f.lower().endswith(k)) for k in sorted(kinds)}
-        raise InputError(f"{path}: holds both .jsonl and .parquet files ({first['.jsonl']}, {first['.parquet']}); "
+        first = {k: next(f for f in found if _input_format(f) == k) for k in sorted(kinds)}
+        raise InputError(f"{path}: holds both .jsonl and .parquet files ({first['jsonl']}, {first['parquet']}); "
                          "give a directory of one format")
     return found
 
@@ -419,7 +453,7 @@ def _open_directory(path: str, opts: dict) -> RowSource:
     sources: list[RowSource] = []
     first_row = 0
     for f in directory_files(path):
-        src = _open_jsonl_file(f, opts, first_row=first_row) if f.lower().endswith(".jsonl") \
+        src = _open_jsonl_file(f, opts, first_row=first_row) if _input_format(f) == "jsonl" \
             else _open_parquet(f, opts, first_row)
         sources.append(src)
         first_row += src.total or 0
@@ -449,10 +483,10 @@ def open_rows(
         return _open_stdin(opts)
     if os.path.isdir(path):
         return _open_directory(path, opts)
-    low = path.lower()
-    if low.endswith(".jsonl"):
+    fmt = _input_format(path)
+    if fmt == "jsonl":
         return _open_jsonl_file(path, opts, display)
-    if low.endswith(".parquet"):
+    if fmt == "parquet":
         return _open_parquet(path, opts)
-    raise InputError(f"{path}: unsupported input; expected a .jsonl or .parquet file, a directory of them, or - for "
-                     "JSONL on stdin")
+    raise InputError(f"{path}: unsupported input; expected a .jsonl file (or .jsonl.gz, .zst, .bz2, .lz4), a "
+                     ".parquet file, a directory of them, or - for JSONL on stdin")
