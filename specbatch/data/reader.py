@@ -179,8 +179,9 @@ def _check_block(name: str, lines: list[bytes], cut: bool, opts: dict) -> None:
         head = head[len(_BOM) :]
     for magic, what in _MAGIC:
         if head.startswith(magic):
-            named = next((f" (compressed JSONL is read when named {suffix})" for suffix, codec in JSONL_CODECS.items()
-                          if codec and codec in what.replace("bzip2", "bz2")), "")
+            named = "" if name == "<stdin>" else next(   # (a file of them is read by its name)
+                (f" (compressed JSONL is read when named {suffix})" for suffix, codec in JSONL_CODECS.items()
+                 if codec and codec in what.replace("bzip2", "bz2")), "")
             raise InputError(f"{name}: looks like {what}, not JSONL{named}")
     keys: dict = {}
     objects = nonblank = 0

@@ -107,7 +107,8 @@ def test_not_jsonl_at_all(tmp_path, kind, what):
     path.write_bytes(data)
     with pytest.raises(InputError) as ei:
         open_rows(str(path))
-    assert str(ei.value) == f"{path}: looks like {what}, not JSONL"
+    hint = " (compressed JSONL is read when named .jsonl.gz)" if kind == "gzip" else ""
+    assert str(ei.value) == f"{path}: looks like {what}, not JSONL{hint}"
 
 
 def test_text_that_is_not_jsonl(tmp_path):
