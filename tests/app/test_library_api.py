@@ -101,24 +101,25 @@ def test_sampling_params_without_a_temperature_are_said_greedy(capsys):
     assert capsys.readouterr().err == ""
     # a seed of its own is a sign too (a pass@k loop seeding each call), a prompt's or every prompt's
     for params in (SamplingParams(seed=7, max_tokens=2), [{"seed": 7, "max_tokens": 2}], {"seed": 7}):
-        LLM(recipe="vanilla", device="cpu").generate(["def f():"], params, use_tqdm=False)
+        llm._greedy.said = False                  # (as a fresh LLM's)
+        llm.generate(["def f():"], params, use_tqdm=False)
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith("warning: prompt 0: a seed is set but no temperature is"), err
-    LLM(recipe="vanilla", device="cpu").generate(["def f():"], {"seed": 7, "temperature": 0.5, "max_tokens": 2},
-                                                 use_tqdm=False)
+    llm._greedy.said = False
+    llm.generate(["def f():"], {"seed": 7, "temperature": 0.5, "max_tokens": 2}, use_tqdm=False)
     assert capsys.readouterr().err == ""
     # a bare SamplingParams: vLLM's samples at 1.0 (a pass@k loop of them), specbatch's is greedy: said once
     for params in (SamplingParams(max_tokens=2), [SamplingParams(max_tokens=2)]):
-        fresh = LLM(recipe="vanilla", device="cpu")
-        fresh.generate(["def f():"], params, use_tqdm=False)
-        fresh.generate(["def f():"], params, use_tqdm=False)
+        llm._greedy.said = False
+        llm.generate(["def f():"], params, use_tqdm=False)
+        llm.generate(["def f():"], params, use_tqdm=False)
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith("warning: sampling_params: a SamplingParams with no temperature "
                                                    "runs greedy here"), err
-    quiet = LLM(recipe="vanilla", device="cpu")
+    llm._greedy.said = False
     for params in (SamplingParams(max_tokens=2, temperature=0), {"max_tokens": 2}, None):
-        quiet.generate(["def f():"], params, use_tqdm=False)
-    quiet.generate([{"prompt": "def f():", "temperature": 0}], SamplingParams(max_tokens=2), use_tqdm=False)
+        llm.generate(["def f():"], params, use_tqdm=False)
+    llm.generate([{"prompt": "def f():", "temperature": 0}], SamplingParams(max_tokens=2), use_tqdm=False)
     assert capsys.readouterr().err == ""
 
 
