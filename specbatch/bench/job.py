@@ -346,8 +346,9 @@ def _log_point(p: dict[str, Any], log: Log) -> None:
         f"{p['mean_occupancy']:.0f}/{p['slots']}"
         + (f", {p['prompt_tokens_cached']:,} prompt tokens found in the pool" if p.get("prompt_tokens_cached") else ""))
     log("  prefill calls (s): " + " ".join(f"{t:.2f}" for t in p["prefill_call_s"]))
-    log(f"  cycles: GPU {p['cycles_gpu_s']:.1f} s (their own floors {p['cycles_floor_s']:.1f} s, GEMMs and "
-        f"attention in sequence {p['cycles_floor_in_sequence_s']:.1f} s); GPU idle "
+    dev = p.get("processor", "GPU")
+    log(f"  cycles: {dev} {p['cycles_gpu_s']:.1f} s (their own floors {p['cycles_floor_s']:.1f} s, GEMMs and "
+        f"attention in sequence {p['cycles_floor_in_sequence_s']:.1f} s); {dev} idle "
         f"~{p['decode_s'] - p['cycles_gpu_s']:.1f} s; {p['prefill_calls']} prefill calls; graph capture in the job "
         f"{p['capture_in_job_s']:.1f} s; {p['alloc_retries']} allocator retries; drain {p['drain_cycles']} cycles under 1/8 full, {p['drain_wall_s']:.1f} s "
         f"(floor {p['drain_floor_s']:.1f} s)"
@@ -381,7 +382,7 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
     steps = sum(r["spec"]["verify_steps"] - 1 for r in recs)
     emitted = sum(emitted_tokens(r["spec"]) for r in recs)
     return {
-        "recipe": name, "slots": engine.num_slots, "pages": engine.num_pages, "page_size": engine.page_size,
+        "recipe": name, "processor": "GPU" if cuda else "CPU", "slots": engine.num_slots, "pages": engine.num_pages, "page_size": engine.page_size,
         "wall_s": wall, "job_tokens_per_s": out / wall, "output_tokens": out,
         "prompt_tokens": floor["prompt_tokens"], "distinct_prompt_tokens": floor["distinct_prompt_tokens"],
         "prefill_s": engine.prefill_s, "prefill_forwards": engine.prefill_forwards - forwards0,
@@ -490,7 +491,7 @@ def job_markdown(result: dict[str, Any]) -> str:
               "output) steps; the spread floor leaves the last term out). "
               "Occupancy: mean active sequences per cycle / slots. Waited / preempted: requests that "
               "waited in the queue for KV pages / gave theirs back mid-run (resumed by recompute). "
-              "Prefill s: GPU time of the prefill forwards (recomputes included); decode s: the rest "
+              "Prefill s: device time of the prefill forwards (recomputes included); decode s: the rest "
               "of the wall time. Accept len: tokens emitted per target forward of a row, its prefill "
               "counted as one (as `specbatch run`'s mean accept length; the batch sweep's counts decode "
               "cycles only, so it reads higher for the same drafts)."]

@@ -256,6 +256,7 @@ def test_job_mode_runs_the_mix_end_to_end_against_its_floor(tiny_config, tmp_pat
     # waves: far fewer prefill forwards than rows
     assert van["prefill_forwards"] < 24
     assert "| vanilla |" in (out / "job.md").read_text()
+    assert "  cycles: CPU " in r.output and "GPU" not in r.output.split("cycles: ")[1].split("\n")[0]
 
 
 def test_job_mode_with_a_shared_prefix_counts_it_once_in_the_floor(tiny_config, tmp_path):
