@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .data import InputChanged, OutputError, OutputWriter, StdoutWriter, check_input, open_rows
+from .data import InputChanged, InputError, OutputError, OutputWriter, StdoutWriter, check_input, open_rows
 from .data.reader import jsonl_suffix
 from .data.reader import Row
 from .data.writer import output_file_format
@@ -219,7 +219,8 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
                                    keep_columns=opts.keep_columns, display="<stdin>")
             try:
                 refuse = _ray_fields_refusal(output) if "ray_fields" in writer.deferred else None
-                notify("checking", {"committed": len(writer.done_rows), "output": output})
+                if len(writer.done_rows):
+                    notify("checking", {"committed": len(writer.done_rows), "output": output})
                 digests, pending = check_input(iter(source), writer.expected(), limit=opts.limit,
                                                input_name="<stdin>" if input_path == "-" else input_path,
                                                output=output, refuse=refuse)
@@ -419,7 +420,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
             raise failure from None
         if assembled is not None:
             raise RowStopped(f"{e} (--fail-fast: {_fail_fast_note(assembled, writer.path)})") from None
-        if isinstance(e, (WorkerError, EngineFailed)):
+        if isinstance(e, (WorkerError, EngineFailed, InputError)):   # (an input unreadable midway: a cut file)
             raise JobError(f"{e}; {resume_note(writer.path)}") from None
         # a stop (Ctrl-C, SIGTERM): what this run did, for --stats-json (a scheduler's log of it)
         e.partial_summary = stats.summary(output=output, resumed=resumed, device=runner.device,

@@ -34,6 +34,7 @@ _MAGIC = (
     (b"BZh", "bzip2-compressed data"),
     (b"\xfd7zXZ\x00", "xz-compressed data"),
     (b"\x28\xb5\x2f\xfd", "zstd-compressed data"),
+    (b"\x04\x22\x4d\x18", "lz4-compressed data"),
     (b"PK\x03\x04", "a zip archive"),
     (b"PAR1", "a Parquet file"),
     (b"\xff\xfe", "UTF-16 text"),
@@ -268,7 +269,9 @@ def _open_jsonl_file(path: str, opts: dict, display: str | None = None, first_ro
     except IsADirectoryError:
         raise InputError(f"{shown}: cannot read JSONL: is a directory") from None
     except OSError as e:
-        raise InputError(f"{shown}: cannot read JSONL: {e.strerror or _one_line(e)}") from None
+        codec = JSONL_CODECS.get(jsonl_suffix(path) or ".jsonl")
+        named = f" (its name says {codec}-compressed JSONL)" if codec and not e.strerror else ""
+        raise InputError(f"{shown}: cannot read JSONL: {e.strerror or _one_line(e)}{named}") from None
     name = display or _display(path)
 
     def rows() -> Iterator[Row]:
@@ -418,8 +421,16 @@ def directory_files(path: str) -> list[str]:
         found += [os.path.join(root, f) for f in files if not _skipped(f) and _input_format(f)]
     found.sort(key=lambda p: os.path.relpath(p, path).split(os.sep))
     if not found:
-        raise InputError(f"{path}: a directory with no .jsonl or .parquet file in it (hidden files and names "
-                         "starting with _ are left out)")
+        raise InputError(f"{path}: a directory with no .jsonl (or .jsonl.gz, .zst, .bz2, .lz4) or .parquet file in it "
+                         "(hidden files and names starting with _ are left out)")
+    stems: dict[str, str] = {}
+    for f in found:                          # part-0.jsonl beside part-0.jsonl.gz: one file's rows twice?
+        suffix = jsonl_suffix(f)
+        if suffix:
+            other = stems.setdefault(f[: -len(suffix)], f)
+            if other != f:
+                raise InputError(f"{path}: holds {other} and {f}, one file in two forms (its rows would be read "
+                                 "twice); keep one")
     kinds = {_input_format(f) for f in found}
     if len(kinds) > 1:
         first = {k: next(f for f in found if _input_format(f) == k) for k in sorted(kinds)}

@@ -107,6 +107,21 @@ def _summary(recs: list[dict]) -> dict:
             "first_form": min(known) if known else None}
 
 
+def _read_summary(path: str, schema: pa.Schema) -> dict:
+    """_summary of a part written before parts held one, from its columns (null counts and the
+    rows with a known form: no values of the on-request columns are read into Python)."""
+    cols = [c for c in ("row", "batch_line", *ON_REQUEST) if c in schema.names]
+    t = pq.read_table(path, columns=cols)
+    first = None
+    if "batch_line" in cols:
+        known = t.filter(pc.is_valid(t.column("batch_line")))
+        if known.num_rows:
+            i = pc.index(known.column("row"), pc.min(known.column("row"))).as_py()
+            first = [known.column("row")[i].as_py(), bool(known.column("batch_line")[i].as_py())]
+    return {"set": [name for name in ON_REQUEST if name in cols and t.column(name).null_count < t.num_rows],
+            "first_form": first}
+
+
 class OutputWriter:
     """Buffers result records and commits them as atomic Parquet parts; finalize() merges them.
     Holds the output's lock from construction to close() (or the end of a `with` block)."""
@@ -447,12 +462,15 @@ class OutputWriter:
         return line
 
     def _part_table(self, items: list[tuple[dict, bytes]]) -> pa.Table:
-        # Parts hold every column a final format may need (the OpenAI ones, logprobs and choices too).
-        return part_table([r for r, _ in items], [d for _, d in items],
-                          options={"save_token_ids": self.save_token_ids, "openai": True,
-                                   **{name: True for name in ON_REQUEST}},
-                          keep_columns=self.keep_columns, json_typed=self.format == "jsonl",
-                          keep_types=self.keep_types)
+        # Parts hold every column a final format may need (the OpenAI ones, logprobs and choices too),
+        # and a summary of what the merge asks of their rows.
+        recs = [r for r, _ in items]
+        table = part_table(recs, [d for _, d in items],
+                           options={"save_token_ids": self.save_token_ids, "openai": True,
+                                    **{name: True for name in ON_REQUEST}},
+                           keep_columns=self.keep_columns, json_typed=self.format == "jsonl",
+                           keep_types=self.keep_types)
+        return table.replace_schema_metadata({PART_SUMMARY: json.dumps(_summary(recs))})
 
     def _part_name(self) -> str:
         name = f"part-{self._token}-{self._next_part:06d}.parquet"
@@ -480,7 +498,6 @@ class OutputWriter:
         part = os.path.join(self.parts_dir, self._part_name())
         try:
             table = self._part_table(items)
-            table = table.replace_schema_metadata({PART_SUMMARY: json.dumps(_summary([r for r, _ in items]))})
             write_atomic(part, lambda f: pq.write_table(table, f))
         except BaseException:
             if not os.path.exists(part):
@@ -527,10 +544,7 @@ class OutputWriter:
         summaries = []
         for p, schema in zip(parts, schemas):
             held = (schema.metadata or {}).get(PART_SUMMARY.encode())
-            if held is None:
-                cols = [c for c in ("row", "batch_line", *ON_REQUEST) if c in schema.names]
-                held = json.dumps(_summary(pq.read_table(p, columns=cols).to_pylist()))
-            summaries.append(json.loads(held))
+            summaries.append(json.loads(held) if held is not None else _read_summary(p, schema))
         return schemas, summaries
 
     def finalize(self) -> int:

@@ -342,3 +342,27 @@ def test_a_directory_of_shards_runs_as_one_input_and_a_new_shard_resumes(tiny_mo
     # the output among the files it reads is refused before anything is written
     line = one_line_cli_error(cli(*run_args(tiny_model, ds, ds / "year=2026" / "o.parquet")), 2)
     assert "inside the input directory" in line and not (ds / "year=2026" / "o.parquet").exists()
+
+
+def test_an_input_unreadable_midway_keeps_the_finished_rows_and_says_so(tiny_model, tmp_path):
+    """A directory's later file gone (or a compressed file cut) after the input was opened: the job
+    stops with one line naming it and the resume, and the rows that finished are committed."""
+    from specbatch import JobError, JobOptions, load_recipe, run_job
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    write_jsonl(ds / "a.jsonl", [{"prompt": p, "max_tokens": 2} for p in PROMPTS])
+    write_jsonl(ds / "b.jsonl", [{"prompt": p, "max_tokens": 2} for p in PROMPTS])
+    out = tmp_path / "o.parquet"
+
+    def progress(event, info):
+        if event == "start":
+            os.remove(ds / "b.jsonl")
+
+    recipe = load_recipe("vanilla").with_overrides(model=str(tiny_model), batch_size=4)
+    with pytest.raises(JobError, match=r"b\.jsonl: cannot read JSONL: No such file or directory; finished rows are "
+                                       r"committed, rerun the same command to resume"):
+        run_job(str(ds), recipe, JobOptions(output=str(out), device="cpu"), progress=progress)
+    parts = [os.path.join(str(out) + ".parts", p) for p in os.listdir(str(out) + ".parts") if p.startswith("part-")]
+    rows = sorted(r for p in parts for r in pq.read_table(p, columns=["row"]).column("row").to_pylist())
+    assert rows and set(rows) <= set(range(N))          # (rows in flight when the read failed run again)

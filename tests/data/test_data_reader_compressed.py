@@ -64,3 +64,23 @@ def test_a_directory_of_compressed_shards(tmp_path):
     (d / "part-2.parquet").write_bytes(b"")
     with pytest.raises(InputError, match="holds both .jsonl and .parquet files"):
         open_rows(str(d))
+
+
+def test_one_file_in_two_forms_in_a_directory_and_a_misnamed_compressed_file(tmp_path):
+    d = tmp_path / "ds"
+    d.mkdir()
+    _write(d / "part-0.jsonl", None)
+    _write(d / "part-0.jsonl.gz", "gzip")
+    with pytest.raises(InputError, match=r"holds .*part-0\.jsonl and .*part-0\.jsonl\.gz, one file in two forms"):
+        open_rows(str(d))
+    plain = tmp_path / "plain.jsonl.gz"
+    plain.write_bytes(DATA)
+    with pytest.raises(InputError, match=r"plain\.jsonl\.gz: cannot read JSONL: .*\(its name says gzip-compressed "
+                                         r"JSONL\)"):
+        open_rows(str(plain))
+    lz4 = tmp_path / "lz4.jsonl"
+    with pa.output_stream(str(lz4), compression="lz4") as f:
+        f.write(DATA)
+    with pytest.raises(InputError, match=r"looks like lz4-compressed data, not JSONL \(compressed JSONL is read when "
+                                         r"named \.jsonl\.lz4\)"):
+        open_rows(str(lz4))

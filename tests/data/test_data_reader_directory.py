@@ -76,7 +76,7 @@ def test_directories_that_cannot_be_one_input_are_refused_naming_why(tmp_path):
     empty = tmp_path / "empty"
     (empty / "_temporary").mkdir(parents=True)
     pq.write_table(pa.table({"prompt": ["x"]}), empty / "_temporary" / "a.parquet")
-    with pytest.raises(InputError, match=r"empty: a directory with no \.jsonl or \.parquet file in it"):
+    with pytest.raises(InputError, match=r"empty: a directory with no \.jsonl \(or \.jsonl\.gz, .*\) or \.parquet file in it"):
         open_rows(str(empty))
     mixed = tmp_path / "mixed"
     mixed.mkdir()

@@ -254,6 +254,10 @@ def test_reopen_turns_a_finished_output_back_into_parts(tmp_path):
         assert w.complete and w.done_rows == {0, 1, 2}
         w.reopen({0: b"a", 1: b"b", 2: b"c"})
         assert not w.complete and os.path.isdir(out + ".parts")
+        # the finished rows' part carries the merge's summary as every part does (the merge reads none whole)
+        (first,) = [n for n in os.listdir(out + ".parts") if n.startswith("part-")]
+        assert json.loads(pq.read_schema(os.path.join(out + ".parts", first)).metadata[b"specbatch_part_summary"]) \
+            == {"set": [], "first_form": None}
         for i in (3, 4):
             w.add({**rec(i), "k": f"v{i}"})
         assert w.finalize() == 5
