@@ -221,7 +221,8 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
                 refuse = _ray_fields_refusal(output) if "ray_fields" in writer.deferred else None
                 if len(writer.done_rows):
                     notify("checking", {"committed": len(writer.done_rows), "output": output})
-                digests, pending = check_input(iter(source), writer.expected(), limit=opts.limit,
+                items = iter(source) if refuse is not None else source.digested()   # (refuse reads the rows)
+                digests, pending = check_input(items, writer.expected(), limit=opts.limit,
                                                input_name="<stdin>" if input_path == "-" else input_path,
                                                output=output, refuse=refuse)
             except InputChanged as e:

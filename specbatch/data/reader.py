@@ -10,7 +10,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -46,19 +46,33 @@ _BEFORE_BLANK_LINE = re.compile(rb"\n(?=[ \t\r\f\v]*\n)")
 Row = RowRequest | RowError
 
 
+class Digested(NamedTuple):
+    """A row as a resume's input check needs it: its number and digest (the line not parsed)."""
+    row: int
+    digest: bytes
+
+
 class RowSource:
     """Iterable of RowRequest | RowError in input order; `total` is the row count when cheaply known."""
 
     def __init__(self, path: str, total: int | None, rows: Callable[[], Iterator[Row]],
-                 column_types: dict[str, pa.DataType] | None = None) -> None:
-        """`column_types`: the input's own types of the kept columns, where it has them (Parquet)."""
+                 column_types: dict[str, pa.DataType] | None = None,
+                 digests: Callable[[], Iterator[Digested | Row]] | None = None) -> None:
+        """`column_types`: the input's own types of the kept columns, where it has them (Parquet);
+        `digests`: the rows' numbers and digests without parsing them (JSONL), else `rows` serve."""
         self.path = path
         self.total = total
         self._rows = rows
+        self._digests = digests
         self.column_types = column_types or {}
 
     def __iter__(self) -> Iterator[Row]:
         return self._rows()
+
+    def digested(self) -> Iterator[Digested | Row]:
+        """Every row's number and digest, as iterating gives them (a resume checks a million
+        committed rows: JSONL lines are hashed, not parsed, ~20x faster)."""
+        return (self._digests or self._rows)()
 
     def __repr__(self) -> str:
         return f"RowSource(path={self.path!r}, total={self.total!r})"
@@ -137,6 +151,27 @@ def _jsonl_rows(lines: Iterable[bytes], name: str, opts: dict, first_row: int = 
                 out = parse_row(obj, row=row, where=where, **opts)
         out.digest = digest
         yield out
+        row += 1
+
+
+def _jsonl_digests(lines: Iterable[bytes], first_row: int = 0) -> Iterator[Digested]:
+    """What _jsonl_rows yields, numbered and digested alike, without parsing: blank lines skipped,
+    a first BOM dropped, an unterminated last line that is valid UTF-8 but not JSON (a file still
+    being written) not a row."""
+    row = first_row
+    for lineno, line in enumerate(lines, 1):
+        if lineno == 1 and line.startswith(_BOM):
+            line = line[len(_BOM) :]
+        if not line.strip():
+            continue
+        if not line.endswith(b"\n"):
+            try:
+                json.loads(line.rstrip(b"\r\n").decode("utf-8"))
+            except json.JSONDecodeError:
+                return
+            except (ValueError, RecursionError):    # invalid UTF-8 or too deep: an error row, as there
+                pass
+        yield Digested(row, _digest(line.strip()))
         row += 1
 
 
@@ -282,7 +317,15 @@ def _open_jsonl_file(path: str, opts: dict, display: str | None = None, first_ro
         with f:
             yield from _jsonl_rows(_checked_lines(f, shown), name, opts, first_row)
 
-    return RowSource(path, total, rows)
+    def digests() -> Iterator[Digested]:
+        try:
+            f = _open_binary(path)
+        except OSError as e:
+            raise InputError(f"{shown}: cannot read JSONL: {e.strerror or _one_line(e)}") from None
+        with f:
+            yield from _jsonl_digests(_checked_lines(f, shown), first_row)
+
+    return RowSource(path, total, rows, digests=digests)
 
 
 def _stdin_lines(stream: BinaryIO, opts: dict) -> Iterator[bytes]:
@@ -470,13 +513,14 @@ def _open_directory(path: str, opts: dict) -> RowSource:
         sources.append(src)
         first_row += src.total or 0
 
-    def rows() -> Iterator[Row]:
+    def rows(digested: bool = False) -> Iterator[Any]:
         for i, src in enumerate(sources):
             # A file that grew since it was counted: the rows past its count wait for a rerun (they
             # would take the next file's numbers); the last file's extra rows are numbered on.
-            yield from src if i == len(sources) - 1 else itertools.islice(src, src.total)
+            items = src.digested() if digested else iter(src)
+            yield from items if i == len(sources) - 1 else itertools.islice(items, src.total)
 
-    return RowSource(path, first_row, rows, _keep_types(sources))
+    return RowSource(path, first_row, rows, _keep_types(sources), digests=lambda: rows(digested=True))
 
 
 def open_rows(

@@ -244,3 +244,23 @@ def test_malformed_line_keeps_keep_columns_shape(tmp_path):
     path.write_text('{"prompt": "a", "k": 1}\nnot json\n', encoding="utf-8")
     out = list(open_rows(str(path), keep_columns=["k"]))
     assert out[1].keep == {"k": None}
+
+
+@pytest.mark.parametrize("last", [b'{"prompt": "done"}', b'{"prompt": "half', b'{"prompt": "\xff', b"[" * 100000, b""])
+def test_a_resumes_digest_pass_numbers_and_digests_rows_as_reading_them_does(tmp_path, last):
+    """A resume checks the committed rows by their digests: for JSONL it hashes the lines without
+    parsing them (~20x faster), and must give every row the number and digest the full read gives,
+    whatever the lines hold: a BOM, blank and CRLF lines, invalid UTF-8, nesting too deep for the
+    parser, and a last line with no newline (valid JSON: a row; cut JSON: not one, the file still
+    being written; invalid UTF-8: an error row)."""
+    body = (b'\xef\xbb\xbf{"prompt": "a"}\n\n  \n{"prompt": "b"}\r\n\xff\xfe\n' + b"[" * 100000 + b"\n"
+            b'{"id": 7, "messages": [{"role": "user", "content": "c"}]}\n' + last)
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(body)
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "a.jsonl").write_bytes(body)
+    (tmp_path / "ds" / "b.jsonl").write_bytes(b'{"prompt": "z"}\n' + last)
+    for p in (path, tmp_path / "ds"):
+        full = [(r.row, r.digest) for r in open_rows(str(p))]
+        light = [(d.row, d.digest) for d in open_rows(str(p)).digested()]
+        assert light == full and len(full) >= 5
