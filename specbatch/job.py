@@ -236,6 +236,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
                 rows = writer.finalize()
                 return stats.summary(output=output, assembled=True, resumed=len(writer.done_rows),
                                      rows_in_output=rows, limit=opts.limit)
+            del digests                      # (a digest per committed row: not held through the job)
         writer.settle_deferred()         # the committed rows (if any) passed: record what they predate
         return _generate(source, writer, recipe, opts, devices, output, stats, notify)
     except DeviceLost as e:
