@@ -135,6 +135,7 @@ class OutputWriter:
         keep_columns: Sequence[str] = (),
         commit_rows: int = 256,
         commit_seconds: float = 30.0,
+        commit_interval: float = 0.0,
         overwrite: bool = False,
         output_format: str = "native",
         model_name: str = "specbatch",
@@ -143,7 +144,10 @@ class OutputWriter:
         """`output_format`: native rows, "openai" (OpenAI Batch output lines, JSONL only), or "auto"
         (openai when the job's first row is an OpenAI batch line and the output is JSONL);
         `model_name`: the response's model when a line names none; `keep_types`: the input's
-        types of kept columns (RowSource.column_types), which a Parquet output keeps."""
+        types of kept columns (RowSource.column_types), which a Parquet output keeps. A part is
+        committed once `commit_rows` are buffered and `commit_interval` seconds passed since the
+        last (rows finishing thousands a second make parts of a second's rows, not thousands of
+        256-row parts, each a file and two fsyncs in the job's loop), or after `commit_seconds`."""
         self.format = output_file_format(path)
         check_output_format(output_format)
         if output_format == "openai" and self.format != "jsonl":
@@ -161,6 +165,7 @@ class OutputWriter:
         self.keep_types = dict(keep_types or {})
         self.commit_rows = max(1, commit_rows)
         self.commit_seconds = commit_seconds
+        self.commit_interval = commit_interval
         self.done_rows = RowSet()
         self.complete = False
         self.job = os.urandom(8).hex()
@@ -451,7 +456,8 @@ class OutputWriter:
         if self.output_format == "auto" and record.get("batch_line"):
             check_keep_columns(self.keep_columns, "openai")     # the final file will be OpenAI lines
         self._buffer.append((record, digest))
-        if len(self._buffer) >= self.commit_rows or time.monotonic() - self._last_commit >= self.commit_seconds:
+        since = time.monotonic() - self._last_commit
+        if since >= self.commit_seconds or (len(self._buffer) >= self.commit_rows and since >= self.commit_interval):
             self.commit()
 
     def _native(self, line: dict) -> dict:

@@ -63,6 +63,29 @@ def test_commit_seconds(tmp_path, monkeypatch):
     assert parts(out) == ["part-000000.parquet"]
 
 
+def test_commit_interval_batches_fast_rows_into_a_part_a_second(tmp_path, monkeypatch):
+    """Rows finishing thousands a second: a part once commit_rows are buffered AND commit_interval
+    passed (not one per 256 rows: a file and two fsyncs each, in the job's loop); commit_seconds
+    still bounds what a crash can lose when rows come slowly."""
+    clock = [1000.0]
+    monkeypatch.setattr(writer_mod.time, "monotonic", lambda: clock[0])
+    out = tmp_path / "out.parquet"
+    w = OutputWriter(str(out), fingerprint=FP, commit_rows=2, commit_seconds=30.0, commit_interval=1.0)
+    for r in range(10):                          # 10 rows in 0.5 s: no part yet
+        clock[0] += 0.05
+        w.add(rec(r))
+    assert parts(out) == [] and w.buffered == 10
+    clock[0] += 0.6
+    w.add(rec(10))                               # a second since the last commit, past commit_rows
+    assert parts(out) == ["part-000000.parquet"] and w.buffered == 0
+    clock[0] += 5
+    w.add(rec(11))                               # one row buffered, slow: waits for commit_rows or 30 s
+    assert len(parts(out)) == 1
+    clock[0] += 30
+    w.add(rec(12))
+    assert len(parts(out)) == 2
+
+
 def test_empty_commit_writes_nothing(tmp_path):
     out = tmp_path / "out.parquet"
     w = OutputWriter(str(out), fingerprint=FP)
