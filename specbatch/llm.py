@@ -270,18 +270,22 @@ class LLM:
             raise ValueError(f"params: {len(params)} sampling params for {len(rows)} prompts; give one "
                              "per prompt, or one mapping for all")
         given = []
+        resolved: dict[int, dict[str, Any]] = {}    # by the params object: one SamplingParams for all, once
         for i, (r, p) in enumerate(zip(rows, params)):
             if not isinstance(r, RowRequest):
                 continue
-            try:
-                own = self.sampling(p).to_dict()
-            except SamplingParamsError as e:
-                raise SamplingParamsError(str(e).replace("sampling_params:", f"sampling_params[{i}]:", 1),
-                                          e.key, e.detail) from None
-            if _get(p, "seed") is None:     # the run seed stays a run seed (rows derive theirs)
-                del own["seed"]
-            if own["max_tokens"] is None:   # unset: the row's form's default, as for one mapping
-                del own["max_tokens"]
+            own = resolved.get(id(p))
+            if own is None:
+                try:
+                    own = self.sampling(p).to_dict()
+                except SamplingParamsError as e:
+                    raise SamplingParamsError(str(e).replace("sampling_params:", f"sampling_params[{i}]:", 1),
+                                              e.key, e.detail) from None
+                if _get(p, "seed") is None:     # the run seed stays a run seed (rows derive theirs)
+                    del own["seed"]
+                if own["max_tokens"] is None:   # unset: the row's form's default, as for one mapping
+                    del own["max_tokens"]
+                resolved[id(p)] = own
             r.overrides = {**own, **r.overrides}
             if isinstance(p, SamplingParams):
                 given.append(r)

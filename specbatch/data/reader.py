@@ -117,13 +117,18 @@ def _display(name: str) -> str:
         return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _jsonl_rows(lines: Iterable[bytes], name: str, opts: dict, first_row: int = 0) -> Iterator[Row]:
-    row = first_row
+def _nonblank(lines: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of the lines holding a row, the first line's BOM dropped."""
     for lineno, line in enumerate(lines, 1):
         if lineno == 1 and line.startswith(_BOM):
             line = line[len(_BOM) :]            # before the blank check: a line of only a BOM is blank
-        if not line.strip():
-            continue
+        if line.strip():
+            yield lineno, line
+
+
+def _jsonl_rows(lines: Iterable[bytes], name: str, opts: dict, first_row: int = 0) -> Iterator[Row]:
+    row = first_row
+    for lineno, line in _nonblank(lines):
         where = f"{name}:{lineno}"
         digest = _digest(line.strip())  # the raw bytes: invalid UTF-8 lines get one too
         try:
@@ -158,12 +163,7 @@ def _jsonl_digests(lines: Iterable[bytes], first_row: int = 0) -> Iterator[Diges
     """What _jsonl_rows yields, numbered and digested alike, without parsing: blank lines skipped,
     a first BOM dropped, an unterminated last line that is valid UTF-8 but not JSON (a file still
     being written) not a row."""
-    row = first_row
-    for lineno, line in enumerate(lines, 1):
-        if lineno == 1 and line.startswith(_BOM):
-            line = line[len(_BOM) :]
-        if not line.strip():
-            continue
+    for row, (_, line) in enumerate(_nonblank(lines), first_row):
         if not line.endswith(b"\n"):
             try:
                 json.loads(line.rstrip(b"\r\n").decode("utf-8"))
@@ -172,7 +172,6 @@ def _jsonl_digests(lines: Iterable[bytes], first_row: int = 0) -> Iterator[Diges
             except (ValueError, RecursionError):    # invalid UTF-8 or too deep: an error row, as there
                 pass
         yield Digested(row, _digest(line.strip()))
-        row += 1
 
 
 def _line_error(row: int, error: str, opts: dict) -> RowError:
@@ -279,13 +278,18 @@ def _open_binary(path: str) -> BinaryIO:
     return io.BufferedReader(pa.input_stream(path, compression=codec), buffer_size=1 << 20)
 
 
-def _checked_lines(f: BinaryIO, shown: str) -> Iterator[bytes]:
-    """The lines of `f`; a read that fails midway (a compressed file cut short or corrupt) is the
-    input's error, naming it."""
+def _file_lines(path: str, shown: str) -> Iterator[bytes]:
+    """The lines of a JSONL file (decompressed); a file that cannot be opened, or a read that
+    fails midway (a compressed file cut short or corrupt), is the input's error naming it."""
     try:
-        yield from f
+        f = _open_binary(path)
     except OSError as e:
         raise InputError(f"{shown}: cannot read JSONL: {e.strerror or _one_line(e)}") from None
+    with f:
+        try:
+            yield from f
+        except OSError as e:
+            raise InputError(f"{shown}: cannot read JSONL: {e.strerror or _one_line(e)}") from None
 
 
 def _open_jsonl_file(path: str, opts: dict, display: str | None = None, first_row: int = 0) -> RowSource:
@@ -309,23 +313,8 @@ def _open_jsonl_file(path: str, opts: dict, display: str | None = None, first_ro
         raise InputError(f"{shown}: cannot read JSONL: {e.strerror or _one_line(e)}{named}") from None
     name = display or _display(path)
 
-    def rows() -> Iterator[Row]:
-        try:
-            f = _open_binary(path)
-        except OSError as e:
-            raise InputError(f"{shown}: cannot read JSONL: {e.strerror or _one_line(e)}") from None
-        with f:
-            yield from _jsonl_rows(_checked_lines(f, shown), name, opts, first_row)
-
-    def digests() -> Iterator[Digested]:
-        try:
-            f = _open_binary(path)
-        except OSError as e:
-            raise InputError(f"{shown}: cannot read JSONL: {e.strerror or _one_line(e)}") from None
-        with f:
-            yield from _jsonl_digests(_checked_lines(f, shown), first_row)
-
-    return RowSource(path, total, rows, digests=digests)
+    return RowSource(path, total, lambda: _jsonl_rows(_file_lines(path, shown), name, opts, first_row),
+                     digests=lambda: _jsonl_digests(_file_lines(path, shown), first_row))
 
 
 def _stdin_lines(stream: BinaryIO, opts: dict) -> Iterator[bytes]:

@@ -535,7 +535,7 @@ class OutputWriter:
 
     # ---- final merge ---------------------------------------------------
 
-    def _openai_output(self, parts: list[str], summaries: list[dict]) -> bool:
+    def _openai_output(self, summaries: list[dict]) -> bool:
         """Whether the final file is OpenAI batch lines: asked for, or "auto" and the first row
         whose form is known is an OpenAI batch line (a malformed line's is not), as `-o -` decides."""
         if self.output_format != "auto":
@@ -563,7 +563,7 @@ class OutputWriter:
         try:
             parts = self._part_paths()
             schemas, summaries = self._summaries(parts)
-            openai = self._openai_output(parts, summaries)
+            openai = self._openai_output(summaries)
             options = {"save_token_ids": self.save_token_ids, "openai": openai,
                        **{name: any(name in s["set"] for s in summaries) for name in ON_REQUEST}}
             schema, as_json = merged_schema(schemas, options, self.keep_columns, parts)
