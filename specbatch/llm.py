@@ -153,7 +153,7 @@ def _sampling_error(e: RecipeError, where: str) -> SamplingParamsError:
 def _refuse_unsupported(params: dict) -> None:
     """vLLM sampling fields specbatch does not implement, named as such (not as an unknown key); one
     at its default asks for nothing and is dropped."""
-    from .data.fields import UNSUPPORTED_FIELDS, BadField, check_unsupported, check_vllm_only
+    from .data.fields import UNSUPPORTED_FIELDS, VLLM_ONLY_SAMPLING, BadField, check_unsupported, check_vllm_only
 
     try:
         check_vllm_only(params, "")
@@ -164,7 +164,7 @@ def _refuse_unsupported(params: dict) -> None:
         check_unsupported(params, "")
     except BadField as e:
         raise SamplingParamsError(f"sampling_params: {e}".replace("field '", "'", 1)) from None
-    for key in [k for k in params if k in UNSUPPORTED_FIELDS]:
+    for key in [k for k in params if k in UNSUPPORTED_FIELDS or k in VLLM_ONLY_SAMPLING]:
         del params[key]
 
 
@@ -396,6 +396,16 @@ class LLM:
                                 f"got {type(conv).__name__}")
             rows.append({"messages": [dict(m) for m in conv], **options})
         return self.generate(rows, sampling_params, use_tqdm) if rows else []
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: a new SamplingParams holding what a call with none would run with, for a script
+        to change and pass (`sp = llm.get_default_sampling_params(); sp.max_tokens = 64`): this
+        LLM's sampling keywords and recipe, over the model's generation_config.json values (its
+        max_new_tokens as max_tokens); no seed of its own (the run's stays). What neither sets stays
+        unset, and unset it runs as in any SamplingParams: greedy, where vLLM's samples at 1.0."""
+        base, model = self.recipe.sampling, self.engine.model_defaults
+        fill = {k: model[k] for k in (*MODEL_DEFAULT_KEYS, "max_tokens") if getattr(base, k) is None and k in model}
+        return replace(base, seed=None, **fill)
 
     def get_tokenizer(self) -> Any:
         """The target's tokenizer (transformers'), as vLLM's LLM.get_tokenizer()."""

@@ -11,6 +11,7 @@ running request's params are always resolved.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping
 
@@ -59,8 +60,12 @@ class SamplingError(ValueError):
         self.field, self.detail = field, detail
 
 
-@dataclass(frozen=True, kw_only=True)     # keywords only: vLLM's first positional field is n, not max_tokens
+@dataclass(frozen=True, kw_only=True)    # keywords only: vLLM's first positional field is n, not max_tokens
 class SamplingParams:
+    """Sampling fields in vLLM's names. Mutable as vLLM's (`sp.seed = i`: `_setattr` below; frozen
+    only so that construction, once per row and choice, sets fields without it), a field set
+    after construction normalised as at it; vLLM's other fields are taken at their defaults
+    (VLLM_KEYWORDS), anything else is an error. Internally copies are made with `replace`."""
     max_tokens: int | None = None     # None: the model's max_new_tokens, else default_max_tokens
     temperature: float | None = None  # 0 = greedy; None: the model's generation_config, else 0
     top_p: float | None = None        # None: the model's, else 1.0 (off)
@@ -83,14 +88,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        # As vLLM's: one stop string or a list (a bare string iterated would be one stop per character)
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        for name in ("stop", "stop_token_ids"):
-            if not isinstance(getattr(self, name), tuple):
-                object.__setattr__(self, name, tuple(getattr(self, name) or ()))
-        if not isinstance(self.logit_bias, tuple) or any(not isinstance(e, tuple) for e in self.logit_bias):
-            object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))   # {id: bias} given
+        for name, form in _NORMALISED.items():
+            value = getattr(self, name)
+            if not (value.__class__ is tuple and (name != "logit_bias" or not value)):     # (the usual case, fast)
+                object.__setattr__(self, name, form(value))
+
+    def clone(self) -> "SamplingParams":
+        """A copy (vLLM's clone): changing one leaves the other."""
+        return replace(self)
 
     @property
     def greedy(self) -> bool:
@@ -179,6 +184,78 @@ class SamplingParams:
         s = (int(self.seed or 0) ^ ((index * _CHOICE_MIX) % (1 << 64))) % (1 << 64)
         s = (s * _SEED_MIX[1]) % (1 << 64)
         return replace(self, seed=s ^ (s >> 31))
+
+
+# vLLM SamplingParams fields specbatch takes at their defaults only (which value is a default is
+# data/fields.py's, as for the row fields of the same names): a vLLM script's SamplingParams(...)
+# builds; one set to anything else is a ValueError naming it.
+VLLM_KEYWORDS = frozenset((
+    "best_of", "detokenize", "spaces_between_special_tokens", "logits_processors", "truncate_prompt_tokens",
+    "bad_words", "allowed_token_ids", "structured_outputs", "guided_decoding", "output_kind", "extra_args",
+    "flat_logprobs", "skip_clone", "skip_reading_prefix_cache"))
+
+
+def _vllm_keywords(given: Mapping[str, Any], n: int) -> None:
+    """Refuse a VLLM_KEYWORDS value other than its default (best_of: null or n)."""
+    from .data.fields import BadField, check_unsupported, check_vllm_only
+
+    best_of = given.get("best_of")
+    if best_of is not None and best_of != n:
+        raise ValueError(f"SamplingParams: 'best_of': not supported by specbatch yet (got {best_of!r}); "
+                         f"remove it or set it to n ({n})")
+    try:
+        check_vllm_only(dict(given), "")
+        check_unsupported({k: v for k, v in given.items() if k != "best_of"}, "")
+    except BadField as e:
+        raise ValueError(f"SamplingParams: {e}".replace("field '", "'", 1)) from None
+
+
+def _tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else tuple(value or ())
+
+
+def _stop(value: Any) -> tuple:
+    return (value,) if isinstance(value, str) else _tuple(value)    # one stop string, as vLLM's
+
+
+def _bias(value: Any) -> tuple:
+    if isinstance(value, tuple) and all(isinstance(e, tuple) for e in value):
+        return value
+    return logit_bias_pairs(value)                                 # {id: bias} given
+
+
+# Fields held in one form however they are given (a list or a string for stop, {id: bias}).
+_NORMALISED = {"stop": _stop, "stop_token_ids": _tuple, "logit_bias": _bias}
+_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+_dataclass_init = SamplingParams.__init__
+
+
+def _init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+    if not VLLM_KEYWORDS.isdisjoint(kwargs):
+        _vllm_keywords({k: kwargs.pop(k) for k in VLLM_KEYWORDS & kwargs.keys()}, kwargs.get("n", 1))
+    _dataclass_init(self, *args, **kwargs)
+
+
+def _setattr(self: SamplingParams, name: str, value: Any) -> None:
+    """`sp.field = value` after construction, as vLLM's SamplingParams takes it."""
+    if name in _NORMALISED:
+        value = _NORMALISED[name](value)
+    elif name not in _FIELDS:
+        if name not in VLLM_KEYWORDS:
+            from .data.fields import near_field
+            near = near_field(name)
+            raise AttributeError(f"SamplingParams has no field {name!r}"
+                                 + (f" (did you mean {near!r}?)" if near in _FIELDS else ""))
+        _vllm_keywords({name: value}, self.n)       # a vLLM field at its default asks for nothing
+        return
+    object.__setattr__(self, name, value)
+
+
+_init.__signature__ = inspect.signature(_dataclass_init)        # help() shows the fields
+_init.__doc__ = _dataclass_init.__doc__
+SamplingParams.__init__ = _init
+SamplingParams.__setattr__ = _setattr
+SamplingParams.__hash__ = None          # mutable: no hash by value
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,12 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
 
 # vLLM SamplingParams fields with no row field of the same name here (UNSUPPORTED_FIELDS has the
 # others): named as unsupported where sampling params are taken (Ray rows, LLM.generate), not as a typo
-VLLM_ONLY_SAMPLING = frozenset(("guided_decoding", "output_kind", "extra_args", "flat_logprobs"))
+VLLM_ONLY_SAMPLING: dict[str, Callable[[object], bool]] = {
+    "guided_decoding": _empty, "output_kind": lambda v: v is None, "extra_args": _empty, "flat_logprobs": _false,
+    # vLLM's copying and prefix-cache hints: nothing about the completion
+    "skip_clone": lambda v: v is None or isinstance(v, bool),
+    "skip_reading_prefix_cache": lambda v: v is None or isinstance(v, bool),
+}
 
 # The fields parse_overrides and parse_chat_options read (a test holds the two to this list).
 REQUEST_FIELDS = frozenset({
@@ -543,7 +548,7 @@ def parse_chat_options(src: dict, prefix: str, chat: bool, exempt: Sequence[str]
 
 def check_vllm_only(params: dict, prefix: str) -> None:
     """A vLLM sampling field specbatch has no row field for, set: named as unsupported, not as a typo."""
-    key = next((k for k, v in params.items() if v is not None and k in VLLM_ONLY_SAMPLING), None)
+    key = next((k for k, v in params.items() if k in VLLM_ONLY_SAMPLING and not VLLM_ONLY_SAMPLING[k](v)), None)
     if key is not None:
         raise BadField(f"field '{prefix}{key}': a vLLM sampling field specbatch does not support yet; remove it")
 
@@ -618,13 +623,14 @@ def sampling_params_fields(params: object) -> dict:
     if not isinstance(params, dict):
         raise bad("sampling_params", "an object of sampling fields", params)
     check_vllm_only(params, "sampling_params.")
-    unknown = [k for k, v in params.items() if v is not None and k not in SAMPLING_PARAMS_KEYS]
+    unknown = [k for k, v in params.items() if v is not None and k not in SAMPLING_PARAMS_KEYS
+               and k not in VLLM_ONLY_SAMPLING]
     if unknown:
         near = near_field(str(unknown[0]))
         hint = (f"did you mean 'sampling_params.{near}'?" if near else
                 "e.g. max_tokens, temperature, top_p, seed, stop; see README, Input")
         raise BadField(f"field 'sampling_params.{unknown[0]}': not a sampling field specbatch knows ({hint})")
-    return {k: v for k, v in params.items() if v is not None}
+    return {k: v for k, v in params.items() if v is not None and k not in VLLM_ONLY_SAMPLING}
 
 
 def check_body_keys(body: dict, prefix: str) -> None:

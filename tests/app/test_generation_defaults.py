@@ -145,6 +145,64 @@ def test_a_sampling_params_object_is_used_as_given_as_vllms_llm_uses_one(gen_mod
                SamplingParams(temperature=0, max_tokens=8)) == penalised
 
 
+def test_default_sampling_params_are_the_models_for_a_script_to_change(gen_model, tiny_model):
+    """vLLM's example script: sp = llm.get_default_sampling_params(); sp.max_tokens = n;
+    llm.generate(prompts, sp): the model's generation config values (and the LLM's own keywords)
+    set in a new object, no seed of its own; changed fields then run as given."""
+    from specbatch import LLM, SamplingParams
+
+    texts = ["def add(a, b):", "import os", "for i in range(10):"]
+    gen = LLM(model=gen_model, device="cpu")
+
+    def out(params):
+        return [c.token_ids for c in gen.generate(texts, params, use_tqdm=False)]
+
+    sp = gen.get_default_sampling_params()
+    assert isinstance(sp, SamplingParams)
+    assert (sp.temperature, sp.top_k, sp.repetition_penalty, sp.seed, sp.max_tokens) == (0.7, 5, 1.3, None, None)
+    sp.max_tokens, sp.seed = 8, 3
+    assert gen.get_default_sampling_params().max_tokens is None          # a new object each call
+    assert out(sp) == out({"max_tokens": 8, "seed": 3})                  # what params=None runs, as changed
+    first = out(sp)
+    sp.seed = 4                                                          # a pass@k loop's `sp.seed = i`
+    assert out(sp) == out(SamplingParams(temperature=0.7, top_k=5, repetition_penalty=1.3, max_tokens=8, seed=4))
+    assert out(sp) != first
+    keyed = LLM(model=tiny_model, device="cpu", temperature=0.5, max_tokens=6).get_default_sampling_params()
+    assert (keyed.temperature, keyed.max_tokens, keyed.top_p, keyed.seed) == (0.5, 6, None, None)
+
+
+def test_sampling_params_are_mutable_and_take_vllms_other_fields_at_their_defaults():
+    """As vLLM's SamplingParams: fields set after construction (normalised as at it), a copy by
+    clone(); vLLM's fields specbatch lacks build at their defaults (a script passing
+    detokenize=True, best_of=None) and are a ValueError naming them when set; an unknown
+    attribute is an AttributeError, not a field silently added."""
+    from specbatch import SamplingParams
+
+    sp = SamplingParams(max_tokens=4, best_of=None, detokenize=True, spaces_between_special_tokens=True,
+                        logits_processors=None, truncate_prompt_tokens=None, bad_words=None, allowed_token_ids=None,
+                        structured_outputs=None, guided_decoding=None, output_kind=None, extra_args=None,
+                        flat_logprobs=False, skip_clone=False, skip_reading_prefix_cache=None)
+    assert sp == SamplingParams(max_tokens=4)
+    copy = sp.clone()
+    sp.stop, sp.stop_token_ids, sp.logit_bias, sp.n, sp.detokenize = "x", [7], {5: 1}, 2, True
+    assert (sp.stop, sp.stop_token_ids, sp.logit_bias, sp.n) == (("x",), (7,), ((5, 1.0),), 2)
+    assert copy == SamplingParams(max_tokens=4) != sp
+    assert SamplingParams(n=3, best_of=3).n == 3
+    for make, message in (
+            (lambda: SamplingParams(bad_words=["x"]), r"^SamplingParams: 'bad_words': not supported by specbatch yet"),
+            (lambda: SamplingParams(n=2, best_of=3), r"^SamplingParams: 'best_of': .*set it to n \(2\)"),
+            (lambda: setattr(sp, "detokenize", False), r"^SamplingParams: 'detokenize': not supported .* default true"),
+            (lambda: SamplingParams(output_kind=2), r"^SamplingParams: 'output_kind': a vLLM sampling field")):
+        with pytest.raises(ValueError, match=message):
+            make()
+    with pytest.raises(AttributeError, match=r"no field 'max_new_tokens' \(did you mean 'max_tokens'\?\)"):
+        sp.max_new_tokens = 5
+    with pytest.raises(TypeError):
+        SamplingParams(nucleus=0.9)
+    with pytest.raises(TypeError):                  # mutable: no hash by value
+        hash(sp)
+
+
 def test_sampling_params_take_keywords_only():
     """vLLM's first positional field is n: SamplingParams(4) there is 4 completions of 16 tokens."""
     from specbatch import SamplingParams

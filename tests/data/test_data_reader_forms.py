@@ -103,6 +103,11 @@ def test_a_ray_data_llm_dataset_reads_as_there(tmp_path):
     assert err({"prompt": "p", "sampling_params": [0.7]}).endswith(
         "field 'sampling_params': expected an object of sampling fields, got [0.7]")
     assert "field 'sampling_params.top_p'" in err({"prompt": "p", "sampling_params": {"top_p": 3}})
+    # vLLM's fields a row has no field for: at their defaults (a SamplingParams dumped whole) nothing asked
+    vllm_defaults = {"max_tokens": 3, "flat_logprobs": False, "output_kind": None, "skip_clone": False}
+    assert parse({"prompt": "p", "sampling_params": vllm_defaults}).overrides == {"max_tokens": 3}
+    assert err({"prompt": "p", "sampling_params": {"flat_logprobs": True}}).endswith(
+        "field 'sampling_params.flat_logprobs': a vLLM sampling field specbatch does not support yet; remove it")
     assert "'tokenized_prompt': expected a non-empty list" in err({"tokenized_prompt": []})
     # Ray's tokenize stage adds tokenized_prompt beside the prompt it came from: the prompt reads
     both = parse({"prompt": "p", "tokenized_prompt": [1], "sampling_params": {"n": 2}})
