@@ -15,6 +15,7 @@ from typing import Any, Union
 
 from .data import RowError, RowRequest, parse_row
 from .params import DEFAULT_LOGPROBS_MODE, FALLBACK, MODEL_DEFAULT_KEYS, SamplingParams
+from .prompts import PromptError, encode_row, render_chat
 from .recipe import Recipe, RecipeError, load_recipe
 from .request_output import CompletionOutput, outputs
 from .resolve import describe_draft, resolve_model, spec_config
@@ -64,6 +65,36 @@ class Completion:
     @property
     def finished(self) -> bool:
         return True                         # generate() returns finished prompts only
+
+    @property
+    def request_id(self) -> str:
+        return str(self.index)              # (vLLM's counts requests; in one call they sort alike)
+
+    @property
+    def prompt(self) -> str | None:
+        """The prompt's text (vLLM's RequestOutput.prompt): as given, a chat as its template rendered
+        it; None for token ids (as vLLM's) or a prompt whose fields could not be read."""
+        return self._prompt()[0]
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        """The prompt's token ids as the model read them; None where they could not be made."""
+        return self._prompt()[1]
+
+    def _prompt(self) -> tuple[str | None, list[int] | None]:
+        # Made when first read (a script that never reads them pays nothing); generate() attaches
+        # the row and tokenizer as `_source`.
+        if "_prompt_cache" not in self.__dict__:
+            row, tokenizer, vocab = getattr(self, "_source", (None, None, 0))
+            text = ids = None
+            if isinstance(row, RowRequest):
+                try:
+                    text = render_chat(tokenizer, row) if row.messages is not None else row.prompt
+                    ids = encode_row(tokenizer, row, vocab)
+                except PromptError:
+                    pass
+            self.__dict__["_prompt_cache"] = (text, ids)
+        return self.__dict__["_prompt_cache"]
 
 
 def _row(prompt: Prompt, index: int) -> RowRequest | RowError:
@@ -368,6 +399,8 @@ class LLM:
         self.calls += 1
         records = self._records(rows, params, call=self.calls - 1)
         out = [Completion.from_record(rec) for rec in _with_progress(records, len(rows), use_tqdm)]
+        for c in out:
+            c._source = (rows[c.index], self.engine.tokenizer, self.engine.cfg.vocab_size)
         return sorted(out, key=lambda c: c.index)
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],

@@ -89,6 +89,21 @@ def _encode(tokenizer: Any, text: str, where: str, limit: int | None, **kw: Any)
     return list(tokenizer(text, **kw)["input_ids"])
 
 
+def render_chat(tokenizer: Any, row: Any) -> str:
+    """A `messages` row's prompt text: the model's chat template with the row's chat options (the
+    generation prompt unless it says otherwise)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError(f"{row.place}: field 'messages': the model's tokenizer has no chat "
+                          "template; give a 'prompt' instead")
+    try:
+        opts = dict(getattr(row, "chat", None) or {})
+        kwargs = opts.pop("chat_template_kwargs", {})
+        opts.setdefault("add_generation_prompt", True)
+        return tokenizer.apply_chat_template(row.messages, tokenize=False, **opts, **kwargs)
+    except Exception as e:
+        raise PromptError(f"{row.place}: field 'messages': chat template failed ({exception_line(e)})") from None
+
+
 def encode_row(tokenizer: Any, row: Any, vocab_size: int, max_tokens_allowed: int | None = None) -> list[int]:
     """`prompt` as tokenizer(prompt) does (default special tokens), `messages` through the chat
     template with the generation prompt, `prompt_token_ids` as given.
@@ -113,19 +128,8 @@ def encode_row(tokenizer: Any, row: Any, vocab_size: int, max_tokens_allowed: in
                               "hold (the model's limit, --max-model-len, or what the KV pool holds)")
     try:
         if row.messages is not None:
-            if not getattr(tokenizer, "chat_template", None):
-                raise PromptError(f"{where}: field 'messages': the model's tokenizer has no chat "
-                                  "template; give a 'prompt' instead")
-            try:
-                opts = dict(getattr(row, "chat", None) or {})
-                kwargs = opts.pop("chat_template_kwargs", {})
-                opts.setdefault("add_generation_prompt", True)
-                text = tokenizer.apply_chat_template(row.messages, tokenize=False, **opts, **kwargs)
-            except Exception as e:
-                raise PromptError(f"{where}: field 'messages': chat template failed "
-                                  f"({exception_line(e)})") from None
             # The template writes any BOS itself.
-            ids = _encode(tokenizer, text, where, limit, add_special_tokens=False)
+            ids = _encode(tokenizer, render_chat(tokenizer, row), where, limit, add_special_tokens=False)
         else:
             ids = _encode(tokenizer, row.prompt, where, limit)
     except PromptError:

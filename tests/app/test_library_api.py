@@ -446,7 +446,8 @@ def test_a_vllm_engine_argument_names_what_specbatch_has_instead(tiny_model):
 
 def test_a_completion_reads_as_vllms_request_output(llm):
     """A migrated script's o.outputs[0].text, .token_ids, .finish_reason, .stop_reason,
-    .cumulative_logprob and .logprobs[i][token_id].logprob run unchanged; llm.get_tokenizer() too."""
+    .cumulative_logprob and .logprobs[i][token_id].logprob run unchanged, o.prompt,
+    o.prompt_token_ids and o.request_id too; llm.get_tokenizer() too."""
     from specbatch import SamplingParams
 
     one, bad, many = llm.generate(["def add(a, b):", "", "import os"],
@@ -472,6 +473,17 @@ def test_a_completion_reads_as_vllms_request_output(llm):
     assert llm.generate(["x"], {"max_tokens": 2}, use_tqdm=False)[0].outputs[0].cumulative_logprob is None
     tok = llm.get_tokenizer()
     assert tok.decode(out.token_ids, skip_special_tokens=True).startswith(out.text)
+    # the prompt as the model read it: vLLM's basic example prints output.prompt beside the text
+    assert [c.request_id for c in (one, bad, many)] == ["0", "1", "2"]
+    assert (one.prompt, one.prompt_token_ids) == ("def add(a, b):", tok("def add(a, b):")["input_ids"])
+    assert len(one.prompt_token_ids) == one.prompt_tokens and (bad.prompt, bad.prompt_token_ids) == (None, None)
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    (chat,) = llm.chat(conv, {"max_tokens": 2}, use_tqdm=False)
+    assert chat.prompt == tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert chat.prompt_token_ids == tok(chat.prompt, add_special_tokens=False)["input_ids"]
+    assert len(chat.prompt_token_ids) == chat.prompt_tokens
+    (ids,) = llm.generate([[5, 6, 7]], {"max_tokens": 2}, use_tqdm=False)
+    assert (ids.prompt, ids.prompt_token_ids) == (None, [5, 6, 7])
 
 
 def test_vllms_other_arguments_at_their_defaults_run_and_set_are_refused_by_name():
