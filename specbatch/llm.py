@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from .data import RowError, RowRequest, parse_row
+from .engine_args import engine_args
 from .params import DEFAULT_LOGPROBS_MODE, FALLBACK, MODEL_DEFAULT_KEYS, SamplingParams
 from .prompts import PromptError, encode_row, render_chat
 from .recipe import Recipe, RecipeError, load_recipe
@@ -240,6 +241,8 @@ class LLM:
                  **overrides: Any):
         from .engine import Engine, EngineOptions      # torch is imported here, not at package import
 
+        overrides = engine_args(overrides, eager)
+        eager = overrides.pop("eager", eager)
         base = recipe if isinstance(recipe, Recipe) else load_recipe(str(recipe))
         try:
             self.recipe = base.with_overrides(model=None if model is None else str(model),

@@ -52,6 +52,7 @@ from typing import Any
 import pyarrow as pa
 
 from .data.fields import BadField, check_token_ids, sampling_params_fields
+from .engine_args import engine_args
 from .records import LOGPROBS_TYPE, PROMPT_LOGPROBS_TYPE
 from .row_notes import GreedyByDefault
 
@@ -301,6 +302,7 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
     """A `Dataset -> Dataset` function: preprocess rows, generate on `concurrency` actors, postprocess."""
     import ray.data
 
+    engine_args(config.engine_kwargs, say=False)      # a value no engine takes: refused now, not in each actor
     kwargs = {k: v for k, v in asdict(config).items() if k in (
         "model_source", "recipe", "draft", "engine_kwargs", "apply_chat_template", "should_continue_on_error")}
     num_gpus = config.num_gpus

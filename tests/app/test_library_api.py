@@ -435,13 +435,31 @@ def test_bad_sampling_params_are_a_value_error_naming_the_field_and_prompt(tiny_
     assert llm.generate(["hi"], at_defaults, use_tqdm=False)[0].error is None
 
 
-def test_a_vllm_engine_argument_names_what_specbatch_has_instead(tiny_model):
+def test_vllms_engine_arguments_run_as_specbatchs_or_name_what_it_has_instead(tiny_model, capsys):
+    """A migrated script's LLM(model, tensor_parallel_size=1, trust_remote_code=True,
+    max_num_seqs=..., enforce_eager=True, ...) runs: the arguments with a setting here become it,
+    those asking for nothing else are taken, speed knobs specbatch sets its own way are said; a
+    value it cannot honour is a ValueError naming it, and a vLLM argument with no reading here
+    names what specbatch has instead."""
     from specbatch.llm import LLM
     from specbatch.recipe import RecipeError
 
-    with pytest.raises(RecipeError, match=r"^LLM\(\.\.\.\): unknown key 'max_num_seqs' .*vLLM's max_num_seqs is, "
-                                          r"here, batch_size"):
-        LLM(tiny_model, device="cpu", max_num_seqs=8)
+    llm = LLM(tiny_model, device="cpu", tensor_parallel_size=1, trust_remote_code=True, max_num_seqs=3,
+              enforce_eager=True, disable_log_stats=True, enable_chunked_prefill=True, kv_cache_dtype="auto",
+              max_num_batched_tokens=4096)
+    assert llm.recipe.batch_size == 3 and llm.engine.graphs is None
+    assert "LLM(max_num_batched_tokens=4096) is vLLM's and is not used: prefill packs" in capsys.readouterr().err
+    assert llm.generate(["hi"], {"max_tokens": 2}, use_tqdm=False)[0].error is None
+    for kw, message in (({"tensor_parallel_size": 2}, r"^LLM\(tensor_parallel_size=2\): specbatch runs one engine per "
+                                                       r"GPU, without tensor or pipeline parallelism"),
+                        ({"kv_cache_dtype": "fp8"}, r"^LLM\(kv_cache_dtype='fp8'\): not supported: the KV cache holds"),
+                        ({"max_num_seqs": 4, "batch_size": 8}, r"^LLM\(max_num_seqs=4\) and LLM\(batch_size=8\) "
+                                                                r"disagree: max_num_seqs is vLLM's name for batch_size")):
+        with pytest.raises(ValueError, match=message):
+            LLM(tiny_model, device="cpu", **kw)
+    with pytest.raises(RecipeError, match=r"^LLM\(\.\.\.\): unknown key 'speculative_config' .*vLLM's "
+                                          r"speculative_config is, here, the recipe"):
+        LLM(tiny_model, device="cpu", speculative_config={"method": "eagle3"})
 
 
 def test_a_completion_reads_as_vllms_request_output(llm):

@@ -354,3 +354,18 @@ def test_the_run_seed_in_engine_kwargs_reaches_unseeded_rows(lenient):
     assert ours != theirs
     seeded = [{**r, "sampling_params": {**r["sampling_params"], "seed": 3}} for r in rows]   # a row's own seed wins
     assert _call(lenient, seeded).column("generated_tokens") == _call(other, seeded).column("generated_tokens")
+
+
+def test_vllms_engine_kwargs_run_and_a_value_no_engine_takes_is_refused_before_the_actors_start():
+    """Ray Data LLM's examples pass vLLM engine_kwargs (max_num_seqs, enable_chunked_prefill,
+    max_num_batched_tokens, tensor_parallel_size=1): they run as LLM(...) reads them; a value no
+    engine here can take fails build_processor at once, not each actor as it starts."""
+    from specbatch.ray import ProcessorConfig, build_processor
+
+    pred = SpecbatchPredictor(engine_kwargs={"device": "cpu", "max_num_seqs": 2, "enable_chunked_prefill": True,
+                                             "max_num_batched_tokens": 4096, "tensor_parallel_size": 1})
+    assert pred.llm.recipe.batch_size == 2
+    out = _call(pred, [{"prompt": "def f(x):", "sampling_params": {"max_tokens": 3}}])
+    assert out.column("num_generated_tokens").to_pylist() == [3]
+    with pytest.raises(ValueError, match=r"^LLM\(tensor_parallel_size=4\): specbatch runs one engine per GPU"):
+        build_processor(ProcessorConfig(engine_kwargs={"device": "cpu", "tensor_parallel_size": 4}))

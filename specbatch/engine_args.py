@@ -1,0 +1,77 @@
+"""vLLM's engine arguments as `LLM(...)` (and Ray's `engine_kwargs`) read them, so that a migrated
+script's first line runs: one with a specbatch setting of its own becomes that setting
+(max_num_seqs -> batch_size, enforce_eager -> eager); one that asks for nothing specbatch does
+differently at the value given is taken (tensor_parallel_size=1, trust_remote_code); one that
+tunes what specbatch does its own way is taken with a warning saying so; any other value is a
+ValueError naming what specbatch has instead. Torch-free."""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+# name -> the specbatch keyword it is
+RENAMED = {"max_num_seqs": "batch_size", "enforce_eager": "eager"}
+
+
+def _one(v: Any) -> bool:
+    return v in (None, 1)
+
+
+def _any_bool(v: Any) -> bool:
+    return v is None or isinstance(v, bool)
+
+
+_ONE_ENGINE = ("specbatch runs one engine per GPU, without tensor or pipeline parallelism: leave it 1 and use "
+               "--gpus or Ray's concurrency")
+# name -> (whether the value given asks for nothing specbatch does not do, what another value is told)
+TAKEN: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tensor_parallel_size": (_one, _ONE_ENGINE),
+    "pipeline_parallel_size": (_one, _ONE_ENGINE),
+    "data_parallel_size": (_one, _ONE_ENGINE),
+    # permission to run a model repository's own code: specbatch runs none (its model code ships with it)
+    "trust_remote_code": (_any_bool, "expected true or false"),
+    "disable_log_stats": (_any_bool, "expected true or false"),
+    "enable_chunked_prefill": (_any_bool, "expected true or false (prompts are always prefilled in chunks here)"),
+    "kv_cache_dtype": (lambda v: v in (None, "auto"), "not supported: the KV cache holds the model's dtype (expected "
+                                                      "'auto')"),
+    "tokenizer_mode": (lambda v: v in (None, "auto"), "not supported: the model directory's tokenizer is used "
+                                                      "(expected 'auto')"),
+    "load_format": (lambda v: v in (None, "auto", "safetensors"), "not supported: the model directory's safetensors "
+                                                                   "are read (expected 'auto')"),
+    "quantization": (lambda v: v is None, "not supported yet: no quantised weights (expected null)"),
+    "revision": (lambda v: v is None, "not supported: the model is a local directory (expected null)"),
+    "tokenizer_revision": (lambda v: v is None, "not supported: the model is a local directory (expected null)"),
+}
+
+# name -> what specbatch does instead: taken, and said (they tune speed or memory, not results)
+TUNED = {
+    "max_num_batched_tokens": "prefill packs up to 8,192 prompt tokens a forward",
+    "swap_space": "a preempted sequence is recomputed, not swapped to CPU memory",
+}
+
+
+def engine_args(given: Mapping[str, Any], eager: bool | None = None, say: bool = True) -> dict[str, Any]:
+    """`given` (LLM's keywords) with vLLM's engine arguments read as above; a renamed one must agree
+    with specbatch's own keyword if that is given too (`eager`: LLM's eager, when not in `given`).
+    `say`: print the TUNED warnings (a check made before the engines start says nothing)."""
+    own = {"batch_size": given.get("batch_size"), "eager": given.get("eager", eager) or None}
+    out: dict[str, Any] = {}
+    for key, value in given.items():
+        if key in RENAMED:
+            ours = RENAMED[key]
+            if own.get(ours) is not None and value is not None and own[ours] != value:
+                raise ValueError(f"LLM({key}={value!r}) and LLM({ours}={own[ours]!r}) disagree: {key} is vLLM's "
+                                 f"name for {ours}; give one")
+            if value is not None:
+                out[ours] = value
+        elif key in TAKEN:
+            ok, instead = TAKEN[key]
+            if not ok(value):
+                raise ValueError(f"LLM({key}={value!r}): {instead}")
+        elif key in TUNED:
+            if value is not None and say:
+                print(f"warning: LLM({key}={value!r}) is vLLM's and is not used: {TUNED[key]}", file=sys.stderr)
+        else:
+            out[key] = value
+    return out
