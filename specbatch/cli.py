@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import algorithms
+from .engine_args import engine_args
 from .progress import ProgressView, print_summary           # torch-free: the help strings that name algorithms and drafters
 
 if TYPE_CHECKING:
@@ -104,12 +105,13 @@ def _check_stats_path(path: str) -> None:
 
 @app.command()
 def run(
-    input: str = typer.Argument(..., help="Input rows: a .jsonl (or .jsonl.gz, .zst, .bz2, .lz4) or .parquet file, a directory of them (a dataset's files, read in path order), or - for JSONL on stdin."),
+    input: Optional[str] = typer.Argument(None, show_default=False, help="Input rows: a .jsonl (or .jsonl.gz, .zst, .bz2, .lz4) or .parquet file, a directory of them (a dataset's files, read in path order), or - for JSONL on stdin (or -i, as vllm run-batch takes it)."),
+    input_file: Optional[str] = typer.Option(None, "--input-file", "-i", help="The input, as vllm run-batch's -i (or give it as INPUT)."),
     recipe: str = typer.Option("vanilla", "--recipe", "-r", help="Builtin recipe name or a recipe .yaml path."),
     model: Optional[str] = typer.Option(None, help="HF model directory (default: the recipe's model)."),
     draft: Optional[str] = typer.Option(None, help=algorithms.draft_help("run")),
-    output: Optional[str] = typer.Option(None, "--output", "-o", help="Output .parquet or .jsonl, or - for JSONL on stdout (default: beside the input, data.jsonl -> data.completions.parquet; stdin: completions.parquet)."),
-    batch_size: Optional[int] = typer.Option(None, help="Scheduler slots (sequences decoded together)."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", "--output-file", help="Output .parquet or .jsonl, or - for JSONL on stdout (default: beside the input, data.jsonl -> data.completions.parquet; stdin: completions.parquet)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", "--max-num-seqs", help="Scheduler slots (sequences decoded together; vLLM's --max-num-seqs)."),
     max_tokens: Optional[int] = typer.Option(None, help="Completion length limit of rows that set none (default: the recipe's, else the model's max_new_tokens, else 256; OpenAI /v1/completions lines 16, /v1/chat/completions lines the model's max_new_tokens, else up to the context)."),
     temperature: Optional[float] = typer.Option(None, help="Default temperature (0 = greedy)."),
     top_p: Optional[float] = typer.Option(None, help="Default nucleus sampling mass."),
@@ -141,7 +143,7 @@ def run(
     save_token_ids: bool = typer.Option(False, "--save-token-ids", help="Add output_token_ids to each output row."),
     output_format: str = typer.Option("auto", help="native | openai (OpenAI Batch output lines, JSONL) | auto: openai for OpenAI batch input written to .jsonl."),
     bucket: int = typer.Option(0, min=0, help="Length-bucketing window: admit similar prompt lengths together (0 = none: the largest max_tokens first among the rows read ahead)."),
-    eager: bool = typer.Option(False, "--eager", help="No CUDA graphs: run every cycle eagerly (the reference path)."),
+    eager: bool = typer.Option(False, "--eager", "--enforce-eager", help="No CUDA graphs: run every cycle eagerly (the reference path; vLLM's --enforce-eager)."),
     logprobs_mode: str = typer.Option("raw_logprobs", help="What logprobs hold (vLLM's --logprobs-mode): raw_logprobs (the model's distribution, default), processed_logprobs (the one each token was drawn from: after bias, penalties, temperature and filters), raw_logits or processed_logits."),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Prompts that begin alike share the KV pages of their common prefix, and prefill skips it (default; the same outputs, up to the rounding batching already varies)."),
     stats_json: Optional[str] = typer.Option(None, help="Also write the run summary as JSON to this path."),
@@ -149,6 +151,16 @@ def run(
     overwrite: bool = typer.Option(False, "--overwrite", help="Discard an existing specbatch output or unfinished parts instead of resuming."),
     progress_every: float = typer.Option(30.0, min=0.1, help="Seconds between progress lines when stderr is not a terminal (a scheduler's log)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Errors and warnings only: no progress, no summary."),
+    # vllm run-batch's engine flags, read as LLM(...) reads them (engine_args.py): not in --help
+    tensor_parallel_size: Optional[int] = typer.Option(None, hidden=True),
+    pipeline_parallel_size: Optional[int] = typer.Option(None, hidden=True),
+    trust_remote_code: Optional[bool] = typer.Option(None, "--trust-remote-code", hidden=True),
+    disable_log_stats: Optional[bool] = typer.Option(None, "--disable-log-stats", hidden=True),
+    disable_log_requests: Optional[bool] = typer.Option(None, "--disable-log-requests", hidden=True),
+    enable_chunked_prefill: Optional[bool] = typer.Option(None, "--enable-chunked-prefill", hidden=True),
+    kv_cache_dtype: Optional[str] = typer.Option(None, hidden=True),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, hidden=True),
+    swap_space: Optional[float] = typer.Option(None, hidden=True),
 ) -> None:
     """Generate a completion for every row of INPUT. Rerunning the same command resumes."""
     import signal
@@ -162,6 +174,18 @@ def run(
 
     if os.environ.get(RESTART_ENV):          # started again after a device failure: resume what it wrote
         overwrite = False
+    if (input is None) == (input_file is None):
+        _fail("give the input once: as INPUT or as -i/--input-file" if input else
+              "missing the input: INPUT (or -i/--input-file), a .jsonl or .parquet file, a directory of them, or -")
+    input = input if input is not None else input_file
+    vllm = dict(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                trust_remote_code=trust_remote_code, disable_log_stats=disable_log_stats or disable_log_requests,
+                enable_chunked_prefill=enable_chunked_prefill, kv_cache_dtype=kv_cache_dtype,
+                max_num_batched_tokens=max_num_batched_tokens, swap_space=swap_space)
+    try:
+        engine_args({k: v for k, v in vllm.items() if v is not None}, spell=_flag)
+    except ValueError as e:
+        _fail(str(e))
     overrides = dict(model=model, draft=draft, batch_size=batch_size, max_tokens=max_tokens,
                      temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                      stop=list(stop) if stop else None, ignore_eos=ignore_eos, dtype=dtype,
@@ -236,6 +260,11 @@ def run(
         _fail(f"terminated (SIGTERM); {_kept(view, output)}", 143)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _flag(key: str, value: Any) -> str:
+    """A vLLM engine argument as its run-batch flag reads."""
+    return f"--{key.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
 
 
 def _write_stats(path: str, summary: dict) -> None:

@@ -51,27 +51,33 @@ TUNED = {
 }
 
 
-def engine_args(given: Mapping[str, Any], eager: bool | None = None, say: bool = True) -> dict[str, Any]:
+def _keyword(key: str, value: Any) -> str:
+    return f"LLM({key}={value!r})"
+
+
+def engine_args(given: Mapping[str, Any], eager: bool | None = None, say: bool = True,
+                spell: Callable[[str, Any], str] = _keyword) -> dict[str, Any]:
     """`given` (LLM's keywords) with vLLM's engine arguments read as above; a renamed one must agree
     with specbatch's own keyword if that is given too (`eager`: LLM's eager, when not in `given`).
-    `say`: print the TUNED warnings (a check made before the engines start says nothing)."""
+    `say`: print the TUNED warnings (a check made before the engines start says nothing); `spell`:
+    how messages name an argument and its value (the CLI's flags)."""
     own = {"batch_size": given.get("batch_size"), "eager": given.get("eager", eager) or None}
     out: dict[str, Any] = {}
     for key, value in given.items():
         if key in RENAMED:
             ours = RENAMED[key]
             if own.get(ours) is not None and value is not None and own[ours] != value:
-                raise ValueError(f"LLM({key}={value!r}) and LLM({ours}={own[ours]!r}) disagree: {key} is vLLM's "
+                raise ValueError(f"{spell(key, value)} and {spell(ours, own[ours])} disagree: {key} is vLLM's "
                                  f"name for {ours}; give one")
             if value is not None:
                 out[ours] = value
         elif key in TAKEN:
             ok, instead = TAKEN[key]
             if not ok(value):
-                raise ValueError(f"LLM({key}={value!r}): {instead}")
+                raise ValueError(f"{spell(key, value)}: {instead}")
         elif key in TUNED:
             if value is not None and say:
-                print(f"warning: LLM({key}={value!r}) is vLLM's and is not used: {TUNED[key]}", file=sys.stderr)
+                print(f"warning: {spell(key, value)} is vLLM's and is not used: {TUNED[key]}", file=sys.stderr)
         else:
             out[key] = value
     return out

@@ -366,3 +366,31 @@ def test_an_input_unreadable_midway_keeps_the_finished_rows_and_says_so(tiny_mod
     parts = [os.path.join(str(out) + ".parts", p) for p in os.listdir(str(out) + ".parts") if p.startswith("part-")]
     rows = sorted(r for p in parts for r in pq.read_table(p, columns=["row"]).column("row").to_pylist())
     assert rows and set(rows) <= set(range(N))          # (rows in flight when the read failed run again)
+
+
+def test_a_vllm_run_batch_command_line_runs(tiny_model, tmp_path):
+    """`vllm run-batch -i IN -o OUT --model M` with its engine flags runs as written: -i and
+    --output-file name the files, --max-num-seqs and --enforce-eager are ours under vLLM's names,
+    flags asking for nothing else run, a speed knob set its own way here is said, a value no
+    engine here can take is one line naming the flag."""
+    src = tmp_path / "batch.jsonl"
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "m", "prompt": p, "max_tokens": 3, "temperature": 0}} for i, p in enumerate(PROMPTS[:3])]
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "results.jsonl"
+    r = ok("run", "-i", src, "--output-file", out, "--model", tiny_model, "--device", "cpu", "--max-num-seqs", 2,
+           "--enforce-eager", "--tensor-parallel-size", 1, "--trust-remote-code", "--disable-log-requests",
+           "--enable-chunked-prefill", "--max-num-batched-tokens", 4096, "-q")
+    assert "--max-num-batched-tokens 4096 is vLLM's and is not used" in r.output
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["custom_id"] for x in got] == ["r0", "r1", "r2"] and all(x["error"] is None for x in got)
+    same = tmp_path / "same.jsonl"
+    ok("run", src, "-o", same, "--model", tiny_model, "--device", "cpu", "--batch-size", 2, "--eager", "-q")
+    texts = [[c["text"] for c in json.loads(x)["response"]["body"]["choices"]] for x in same.read_text().splitlines()]
+    assert texts == [[c["text"] for c in x["response"]["body"]["choices"]] for x in got]
+    for flags, expected in ((["--tensor-parallel-size", 2], "--tensor-parallel-size 2: specbatch runs one engine per "
+                                                              "GPU, without tensor or pipeline parallelism"),
+                            (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported: the KV cache holds")):
+        line = one_line_cli_error(cli("run", "-i", src, "-o", tmp_path / "x.jsonl", "--model", tiny_model,
+                                      "--device", "cpu", *flags), 2)
+        assert line == f"error: {expected}" or line.startswith(f"error: {expected}"), line
