@@ -5,6 +5,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from .chat_template import template_messages
 from .models.config import ModelError
 
 
@@ -97,9 +98,9 @@ def render_chat(tokenizer: Any, row: Any) -> str:
                           "template; give a 'prompt' instead")
     try:
         opts = dict(getattr(row, "chat", None) or {})
-        kwargs = opts.pop("chat_template_kwargs", {})
-        opts.setdefault("add_generation_prompt", True)
-        return tokenizer.apply_chat_template(row.messages, tokenize=False, **opts, **kwargs)
+        opts = {"add_generation_prompt": True, **opts, **opts.pop("chat_template_kwargs", {})}   # (vLLM's order)
+        template = tokenizer.get_chat_template() if hasattr(tokenizer, "get_chat_template") else tokenizer.chat_template
+        return tokenizer.apply_chat_template(template_messages(row.messages, template), tokenize=False, **opts)
     except Exception as e:
         raise PromptError(f"{row.place}: field 'messages': chat template failed ({exception_line(e)})") from None
 
@@ -121,7 +122,8 @@ def encode_row(tokenizer: Any, row: Any, vocab_size: int, max_tokens_allowed: in
         return ids
     limit = max_tokens_allowed
     if limit is not None:
-        texts = [m["content"] or "" for m in row.messages] if row.messages is not None else [row.prompt]
+        texts = [t for m in row.messages for t in ([m["content"]] if isinstance(m["content"], str) else m["content"])] \
+            if row.messages is not None else [row.prompt]
         nbytes = sum(_utf8_len(t) for t in texts)
         if nbytes > limit * max_bytes_per_token(tokenizer):
             raise PromptError(f"{where}: prompt has {nbytes} bytes, more than a context of {limit} tokens can "

@@ -54,7 +54,7 @@ import pyarrow as pa
 from .data.fields import BadField, check_token_ids, sampling_params_fields
 from .engine_args import engine_args
 from .records import LOGPROBS_TYPE, PROMPT_LOGPROBS_TYPE
-from .row_notes import GreedyByDefault
+from .row_notes import GreedyByDefault, UnreadFields
 
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
                   "time_taken_llm", "finish_reason", "spec_verify_steps", "spec_accepted_tokens",
@@ -133,6 +133,7 @@ class SpecbatchPredictor:
         self.apply_chat_template = apply_chat_template
         self.continue_on_error = should_continue_on_error
         self.greedy = GreedyByDefault(self.llm.recipe.sampling, eng.model_defaults)
+        self.unread = UnreadFields()             # (a message role no template may know)
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future, dict]] = {}
         self.lock = threading.Lock()
@@ -184,6 +185,7 @@ class SpecbatchPredictor:
             return RowError(i, i, f"{where}: {e}")
         req = parse_row(obj, row=i, where=where)
         self.greedy.check(req)                  # (before a seed of its own is derived: not the row's sign)
+        self.unread.check(req)
         if isinstance(req, RowRequest) and req.overrides.get("seed") is None:
             key = _content_key(row, self.llm.recipe.sampling.seed)
             req.overrides = {**req.overrides, "seed": _content_seed(key, seen[key])}

@@ -39,13 +39,24 @@ class UnreadFields:
     meant, so a typo does not quietly run every row greedy or at the default length."""
 
     SAID_AT_MOST = 3
+    ROLES = ("system", "developer", "user", "assistant", "tool", "function")    # OpenAI's
 
     def __init__(self, how_to_keep: str = ""):
         """`how_to_keep`: how to mark such a key as data, for the warning (a flag, or nothing)."""
         self.how_to_keep = how_to_keep
         self.seen: set[str] = set()
+        self.roles: set[str] = set()
 
     def check(self, row: Any) -> None:
+        for m in getattr(row, "messages", None) or ():
+            # vLLM hands a template any role; many drop a turn whose role they do not know (a
+            # ShareGPT 'human'), so the prompt loses it without a word
+            role = m["role"]
+            if role not in self.ROLES and role not in self.roles and len(self.roles) <= self.SAID_AT_MOST:
+                self.roles.add(role)
+                print(f"warning: {row.place}: a message's role is {role!r}, not one of OpenAI's "
+                      f"({', '.join(self.ROLES)}): the chat template decides what it makes of such a turn, and many leave it out; rename the role "
+                      "if it means one of them (said once a role)", file=sys.stderr)
         for key, meant in getattr(row, "unread", ()):
             if key in self.seen or len(self.seen) > self.SAID_AT_MOST:
                 continue

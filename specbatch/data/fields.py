@@ -144,8 +144,9 @@ INERT_BODY_FIELDS = frozenset({
 # tokenizer's apply_chat_template: name -> its default.
 CHAT_OPTIONS = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": None}
 # (and add_special_tokens, which must be the endpoint's default: true for a prompt, false for a chat)
-_CHAT_RESERVED = ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-                  "return_dict", "chat_template", "tools", "documents")
+# apply_chat_template's own arguments a chat_template_kwargs may not set (add_generation_prompt and
+# continue_final_message it may: they win over the fields, as vLLM's server merges them)
+_CHAT_RESERVED = ("conversation", "messages", "tokenize", "return_dict", "chat_template", "tools", "documents")
 
 
 class BadField(Exception):
@@ -249,23 +250,41 @@ def check_prompt(value: object, name: str) -> str:
 MESSAGES_EXPECTED = "a non-empty list of {role, content} objects"
 
 
-def _content_text(content: object, name: str) -> str:
-    """A message's content: a string, or OpenAI's list of content parts, text parts only (their
-    texts joined with newlines, as vLLM gives a text-only chat template)."""
+# Content parts whose text vLLM reads, and the key holding it; any other part is media.
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+               "thinking": "thinking"}
+
+
+def _content(content: object, name: str) -> str | list[str]:
+    """A message's content as the chat template is handed it (chat_template.py): a string as
+    given, or OpenAI's list of content parts as their texts (text, input_text, output_text, refusal
+    and thinking parts, and bare strings, as vLLM reads them; a part whose text is null is skipped,
+    as vLLM skips it); null or absent content is no parts. A media part is an error: specbatch
+    runs text-only models."""
     if isinstance(content, str):
-        return content
-    if not isinstance(content, list) or not content:
-        raise bad(name, "a string or a non-empty list of text parts", content)
+        return check_unicode(content, name)
+    if content is None:
+        return []
+    if not isinstance(content, list):
+        raise bad(name, "a string or a list of text parts", content)
     texts = []
     for j, part in enumerate(content):
+        where = f"{name}[{j}]"
+        if isinstance(part, str):
+            texts.append(check_unicode(part, where))
+            continue
         if not isinstance(part, dict):
-            raise bad(f"{name}[{j}]", "a content part {type, text}", part)
-        if part.get("type") != "text":
-            raise bad(f"{name}[{j}].type", "'text' (specbatch runs text-only models)", part.get("type"))
-        if not isinstance(part.get("text"), str):
-            raise bad(f"{name}[{j}].text", "a string", part.get("text"))
-        texts.append(part["text"])
-    return "\n".join(texts)
+            raise bad(where, "a content part {type, text}", part)
+        key = _TEXT_PARTS.get(part.get("type"))  # type: ignore[arg-type]
+        if key is None:
+            raise bad(f"{where}.type", "a text part, 'text' (specbatch runs text-only models)", part.get("type"))
+        text = part.get(key)
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise bad(f"{where}.{key}", "a string", text)
+        texts.append(check_unicode(text, f"{where}.{key}"))
+    return texts
 
 
 def _tool_call(call: dict, name: str) -> dict:
@@ -301,8 +320,8 @@ def check_messages(value: object, name: str) -> list[dict]:
             raise bad(f"{name}[{i}].role", "a non-empty string", role)
         check_unicode(role, f"{name}[{i}].role")
         m: dict = {"role": role}
-        # What vLLM hands the chat template besides role and content (tool turns, named speakers);
-        # an assistant turn may have no content (one that only calls tools): "", as vLLM's text parsing gives.
+        # What vLLM hands the chat template besides role and content (tool turns, named speakers,
+        # an assistant turn's reasoning); a turn may have no content (one that only calls tools).
         for key in ("name", "tool_call_id"):
             if msg.get(key) is not None:
                 if not isinstance(msg[key], str):
@@ -314,10 +333,12 @@ def check_messages(value: object, name: str) -> list[dict]:
             if msg["tool_calls"]:              # vLLM: an empty list is dropped (the normal assistant path)
                 m["tool_calls"] = [_tool_call(c, f"{name}[{i}].tool_calls[{j}]")
                                    for j, c in enumerate(msg["tool_calls"])]
-        if content is None and (role == "assistant" or "tool_calls" in m):
-            m["content"] = ""                  # vLLM reads an assistant turn's null content as empty
-        else:
-            m["content"] = check_unicode(_content_text(content, f"{name}[{i}].content"), f"{name}[{i}].content")
+        m["content"] = _content(content, f"{name}[{i}].content")
+        reasoning = msg.get("reasoning")
+        if role == "assistant" and reasoning is not None:     # an earlier turn's thinking, for templates that
+            if not isinstance(reasoning, str):                 # render it (vLLM hands it under both names)
+                raise bad(f"{name}[{i}].reasoning", "a string", reasoning)
+            m["reasoning"] = m["reasoning_content"] = check_unicode(reasoning, f"{name}[{i}].reasoning")
         out.append(m)
     return out
 
@@ -358,17 +379,10 @@ def parse_overrides(src: dict, prefix: str, *, endpoint: str | None = None, exem
     out: dict = {}
     get = (lambda k: None if k in exempt else src.get(k)) if exempt else src.get
     max_tokens = None
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens"):     # the newer name wins, as vLLM's server reads them
         v = get(key)
-        if v is None:
-            continue
-        n = _int_in(v, prefix + key, 1, INT32_MAX, MAX_TOKENS_EXPECTED)
-        if max_tokens is not None and n != max_tokens:
-            raise BadField(
-                f"fields '{prefix}max_tokens' and '{prefix}max_completion_tokens' disagree "
-                f"({max_tokens} vs {n}); give one"
-            )
-        max_tokens = n
+        if v is not None:
+            max_tokens = _int_in(v, prefix + key, 1, INT32_MAX, MAX_TOKENS_EXPECTED)
     if max_tokens is not None:
         out["max_tokens"] = max_tokens
 
@@ -533,6 +547,9 @@ def parse_chat_options(src: dict, prefix: str, chat: bool, exempt: Sequence[str]
             if clash:
                 raise BadField(f"field '{prefix}{name}': '{clash[0]}' is not a template variable; set it as its "
                                "own field or remove it")
+            for option in ("add_generation_prompt", "continue_final_message"):
+                if option in v:
+                    _bool_field(v[option], f"{prefix}{name}.{option}")
             out[name] = dict(v)
         else:
             out[name] = _bool_field(v, prefix + name)
@@ -540,7 +557,9 @@ def parse_chat_options(src: dict, prefix: str, chat: bool, exempt: Sequence[str]
     if special is not None and special is not (not chat):
         raise BadField(f"field '{prefix}add_special_tokens': not supported by specbatch yet (got {show(special)}); "
                        f"remove it or set it to its default {'false (chat)' if chat else 'true (completions)'}")
-    if out.get("continue_final_message") and src.get("add_generation_prompt", True) is not False:
+    kwargs = out.get("chat_template_kwargs") or {}
+    if kwargs.get("continue_final_message", out.get("continue_final_message")) and \
+            kwargs.get("add_generation_prompt", src.get("add_generation_prompt", True)) is not False:
         raise BadField(f"field '{prefix}continue_final_message': true needs '{prefix}add_generation_prompt': "
                        "false (the final message is continued, not followed by a new turn)")
     return out

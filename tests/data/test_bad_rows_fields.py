@@ -155,23 +155,28 @@ def test_ids_keep_their_type(tmp_path):
 # ---- OpenAI content parts ---------------------------------------------------------------------
 
 
-def test_text_content_parts_are_joined_and_other_parts_named():
-    """OpenAI's content may be a list of parts: text parts join with newlines (vLLM's text-only
-    chat), any other part (an image) is a row error naming its type."""
+def test_text_content_parts_are_read_as_vllm_reads_them_and_other_parts_named():
+    """OpenAI's content may be a list of parts: their texts are kept (chat_template.py joins them
+    or hands them on as the template needs); text, input_text, output_text, refusal and thinking
+    parts and bare strings are text, a null text is skipped, as vLLM reads them; a media part (an
+    image) is a row error naming its type."""
     parts = [{"type": "text", "text": "def add(a, b):"}, {"type": "text", "text": "    return"}]
     row = parse({"messages": [{"role": "user", "content": parts}]})
     assert isinstance(row, RowRequest)
-    assert row.messages == [{"role": "user", "content": "def add(a, b):\n    return"}]
+    assert row.messages == [{"role": "user", "content": ["def add(a, b):", "    return"]}]
     batch = parse({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
                    "body": {"messages": [{"role": "user", "content": parts[:1]}]}})
-    assert batch.messages == [{"role": "user", "content": "def add(a, b):"}]
+    assert batch.messages == [{"role": "user", "content": ["def add(a, b):"]}]
+    kinds = [{"type": "input_text", "text": "a"}, "b", {"type": "output_text", "text": "c"},
+             {"type": "refusal", "refusal": "d"}, {"type": "thinking", "thinking": "e"}, {"type": "text", "text": None}]
+    assert parse({"messages": [{"role": "user", "content": kinds}]}).messages[0]["content"] == list("abcde")
     image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
-    assert "field 'messages[0].content[0].type': expected 'text' (specbatch runs text-only models), got " \
-           "\"image_url\"" in err({"messages": [{"role": "user", "content": image}]}).error
+    assert "field 'messages[0].content[0].type': expected a text part, 'text' (specbatch runs text-only models), " \
+           "got \"image_url\"" in err({"messages": [{"role": "user", "content": image}]}).error
     assert "field 'messages[0].content[0].text': expected a string" in \
-        err({"messages": [{"role": "user", "content": [{"type": "text"}]}]}).error
-    assert "field 'messages[0].content': expected a string or a non-empty list of text parts" in \
-        err({"messages": [{"role": "user", "content": []}]}).error
+        err({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}).error
+    assert "field 'messages[0].content': expected a string or a list of text parts" in \
+        err({"messages": [{"role": "user", "content": 5}]}).error
 
 
 def test_tool_turns_and_names_reach_the_template():
@@ -182,18 +187,18 @@ def test_tool_turns_and_names_reach_the_template():
                               {"role": "assistant", "content": None, "tool_calls": [call]},
                               {"role": "tool", "content": "2", "tool_call_id": "c1"}]})
     assert row.messages == [{"role": "user", "name": "ann", "content": "hi"},
-                            {"role": "assistant", "content": "",       # arguments parsed, as vLLM's
+                            {"role": "assistant", "content": [],       # arguments parsed, as vLLM's
                              "tool_calls": [{**call, "function": {"name": "add", "arguments": {"a": 1}}}]},
                             {"role": "tool", "tool_call_id": "c1", "content": "2"}]
-    assert "field 'messages[0].content': expected a string" in err({"messages": [{"role": "user"}]}).error
     assert "field 'messages[0].name': expected a string" in \
         err({"messages": [{"role": "user", "content": "x", "name": 3}]}).error
     assert "field 'messages[0].tool_calls': expected a list of objects" in \
         err({"messages": [{"role": "assistant", "content": None, "tool_calls": "add"}]}).error
 
 
-def test_an_assistant_turn_may_have_null_content():
-    row = parse({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
-                              {"role": "user", "content": "again"}]})
-    assert row.messages[1] == {"role": "assistant", "content": ""}
-    assert "field 'messages[0].content'" in err({"messages": [{"role": "user", "content": None}]}).error
+def test_null_or_absent_content_is_empty_as_vllm_reads_it():
+    """vLLM reads a turn's null (or absent, or empty-list) content as no parts: an empty text,
+    whatever the role (an assistant turn that only calls tools, a system turn left blank)."""
+    row = parse({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"},
+                              {"role": "assistant"}, {"role": "user", "content": []}]})
+    assert [m["content"] for m in row.messages] == [[], "hi", [], []]
