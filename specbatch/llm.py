@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Union
 
+from .chat_template import content_as_parts
 from .data import RowError, RowRequest, parse_row
 from .engine_args import engine_args
 from .params import DEFAULT_LOGPROBS_MODE, FALLBACK, MODEL_DEFAULT_KEYS, SamplingParams
@@ -208,14 +209,17 @@ _VLLM_ARGUMENTS = {
 }
 
 
-def _refuse_vllm_arguments(call: str, given: Mapping[str, Any]) -> None:
+def _refuse_vllm_arguments(call: str, given: Mapping[str, Any], template: str | None = None) -> None:
     """A vLLM argument at its default (None; priority all zeros; chat_template_content_format
-    'auto' or 'string', as specbatch reads content) is dropped; set, a ValueError naming it."""
+    'auto', or the form the model's `template` reads, which 'auto' picks) is dropped; set, a
+    ValueError naming it."""
     for key, value in given.items():
         if key == "chat_template_content_format":
-            if value not in ("auto", "string"):
-                raise ValueError(f"{call}(chat_template_content_format={value!r}): specbatch reads message content as "
-                                 "text (a string or text parts): 'auto' or 'string'")
+            reads = "openai" if template and content_as_parts(template) else "string"
+            if value not in ("auto", reads):
+                raise ValueError(f"{call}(chat_template_content_format={value!r}): this model's chat template reads "
+                                 f"message content as {reads!r} (the form 'auto' picks, as vLLM detects it); "
+                                 "specbatch hands the template that form only")
             continue
         if value is None or (key == "priority" and not any(value if isinstance(value, Sequence) else [value])):
             continue
@@ -416,9 +420,11 @@ class LLM:
         messages) or a list of them, each rendered by the model's chat template with these options
         (as a row's fields of the same names), then `generate`. lora_request, chat_template, tools
         and mm_processor_kwargs are taken at their defaults only."""
+        tok = self.engine.tokenizer
         _refuse_vllm_arguments("chat", {"lora_request": lora_request, "chat_template": chat_template,
                                         "chat_template_content_format": chat_template_content_format,
-                                        "tools": tools, **vllm})
+                                        "tools": tools, **vllm},
+                               tok.get_chat_template() if getattr(tok, "chat_template", None) else None)
         if continue_final_message and add_generation_prompt:       # the caller's, as vLLM raises it
             raise ValueError("chat(continue_final_message=True) needs add_generation_prompt=False: the final "
                              "message is continued, not followed by a new turn")

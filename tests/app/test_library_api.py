@@ -522,6 +522,9 @@ def test_vllms_other_arguments_at_their_defaults_run_and_set_are_refused_by_name
                       ({"mm_processor_kwargs": {"a": 1}}, "mm_processor_kwargs")):
         with pytest.raises(ValueError, match=rf"^chat\({named}=\.\.\.\): not supported by specbatch yet"):
             llm.chat(conv, sp, False, **kw)
+    with pytest.raises(ValueError, match=r"^chat\(chat_template_content_format='openai'\): this model's chat template "
+                       r"reads message content as 'string' \(the form 'auto' picks"):
+        llm.chat(conv, sp, False, chat_template_content_format="openai")
     with pytest.raises(ValueError, match="continue_final_message=True\\) needs add_generation_prompt=False"):
         llm.chat(conv, sp, False, continue_final_message=True)
     assert len(llm.chat(conv + [{"role": "assistant", "content": "he"}], sp, False, add_generation_prompt=False,
