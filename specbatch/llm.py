@@ -19,7 +19,7 @@ from .engine_args import engine_args
 from .params import DEFAULT_LOGPROBS_MODE, FALLBACK, MODEL_DEFAULT_KEYS, SamplingParams
 from .prompts import PromptError, encode_row, render_chat
 from .recipe import Recipe, RecipeError, load_recipe
-from .request_output import CompletionOutput, outputs
+from .request_output import CompletionOutput, Logprob, outputs, prompt_logprobs
 from .resolve import describe_draft, resolve_model, spec_config
 from .row_notes import GreedyByDefault, UnreadFields
 
@@ -42,7 +42,6 @@ class Completion:
     spec: dict[str, Any] | None       # verify_steps, draft_tokens, accepted_tokens, accept_length, accept_histogram
     logprobs: list[dict[str, Any]] | None = None   # per token {token_id, token, logprob, top_logprobs}: rows that asked
     choices: list[dict[str, Any]] | None = None    # n > 1: every choice (index, completion, ..., logprobs)
-    prompt_logprobs: list[dict[str, Any] | None] | None = None   # per prompt token (None first): rows that asked
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it (None: EOS, length)
     record: dict[str, Any] = field(default_factory=dict, repr=False)   # every column (records.py), as a file row
 
@@ -52,11 +51,11 @@ class Completion:
                    token_ids=rec.get("output_token_ids"), prompt_tokens=rec.get("prompt_tokens", 0),
                    completion_tokens=rec.get("completion_tokens", 0), finish_reason=rec.get("finish_reason"),
                    error=rec.get("error"), spec=rec.get("spec"), logprobs=rec.get("logprobs"),
-                   choices=rec.get("choices"), prompt_logprobs=rec.get("prompt_logprobs"),
-                   stop_reason=rec.get("stop_reason"), record=dict(rec))
+                   choices=rec.get("choices"), stop_reason=rec.get("stop_reason"), record=dict(rec))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, prompt_logprobs in the output column's form."""
+        return {**asdict(self), "prompt_logprobs": self.record.get("prompt_logprobs")}
 
     # ---- read as vLLM's RequestOutput (a migrated script's o.outputs[0].text) ----
     @property
@@ -67,6 +66,13 @@ class Completion:
     @property
     def finished(self) -> bool:
         return True                         # generate() returns finished prompts only
+
+    @property
+    def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's RequestOutput.prompt_logprobs: None for the first prompt token, then per token
+        {token_id: Logprob} for it and its top alternatives (None: not asked). The output column's
+        form (token_id, token, logprob, rank, top_logprobs) is record["prompt_logprobs"]."""
+        return prompt_logprobs(self.record)
 
     @property
     def request_id(self) -> str:

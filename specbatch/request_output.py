@@ -1,6 +1,7 @@
 """A Completion read as vLLM's RequestOutput is read: `outputs[i]` with text, token_ids,
 finish_reason, stop_reason, cumulative_logprob and logprobs as vLLM's (one {token id: Logprob}
-per generated token), so a migrated `o.outputs[0].text` runs unchanged."""
+per generated token), and prompt_logprobs as vLLM's, so a migrated `o.outputs[0].text` or an
+lm-eval loglikelihood over `o.prompt_logprobs` runs unchanged."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -52,6 +53,23 @@ def _output(index: int, text: str | None, token_ids: Sequence[int] | None, logpr
     entries = _vllm_logprobs(logprobs)
     total = None if logprobs is None else float(sum(e["logprob"] for e in logprobs))
     return CompletionOutput(index, text or "", list(token_ids or ()), total, entries, finish_reason, stop_reason)
+
+
+def prompt_logprobs(record: Mapping[str, Any]) -> list[dict[int, Logprob] | None] | None:
+    """A record's prompt_logprobs column as vLLM's RequestOutput.prompt_logprobs: per prompt token
+    (None for the first) the token's Logprob with its rank, and its top alternatives'."""
+    column = record.get("prompt_logprobs")
+    if column is None:
+        return None
+    out: list[dict[int, Logprob] | None] = []
+    for e in column:
+        if e is None:
+            out.append(None)
+            continue
+        top = {t["token_id"]: Logprob(t["logprob"], rank, t["token"])
+               for rank, t in enumerate(e.get("top_logprobs") or (), start=1)}
+        out.append({e["token_id"]: Logprob(e["logprob"], e.get("rank"), e["token"]), **top})
+    return out
 
 
 def outputs(record: Mapping[str, Any]) -> list[CompletionOutput]:

@@ -103,7 +103,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "multi_modal_data": ("null", _empty),       # vLLM's prompt dict: images, audio (a text model takes none)
     "mm_processor_kwargs": ("null", _empty),
     "return_tokens_as_token_ids": ("false", _false),
-    "detokenize": ("true", _true),
+    "detokenize": ("true", lambda v: v is None or isinstance(v, bool)),   # false: the text is made anyway (cheap here)
     "structural_tag": ("null", _empty),
     "logits_processors": ("null", _empty),
     "prompt_embeds": ("null", _empty),

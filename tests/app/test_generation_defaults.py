@@ -184,14 +184,15 @@ def test_sampling_params_are_mutable_and_take_vllms_other_fields_at_their_defaul
                         flat_logprobs=False, skip_clone=False, skip_reading_prefix_cache=None)
     assert sp == SamplingParams(max_tokens=4)
     copy = sp.clone()
-    sp.stop, sp.stop_token_ids, sp.logit_bias, sp.n, sp.detokenize = "x", [7], {5: 1}, 2, True
+    sp.stop, sp.stop_token_ids, sp.logit_bias, sp.n, sp.detokenize = "x", [7], {5: 1}, 2, False   # (text anyway)
     assert (sp.stop, sp.stop_token_ids, sp.logit_bias, sp.n) == (("x",), (7,), ((5, 1.0),), 2)
     assert copy == SamplingParams(max_tokens=4) != sp
     assert SamplingParams(n=3, best_of=3).n == 3
     for make, message in (
             (lambda: SamplingParams(bad_words=["x"]), r"^SamplingParams: 'bad_words': not supported by specbatch yet"),
             (lambda: SamplingParams(n=2, best_of=3), r"^SamplingParams: 'best_of': .*set it to n \(2\)"),
-            (lambda: setattr(sp, "detokenize", False), r"^SamplingParams: 'detokenize': not supported .* default true"),
+            (lambda: setattr(sp, "spaces_between_special_tokens", False),
+             r"^SamplingParams: 'spaces_between_special_tokens': not supported .* default true"),
             (lambda: SamplingParams(output_kind=2), r"^SamplingParams: 'output_kind': a vLLM sampling field")):
         with pytest.raises(ValueError, match=message):
             make()

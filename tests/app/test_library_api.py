@@ -531,3 +531,29 @@ def test_vllms_other_arguments_at_their_defaults_run_and_set_are_refused_by_name
                         continue_final_message=True)) == 1
     with pytest.raises(TypeError, match="unexpected keyword argument 'sampling'"):
         llm.generate(["x"], sampling=sp)
+
+
+def test_an_lm_eval_loglikelihood_over_prompt_logprobs_runs_as_on_vllm(llm):
+    """lm-eval's vLLM backend scores a continuation with SamplingParams(temperature=0,
+    prompt_logprobs=1, max_tokens=1, detokenize=False) and reads o.prompt_logprobs as vLLM's
+    [None, {token_id: Logprob}, ...]; the output column's form stays in o.record and to_dict()."""
+    from specbatch import SamplingParams
+
+    tok = llm.get_tokenizer()
+    ctx, cont = "def add(a, b):", "\n    return a + b"
+    ids, ctxlen = tok(ctx + cont)["input_ids"], len(tok(ctx)["input_ids"])
+    sp = SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=1, detokenize=False)
+    (out,) = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+    plp = out.prompt_logprobs
+    assert plp[0] is None and len(plp) == len(ids) == out.prompt_tokens
+    column = out.record["prompt_logprobs"]
+    assert out.to_dict()["prompt_logprobs"] == column
+    for tok_id, entry, col in zip(ids[1:], plp[1:], column[1:]):
+        assert entry[tok_id].logprob == col["logprob"] and entry[tok_id].rank == col["rank"]
+        (top,) = col["top_logprobs"]
+        assert entry[top["token_id"]].rank == 1 and entry[top["token_id"]].decoded_token == top["token"]
+    total = sum(e[t].logprob for t, e in zip(ids[ctxlen:], plp[ctxlen:]))
+    assert total == pytest.approx(sum(c["logprob"] for c in column[ctxlen:]))
+    greedy = all(max(e, key=lambda k: e[k].logprob) == t for t, e in zip(ids[ctxlen:], plp[ctxlen:]))
+    assert greedy == all(c["rank"] == 1 for c in column[ctxlen:])
+    assert llm.generate(["x"], {"max_tokens": 1}, use_tqdm=False)[0].prompt_logprobs is None
