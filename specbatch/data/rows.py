@@ -150,6 +150,10 @@ def _parse_body(obj: dict, req: RowRequest) -> None:
             p = p[0]
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             req.prompt_token_ids = check_token_ids(p, "body.prompt", non_empty=True)
+        elif isinstance(p, list) and len(p) > 1 and all(isinstance(t, (str, list)) for t in p):
+            # OpenAI answers a list of prompts with one response of their choices: one line a prompt here
+            raise BadField(f"field 'body.prompt': a list of {len(p)} prompts in one request is not supported; "
+                           "give each prompt its own line (its own custom_id)")
         else:
             req.prompt = check_prompt(p, "body.prompt")
     req.overrides = parse_overrides(body, "body.", endpoint=req.endpoint)

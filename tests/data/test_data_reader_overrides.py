@@ -38,6 +38,10 @@ def test_openai_body_overrides():
     assert "go inside 'body' (as 'body.temperature')" in err({"temperature": "hot", "body": {"prompt": "x"}})
     assert parse({"body": {"prompt": [1, 2]}}).prompt_token_ids == [1, 2]
     assert parse({"body": {"prompt": ["only"]}}).prompt == "only"
+    # OpenAI's batch of prompts in one request (its choices answer them all): one line a prompt here
+    for batch in (["a", "b"], [[1, 2], [3]]):
+        assert "field 'body.prompt': a list of 2 prompts in one request is not supported; give each prompt its " \
+               "own line" in err({"body": {"prompt": batch}})
 
 
 @pytest.mark.parametrize(
