@@ -92,6 +92,12 @@ def _typed_array(values: list, type_: pa.DataType | None) -> pa.Array:
     return _infer_array(values)
 
 
+# Standard columns of mixed values (stop_reason: a stop string or a stop token id, as vLLM's) that a
+# Parquet output holds as text, so every job's file has one schema (a token id as its decimal text);
+# JSONL keeps each value's own type.
+TEXT_IN_PARQUET = ("stop_reason",)
+
+
 def part_table(recs: list[dict], digests: list[bytes], *, options: dict[str, bool],
                keep_columns: Sequence[str], json_typed: bool,
                keep_types: dict[str, pa.DataType] | None = None) -> pa.Table:
@@ -110,8 +116,12 @@ def part_table(recs: list[dict], digests: list[bytes], *, options: dict[str, boo
     typed = [c.name for c in standard if c.type is None]
     for c in (*typed, *keep_columns):
         values = [r.get(c) for r in recs]
-        arrays.append(pa.array([_json_text(v) for v in values], pa.string()) if json_typed
-                      else _typed_array(values, (keep_types or {}).get(c)))
+        if json_typed:
+            arrays.append(pa.array([_json_text(v) for v in values], pa.string()))
+        elif c in TEXT_IN_PARQUET:
+            arrays.append(pa.array([None if v is None else str(v) for v in values], pa.string()))
+        else:
+            arrays.append(_typed_array(values, (keep_types or {}).get(c)))
         names.append(c)
     arrays.append(pa.array(digests, pa.binary()))
     names.append(DIGEST_COLUMN)
@@ -146,6 +156,9 @@ def merged_schema(part_schemas: list[pa.Schema], options: dict[str, bool],
     unified_types: dict[str, pa.DataType] = {}
     as_json: set[str] = set()
     for c in (*(n for n in records.NAMES if n in typed_standard), *keep_columns):
+        if c in TEXT_IN_PARQUET and c in typed_standard:
+            unified_types[c] = pa.string()
+            continue
         types = [s.field(c).type for s in part_schemas if c in s.names]
         types = [t for t in types if t != pa.null()] or [pa.string() if c in typed_standard else pa.null()]
         try:
