@@ -22,7 +22,7 @@ NON_DEFAULT = {
     "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "reasoning_effort": "high",
     "chat_template": "{{ messages }}", "documents": [{"text": "d"}], "mm_processor_kwargs": {"x": 1},
     "multi_modal_data": {"image": "x.png"},
-    "return_tokens_as_token_ids": True, "detokenize": False, "structural_tag": {"type": "x"},
+    "return_tokens_as_token_ids": True, "detokenize": "no", "structural_tag": {"type": "x"},
     "logits_processors": ["my.module:Proc"], "prompt_embeds": "AAAA",
     # vLLM's request extras that change the response or the generation (review: they were dropped silently)
     "return_token_ids": True, "repetition_detection": {"max_pattern_size": 4}, "vllm_xargs": {"k": 1},
@@ -66,6 +66,7 @@ def test_unsupported_message():
 def test_defaults_are_accepted():
     r = parse({"custom_id": "c", "body": {"messages": MESSAGES, **DEFAULTS}})
     assert isinstance(r, RowRequest), r
+    assert isinstance(parse({"prompt": "x", "detokenize": False}), RowRequest)    # the text is made anyway
     r = parse({"prompt": "x", **DEFAULTS})
     assert isinstance(r, RowRequest), r
     assert isinstance(parse({"body": {"prompt": "x", "logprobs": 0}}), RowRequest)   # completions API
