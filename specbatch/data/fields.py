@@ -675,6 +675,11 @@ def check_batch_line_keys(obj: dict, exempt: Sequence[str]) -> None:
                            f"({where}); a column of your own by that name: name it in --keep-columns")
 
 
+# What an unsupported field's user can do instead, where specbatch has it.
+_INSTEAD = {"echo": "; for the prompt's logprobs (echo with logprobs), set prompt_logprobs, vLLM's field, and "
+                    "max_tokens 1"}
+
+
 def check_unsupported(src: dict, prefix: str, exempt: Sequence[str] = ()) -> None:
     for name, (default, is_default) in UNSUPPORTED_FIELDS.items():
         if name not in src or name in exempt:
@@ -687,5 +692,5 @@ def check_unsupported(src: dict, prefix: str, exempt: Sequence[str] = ()) -> Non
         if not ok:
             raise BadField(
                 f"field '{prefix}{name}': not supported by specbatch yet (got {show(v)}); "
-                f"remove it or set it to its default {default}"
+                f"remove it or set it to its default {default}{_INSTEAD.get(name, '')}"
             )

@@ -57,6 +57,13 @@ def test_unsupported_field_with_a_value_is_a_row_error(name):
     assert f"field '{name}': not supported by specbatch yet" in e.error
 
 
+def test_echo_names_what_gives_the_prompts_logprobs():
+    """lm-eval's completions scoring sends echo with logprobs: prompt_logprobs gives what it reads."""
+    e = err({"body": {"prompt": "x", "echo": True, "logprobs": 1}})
+    assert e.error.endswith("set it to its default false; for the prompt's logprobs (echo with logprobs), set "
+                            "prompt_logprobs, vLLM's field, and max_tokens 1")
+
+
 def test_unsupported_message():
     e = err({"body": {"prompt": "x", "length_penalty": 0.5}})
     assert e.error == (f"{WHERE}: field 'body.length_penalty': not supported by specbatch yet (got 0.5); "
