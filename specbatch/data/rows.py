@@ -162,6 +162,11 @@ def _parse_body(obj: dict, req: RowRequest) -> None:
     check_body_keys(body, "body.")
 
 
+def _conversation(value: object) -> bool:
+    """A list of {role, ...} messages."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
 def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequence[str],
                  kept: Sequence[str]) -> None:
     # tokenized_prompt and sampling_params: a dataset prepared for Ray Data LLM reads as it does
@@ -178,13 +183,15 @@ def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequenc
             "'messages', 'prompt_token_ids' (or 'tokenized_prompt'), or an OpenAI batch 'body')"
         )
     form = forms[0]
-    if form == prompt_column:
-        req.prompt = check_prompt(obj[form], form)
-    elif form == "messages":
-        req.messages = check_messages(obj[form], form)
+    value = obj[form]
+    if form == "messages" or (form == prompt_column and _conversation(value)):
+        # (a prompt column of conversations, as TRL's conversational datasets hold them, is a chat)
+        req.messages = check_messages(value, form)
+    elif form == prompt_column:
+        req.prompt = check_prompt(value, form)
     else:
-        req.prompt_token_ids = check_token_ids(obj[form], form, non_empty=True)
-    req.endpoint = "chat" if form == "messages" else "completion"
+        req.prompt_token_ids = check_token_ids(value, form, non_empty=True)
+    req.endpoint = "chat" if req.messages is not None else "completion"
     fields, params = obj, {}
     if obj.get("sampling_params") is not None:
         params = sampling_params_fields(obj["sampling_params"])

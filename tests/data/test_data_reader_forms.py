@@ -269,3 +269,18 @@ def test_a_resumes_digest_pass_numbers_and_digests_rows_as_reading_them_does(tmp
         full = [(r.row, r.digest) for r in open_rows(str(p))]
         light = [(d.row, d.digest) for d in open_rows(str(p)).digested()]
         assert light == full and len(full) >= 5
+
+
+def test_a_prompt_column_of_conversations_reads_as_chat(tmp_path):
+    """TRL's conversational datasets hold each prompt as a list of messages under `prompt`; such a
+    column (or the one --prompt-column names) reads as a chat, its errors named under it."""
+    conv = [{"role": "system", "content": "brief"}, {"role": "user", "content": "hi"}]
+    (chat,) = open_rows(write_parquet(tmp_path / "trl.parquet", [{"prompt": conv}]))
+    assert (chat.messages, chat.endpoint, chat.prompt) == (conv, "chat", None)
+    _, plain = open_rows(write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": conv}, {"prompt": "plain"}]))
+    assert (plain.prompt, plain.messages, plain.endpoint) == ("plain", None, "completion")
+    named = list(open_rows(write_jsonl(tmp_path / "c.jsonl", [{"conversation": conv, "add_generation_prompt": False}]),
+                           prompt_column="conversation"))[0]
+    assert named.messages == conv and named.chat == {"add_generation_prompt": False}
+    assert "field 'prompt[1].content': expected a string or a list of text parts, got 5" in \
+        err({"prompt": [conv[0], {"role": "user", "content": 5}]})
