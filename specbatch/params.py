@@ -11,9 +11,10 @@ running request's params are always resolved.
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 GREEDY_BELOW = 1e-5       # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 _SEED_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9)
@@ -186,28 +187,69 @@ class SamplingParams:
         return replace(self, seed=s ^ (s >> 31))
 
 
-# vLLM SamplingParams fields specbatch takes at their defaults only (which value is a default is
-# data/fields.py's, as for the row fields of the same names): a vLLM script's SamplingParams(...)
-# builds; one set to anything else is a ValueError naming it.
-VLLM_KEYWORDS = frozenset((
-    "best_of", "detokenize", "spaces_between_special_tokens", "logits_processors", "truncate_prompt_tokens",
-    "bad_words", "allowed_token_ids", "structured_outputs", "guided_decoding", "output_kind", "extra_args",
-    "flat_logprobs", "skip_clone", "skip_reading_prefix_cache"))
+def _none(v: object) -> bool:
+    return v is None
+
+
+def _empty(v: object) -> bool:
+    return v is None or (isinstance(v, (str, list, tuple, dict)) and not v)
+
+
+def _a_bool(v: object) -> bool:
+    return v is None or isinstance(v, bool)
+
+
+def _final(v: object) -> bool:
+    """vLLM's output_kind: cumulative or final-only (0, 2) are one final output offline; not deltas."""
+    return v is None or (not isinstance(v, bool) and v in (0, 2)) or getattr(v, "name", None) in ("CUMULATIVE",
+                                                                                                  "FINAL_ONLY")
+
+
+# vLLM SamplingParams fields specbatch has nothing for, taken at their defaults only (a vLLM
+# script's SamplingParams(..., detokenize=True) builds; the row fields of the same names read
+# them alike, data/fields.py): name -> (the default as errors show it, whether a value asks for
+# nothing more). best_of (null or n) is checked apart, as it depends on n.
+VLLM_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "detokenize": ("true", _a_bool),                      # false: the text is made anyway (cheap here)
+    "spaces_between_special_tokens": ("true", lambda v: v is None or v is True),
+    "logits_processors": ("null", _empty),
+    "truncate_prompt_tokens": ("null", _empty),
+    "bad_words": ("null", _empty),
+    "allowed_token_ids": ("null", _empty),
+    "structured_outputs": ("null", _empty),
+    "guided_decoding": ("null", _empty),
+    "output_kind": ("null", _final),
+    "extra_args": ("null", _empty),
+    "flat_logprobs": ("false", lambda v: v is None or v is False),
+    "skip_clone": ("false", _a_bool),                     # vLLM's copying and prefix-cache hints
+    "skip_reading_prefix_cache": ("null", _a_bool),
+}
+VLLM_KEYWORDS = frozenset(("best_of", *VLLM_FIELDS))
+
+# Other APIs' names for request fields (transformers' generate, Anthropic's and Gemini's APIs, TGI,
+# Mistral's): named with the field they mean where one is given (a row's key, an attribute).
+FIELD_ALIASES = {
+    "max_new_tokens": "max_tokens", "max_output_tokens": "max_tokens", "stop_sequences": "stop",
+    "stop_strings": "stop", "num_return_sequences": "n", "do_sample": "temperature", "random_seed": "seed",
+    "eos_token_id": "stop_token_ids", "candidate_count": "n", "repeat_penalty": "repetition_penalty",
+}
 
 
 def _vllm_keywords(given: Mapping[str, Any], n: int) -> None:
     """Refuse a VLLM_KEYWORDS value other than its default (best_of: null or n)."""
-    from .data.fields import BadField, check_unsupported, check_vllm_only
-
-    best_of = given.get("best_of")
-    if best_of is not None and best_of != n:
-        raise ValueError(f"SamplingParams: 'best_of': not supported by specbatch yet (got {best_of!r}); "
-                         f"remove it or set it to n ({n})")
-    try:
-        check_vllm_only(dict(given), "")
-        check_unsupported({k: v for k, v in given.items() if k != "best_of"}, "")
-    except BadField as e:
-        raise ValueError(f"SamplingParams: {e}".replace("field '", "'", 1)) from None
+    for key, value in given.items():
+        if key == "best_of":
+            ok, default = value is None or value == n, f"n ({n})"
+        else:
+            shown, is_default = VLLM_FIELDS[key]
+            default = f"its default {shown}"
+            try:
+                ok = is_default(value)
+            except Exception:  # noqa: BLE001 - an odd value is not the default
+                ok = False
+        if not ok:
+            raise ValueError(f"SamplingParams: '{key}': not supported by specbatch yet (got {value!r}); "
+                             f"remove it or set it to {default}")
 
 
 def _tuple(value: Any) -> tuple:
@@ -242,8 +284,7 @@ def _setattr(self: SamplingParams, name: str, value: Any) -> None:
         value = _NORMALISED[name](value)
     elif name not in _FIELDS:
         if name not in VLLM_KEYWORDS:
-            from .data.fields import near_field
-            near = near_field(name)
+            near = FIELD_ALIASES.get(name) or next(iter(difflib.get_close_matches(name, _FIELDS, 1)), None)
             raise AttributeError(f"SamplingParams has no field {name!r}"
                                  + (f" (did you mean {near!r}?)" if near in _FIELDS else ""))
         _vllm_keywords({name: value}, self.n)       # a vLLM field at its default asks for nothing

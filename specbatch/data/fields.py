@@ -13,7 +13,8 @@ import re
 from collections.abc import Callable, Sequence
 
 
-from ..params import LOGIT_BIAS_MAX, LOGIT_BIAS_RANGE, LOGPROBS_MAX, N_MAX, PENALTY_RANGE
+from ..params import (FIELD_ALIASES, LOGIT_BIAS_MAX, LOGIT_BIAS_RANGE, LOGPROBS_MAX, N_MAX, PENALTY_RANGE,
+                      VLLM_FIELDS)
 
 OVERRIDE_KEYS = (
     "max_tokens",
@@ -79,12 +80,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "guided_regex": ("null", _empty),
     "guided_choice": ("null", _empty),
     "guided_grammar": ("null", _empty),
-    "structured_outputs": ("null", _empty),
     "use_beam_search": ("false", _false),
-    "bad_words": ("null", _empty),
-    "allowed_token_ids": ("null", _empty),
-    "truncate_prompt_tokens": ("null", _empty),
-    "spaces_between_special_tokens": ("true", _true),
     "tools": ("null", _empty),
     "tool_choice": ("null", lambda v: v is None or v in ("none", "auto")),
     "functions": ("null", _empty),
@@ -103,9 +99,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "multi_modal_data": ("null", _empty),       # vLLM's prompt dict: images, audio (a text model takes none)
     "mm_processor_kwargs": ("null", _empty),
     "return_tokens_as_token_ids": ("false", _false),
-    "detokenize": ("true", lambda v: v is None or isinstance(v, bool)),   # false: the text is made anyway (cheap here)
     "structural_tag": ("null", _empty),
-    "logits_processors": ("null", _empty),
     "prompt_embeds": ("null", _empty),
     # vLLM request extras: token ids in the response, ending a repetitive output early, custom
     # logits-processor arguments (each changes what comes back)
@@ -114,16 +108,14 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "vllm_xargs": ("null", _empty),
     "verbosity": ("null", _empty),              # OpenAI's newer chat parameters
     "web_search_options": ("null", _empty),
+    # vLLM's SamplingParams fields of these names (params.py holds their defaults for SamplingParams too)
+    **{k: VLLM_FIELDS[k] for k in ("detokenize", "spaces_between_special_tokens", "logits_processors",
+                                   "truncate_prompt_tokens", "bad_words", "allowed_token_ids", "structured_outputs")},
 }
 
 # vLLM SamplingParams fields with no row field of the same name here (UNSUPPORTED_FIELDS has the
 # others): named as unsupported where sampling params are taken (Ray rows, LLM.generate), not as a typo
-VLLM_ONLY_SAMPLING: dict[str, Callable[[object], bool]] = {
-    "guided_decoding": _empty, "output_kind": lambda v: v is None, "extra_args": _empty, "flat_logprobs": _false,
-    # vLLM's copying and prefix-cache hints: nothing about the completion
-    "skip_clone": lambda v: v is None or isinstance(v, bool),
-    "skip_reading_prefix_cache": lambda v: v is None or isinstance(v, bool),
-}
+VLLM_ONLY_SAMPLING = {k: VLLM_FIELDS[k][1] for k in VLLM_FIELDS if k not in UNSUPPORTED_FIELDS}
 
 # The fields parse_overrides and parse_chat_options read (a test holds the two to this list).
 REQUEST_FIELDS = frozenset({
@@ -572,13 +564,6 @@ def check_vllm_only(params: dict, prefix: str) -> None:
         raise BadField(f"field '{prefix}{key}': a vLLM sampling field specbatch does not support yet; remove it")
 
 
-# Other APIs' names for request fields (transformers' generate, Anthropic's and Gemini's APIs, TGI,
-# Mistral's): a plain row carrying one runs without it, so it is named with the field it means.
-FIELD_ALIASES = {
-    "max_new_tokens": "max_tokens", "max_output_tokens": "max_tokens", "stop_sequences": "stop",
-    "stop_strings": "stop", "num_return_sequences": "n", "do_sample": "temperature", "random_seed": "seed",
-    "eos_token_id": "stop_token_ids", "candidate_count": "n", "repeat_penalty": "repetition_penalty",
-}
 
 
 def _edits(a: str, b: str, most: int) -> int:

@@ -193,7 +193,8 @@ def test_sampling_params_are_mutable_and_take_vllms_other_fields_at_their_defaul
             (lambda: SamplingParams(n=2, best_of=3), r"^SamplingParams: 'best_of': .*set it to n \(2\)"),
             (lambda: setattr(sp, "spaces_between_special_tokens", False),
              r"^SamplingParams: 'spaces_between_special_tokens': not supported .* default true"),
-            (lambda: SamplingParams(output_kind=2), r"^SamplingParams: 'output_kind': a vLLM sampling field")):
+            (lambda: SamplingParams(output_kind=1), r"^SamplingParams: 'output_kind': not supported by specbatch yet "
+                                                     r"\(got 1\); remove it or set it to its default null")):
         with pytest.raises(ValueError, match=message):
             make()
     with pytest.raises(AttributeError, match=r"no field 'max_new_tokens' \(did you mean 'max_tokens'\?\)"):
