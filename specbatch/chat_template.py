@@ -26,9 +26,13 @@ class _Generation(jinja2.ext.Extension):
         return nodes.Scope(body).set_lineno(lineno)
 
 
+def _name(node: nodes.Node, names: set[str]) -> bool:
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name in names
+
+
 def _reads(node: nodes.Node, names: set[str], key: str | None = None) -> bool:
-    """`node` is one of `names` (or its `key` item: x['content'], x.content), under any filter,
-    test or slice."""
+    """`node` is one of `names` (or its `key` item: x['content'], x.content, of the name itself),
+    under any filter, test or slice."""
     while True:
         if isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None:
             node = node.node
@@ -37,10 +41,10 @@ def _reads(node: nodes.Node, names: set[str], key: str | None = None) -> bool:
         else:
             break
     if key is None:
-        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name in names
+        return _name(node, names)
     if isinstance(node, nodes.Getitem):
-        return isinstance(node.arg, nodes.Const) and node.arg.value == key and _reads(node.node, names)
-    return isinstance(node, nodes.Getattr) and node.attr == key and _reads(node.node, names)
+        return isinstance(node.arg, nodes.Const) and node.arg.value == key and _name(node.node, names)
+    return isinstance(node, nodes.Getattr) and node.attr == key and _name(node.node, names)
 
 
 def _aliases(tree: nodes.Template, name: str) -> set[str]:
@@ -77,7 +81,7 @@ def content_as_parts(template: str) -> bool:
 
 
 def _text(content: str | list[str]) -> str:
-    return content if isinstance(content, str) else "\n".join(content)
+    return content if isinstance(content, str) else "\n".join(t for t in content if t)     # (vLLM drops empty ones)
 
 
 def _no_developer(messages: list[dict]) -> list[dict]:

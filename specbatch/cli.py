@@ -145,7 +145,7 @@ def run(
     bucket: int = typer.Option(0, min=0, help="Length-bucketing window: admit similar prompt lengths together (0 = none: the largest max_tokens first among the rows read ahead)."),
     eager: bool = typer.Option(False, "--eager", "--enforce-eager", help="No CUDA graphs: run every cycle eagerly (the reference path; vLLM's --enforce-eager)."),
     logprobs_mode: str = typer.Option("raw_logprobs", help="What logprobs hold (vLLM's --logprobs-mode): raw_logprobs (the model's distribution, default), processed_logprobs (the one each token was drawn from: after bias, penalties, temperature and filters), raw_logits or processed_logits."),
-    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Prompts that begin alike share the KV pages of their common prefix, and prefill skips it (default; the same outputs, up to the rounding batching already varies)."),
+    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", "--enable-prefix-caching/--no-enable-prefix-caching", help="Prompts that begin alike share the KV pages of their common prefix, and prefill skips it (default; the same outputs, up to the rounding batching already varies)."),
     stats_json: Optional[str] = typer.Option(None, help="Also write the run summary as JSON to this path."),
     fail_fast: bool = typer.Option(False, "--fail-fast", help="Stop at the first bad row (exit 1), assembling the rows that finished."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Discard an existing specbatch output or unfinished parts instead of resuming."),
@@ -154,6 +154,8 @@ def run(
     # vllm run-batch's engine flags, read as LLM(...) reads them (engine_args.py): not in --help
     tensor_parallel_size: Optional[int] = typer.Option(None, hidden=True),
     pipeline_parallel_size: Optional[int] = typer.Option(None, hidden=True),
+    data_parallel_size: Optional[int] = typer.Option(None, hidden=True),
+    quantization: Optional[str] = typer.Option(None, hidden=True),
     trust_remote_code: Optional[bool] = typer.Option(None, "--trust-remote-code", hidden=True),
     disable_log_stats: Optional[bool] = typer.Option(None, "--disable-log-stats", hidden=True),
     disable_log_requests: Optional[bool] = typer.Option(None, "--disable-log-requests", hidden=True),
@@ -179,6 +181,7 @@ def run(
               "missing the input: INPUT (or -i/--input-file), a .jsonl or .parquet file, a directory of them, or -")
     input = input if input is not None else input_file
     vllm = dict(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                data_parallel_size=data_parallel_size, quantization=quantization,
                 trust_remote_code=trust_remote_code, disable_log_stats=disable_log_stats or disable_log_requests,
                 enable_chunked_prefill=enable_chunked_prefill, kv_cache_dtype=kv_cache_dtype,
                 max_num_batched_tokens=max_num_batched_tokens, swap_space=swap_space)

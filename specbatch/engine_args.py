@@ -39,9 +39,9 @@ TAKEN: dict[str, tuple[Callable[[Any], bool], str]] = {
                                                       "(expected 'auto')"),
     "load_format": (lambda v: v in (None, "auto", "safetensors"), "not supported: the model directory's safetensors "
                                                                    "are read (expected 'auto')"),
-    "quantization": (lambda v: v is None, "not supported yet: no quantised weights (expected null)"),
-    "revision": (lambda v: v is None, "not supported: the model is a local directory (expected null)"),
-    "tokenizer_revision": (lambda v: v is None, "not supported: the model is a local directory (expected null)"),
+    "quantization": (lambda v: v is None, "not supported yet: no quantised weights (leave it unset)"),
+    "revision": (lambda v: v is None, "not supported: the model is a local directory (leave it unset)"),
+    "tokenizer_revision": (lambda v: v is None, "not supported: the model is a local directory (leave it unset)"),
 }
 
 # name -> what specbatch does instead: taken, and said (they tune speed or memory, not results)

@@ -76,7 +76,8 @@ class Completion:
 
     @property
     def request_id(self) -> str:
-        return str(self.index)              # (vLLM's counts requests; in one call they sort alike)
+        """As vLLM's: the LLM's count of requests before this one, across generate() calls."""
+        return self.__dict__.get("_request_id", str(self.index))
 
     @property
     def prompt(self) -> str | None:
@@ -88,6 +89,11 @@ class Completion:
     def prompt_token_ids(self) -> list[int] | None:
         """The prompt's token ids as the model read them; None where they could not be made."""
         return self._prompt()[1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a process pool, Ray) with its prompt made, not with the tokenizer that makes it."""
+        self._prompt()
+        return {k: v for k, v in self.__dict__.items() if k != "_source"}
 
     def _prompt(self) -> tuple[str | None, list[int] | None]:
         # Made when first read (a script that never reads them pays nothing); generate() attaches
@@ -269,6 +275,7 @@ class LLM:
             bucket_window=bucket, spec=spec, graphs=not eager, prefix_caching=enable_prefix_caching,
             logprobs_mode=logprobs_mode))
         self.calls = 0          # generate() calls so far: each later one draws fresh samples (_records)
+        self._requests = 0      # prompts so far: their request ids (vLLM's counter)
         # what generate() says once about its prompts, once for this LLM (an eval loop calls it often)
         self._unread = UnreadFields()
         self._greedy = GreedyByDefault(self.recipe.sampling, self.engine.model_defaults)
@@ -414,6 +421,8 @@ class LLM:
         out = [Completion.from_record(rec) for rec in _with_progress(records, len(rows), use_tqdm)]
         for c in out:
             c._source = (rows[c.index], self.engine.tokenizer, self.engine.cfg.vocab_size)
+            c._request_id = str(self._requests + c.index)
+        self._requests += len(rows)
         return sorted(out, key=lambda c: c.index)
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],

@@ -98,7 +98,8 @@ def render_chat(tokenizer: Any, row: Any) -> str:
                           "template; give a 'prompt' instead")
     try:
         opts = dict(getattr(row, "chat", None) or {})
-        opts = {"add_generation_prompt": True, **opts, **opts.pop("chat_template_kwargs", {})}   # (vLLM's order)
+        kwargs = opts.pop("chat_template_kwargs", None) or {}
+        opts = {"add_generation_prompt": True, **opts, **kwargs}        # (vLLM's order: the kwargs win)
         template = tokenizer.get_chat_template() if hasattr(tokenizer, "get_chat_template") else tokenizer.chat_template
         return tokenizer.apply_chat_template(template_messages(row.messages, template), tokenize=False, **opts)
     except Exception as e:

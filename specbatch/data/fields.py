@@ -371,7 +371,11 @@ def parse_overrides(src: dict, prefix: str, *, endpoint: str | None = None, exem
     out: dict = {}
     get = (lambda k: None if k in exempt else src.get(k)) if exempt else src.get
     max_tokens = None
-    for key in ("max_tokens", "max_completion_tokens"):     # the newer name wins, as vLLM's server reads them
+    # both given: the chat API's newer name wins, as vLLM's server reads them; /v1/completions has
+    # max_tokens only (vLLM's ignores the other there)
+    order = ("max_completion_tokens", "max_tokens") if endpoint == "completion" else ("max_tokens",
+                                                                                       "max_completion_tokens")
+    for key in order:
         v = get(key)
         if v is not None:
             max_tokens = _int_in(v, prefix + key, 1, INT32_MAX, MAX_TOKENS_EXPECTED)

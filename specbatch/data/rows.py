@@ -163,8 +163,8 @@ def _parse_body(obj: dict, req: RowRequest) -> None:
 
 
 def _conversation(value: object) -> bool:
-    """A list of {role, ...} messages."""
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+    """A list of objects: messages (check_messages names what is wrong with one), never a prompt."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
 
 
 def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequence[str],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pickle
 import re
 import shutil
 
@@ -492,7 +493,10 @@ def test_a_completion_reads_as_vllms_request_output(llm):
     tok = llm.get_tokenizer()
     assert tok.decode(out.token_ids, skip_special_tokens=True).startswith(out.text)
     # the prompt as the model read it: vLLM's basic example prints output.prompt beside the text
-    assert [c.request_id for c in (one, bad, many)] == ["0", "1", "2"]
+    first = int(one.request_id)                     # vLLM's counter, across calls
+    assert [c.request_id for c in (one, bad, many)] == [str(first + i) for i in range(3)]
+    a, b = (llm.generate(["x"], {"max_tokens": 1}, use_tqdm=False)[0].request_id for _ in range(2))
+    assert int(a) > first + 2 and int(b) == int(a) + 1
     assert (one.prompt, one.prompt_token_ids) == ("def add(a, b):", tok("def add(a, b):")["input_ids"])
     assert len(one.prompt_token_ids) == one.prompt_tokens and (bad.prompt, bad.prompt_token_ids) == (None, None)
     conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
@@ -502,6 +506,12 @@ def test_a_completion_reads_as_vllms_request_output(llm):
     assert len(chat.prompt_token_ids) == chat.prompt_tokens
     (ids,) = llm.generate([[5, 6, 7]], {"max_tokens": 2}, use_tqdm=False)
     assert (ids.prompt, ids.prompt_token_ids) == (None, [5, 6, 7])
+    # pickled (a process pool, Ray) with its prompt, not with the tokenizer
+    fresh = llm.generate(["def add(a, b):"], {"max_tokens": 2}, use_tqdm=False)[0]
+    blob = pickle.dumps(fresh)
+    back = pickle.loads(blob)
+    assert (back.prompt, back.prompt_token_ids, back.text) == (one.prompt, one.prompt_token_ids, fresh.text)
+    assert len(blob) < len(pickle.dumps(tok)) and back.outputs[0].text == fresh.text
 
 
 def test_vllms_other_arguments_at_their_defaults_run_and_set_are_refused_by_name():

@@ -97,3 +97,12 @@ def test_a_role_no_template_may_know_is_said_once(capsys):
     err = capsys.readouterr().err
     assert err.count("warning:") == 2 and "row 0: a message's role is 'human', not one of OpenAI's" in err
     assert "role is 'gpt'" in err and "'user'" not in err.split("not one of")[0]
+
+
+def test_what_the_template_sees_besides_the_messages(tok):
+    """chat_template_kwargs' variables reach the template, not the mapping itself; in one string,
+    empty text parts are left out, as vLLM joins them."""
+    probe = "{{ foo }}|{{ chat_template_kwargs is defined }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+    row = {"messages": [{"role": "user", "content": ["a", "", {"type": "text", "text": ""}, "b"]}],
+           "chat_template_kwargs": {"foo": 1}}
+    assert _render(tok, probe, row) == "1|False|a\nb"

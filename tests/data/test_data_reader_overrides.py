@@ -31,8 +31,13 @@ def test_openai_body_overrides():
                                           "top_p": 0.9, "logprobs": False, "model": "m"}})
     assert r.overrides == {"max_tokens": 9, "temperature": 0.2, "top_p": 0.9}
     assert parse({"body": {"prompt": "x", "max_tokens": 9, "max_completion_tokens": 9}}).overrides == {"max_tokens": 9}
-    # both: the newer name wins, as vLLM's server (and SGLang's) read them; each is still checked
-    assert parse({"body": {"prompt": "x", "max_tokens": 9, "max_completion_tokens": 3}}).overrides == {"max_tokens": 3}
+    # both: the chat API's newer name wins, as vLLM's server (and SGLang's) read them; /v1/completions
+    # has max_tokens only; each is still checked
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 9, "max_completion_tokens": 3}
+    assert parse({"body": chat}).overrides == {"max_tokens": 3}
+    assert parse({"messages": chat["messages"], "max_tokens": 9, "max_completion_tokens": 3}).overrides == \
+        {"max_tokens": 3}
+    assert parse({"body": {"prompt": "x", "max_tokens": 9, "max_completion_tokens": 3}}).overrides == {"max_tokens": 9}
     assert "field 'body.max_tokens'" in err({"body": {"prompt": "x", "max_tokens": 0, "max_completion_tokens": 3}})
     # a sampling field beside the body (not in it) is the row's error, not silently ignored
     assert "go inside 'body' (as 'body.temperature')" in err({"temperature": "hot", "body": {"prompt": "x"}})
