@@ -66,9 +66,10 @@ def prompt_logprobs(record: Mapping[str, Any]) -> list[dict[int, Logprob] | None
         if e is None:
             out.append(None)
             continue
-        top = {t["token_id"]: Logprob(t["logprob"], rank, t["token"])
-               for rank, t in enumerate(e.get("top_logprobs") or (), start=1)}
-        out.append({e["token_id"]: Logprob(e["logprob"], e.get("rank"), e["token"]), **top})
+        d = {e["token_id"]: Logprob(e["logprob"], e.get("rank"), e["token"])}   # (its rank may be past the top)
+        for rank, t in enumerate(e.get("top_logprobs") or (), start=1):
+            d.setdefault(t["token_id"], Logprob(t["logprob"], rank, t["token"]))
+        out.append(d)
     return out
 
 

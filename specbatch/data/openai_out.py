@@ -20,10 +20,11 @@ the row, custom_id and the input row's bytes, so a rerun writes the same ids and
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import records
+from ..request_output import prompt_logprobs
 
 ERROR_CODE = "invalid_request"
 SERVER_ERROR = "server_error"
@@ -74,7 +75,7 @@ def to_openai_line(rec: dict[str, Any], model: str, digest: bytes | None = None)
         native = rec.get("choices") or [{"index": 0, "completion": rec.get("completion"),
                                          "finish_reason": rec.get("finish_reason"), "logprobs": rec.get("logprobs"),
                                          **records.stop_fields(rec.get("stop_reason"))}]
-        prompt_lps = _openai_prompt_logprobs(rec.get("prompt_logprobs"))
+        prompt_lps = _openai_prompt_logprobs(rec)
         choices = []
         for c in native:
             choice: dict[str, Any] = {"index": c["index"], "finish_reason": c.get("finish_reason"),
@@ -146,21 +147,13 @@ def _native_logprobs(lp: dict[str, Any] | None, chat: bool) -> list[dict[str, An
             for tok, lp_, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])]
 
 
-def _openai_prompt_logprobs(entries: list[dict[str, Any] | None] | None) -> list[dict[str, Any] | None] | None:
-    """The native prompt_logprobs column as vLLM's: per token {str(id): {logprob, rank, decoded_token}},
-    the prompt's token first (its rank may be past the top ones), then the top ones."""
-    if entries is None:
-        return None
-    out: list[dict[str, Any] | None] = []
-    for e in entries:
-        if e is None:
-            out.append(None)
-            continue
-        d = {str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": e["token"]}}
-        for r, t in enumerate(e["top_logprobs"], start=1):
-            d.setdefault(str(t["token_id"]), {"logprob": t["logprob"], "rank": r, "decoded_token": t["token"]})
-        out.append(d)
-    return out
+def _openai_prompt_logprobs(record: Mapping[str, Any]) -> list[dict[str, Any] | None] | None:
+    """The native prompt_logprobs column as vLLM's server writes it: per token {str(id): {logprob,
+    rank, decoded_token}}, the prompt's token first (its rank may be past the top ones), then the top ones."""
+    entries = prompt_logprobs(record)
+    return None if entries is None else [
+        None if d is None else {str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
+                                for t, v in d.items()} for d in entries]
 
 
 def _native_prompt_logprobs(lps: list[dict[str, Any] | None] | None, k: int) -> list[dict[str, Any] | None] | None:
