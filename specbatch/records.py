@@ -26,7 +26,7 @@ SPEC_TYPE = pa.struct(
 
 _TOP = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64())])
 LOGPROBS_TYPE = pa.list_(pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64()),
-                                    ("top_logprobs", pa.list_(_TOP))]))
+                                    ("rank", pa.int64()), ("top_logprobs", pa.list_(_TOP))]))
 PROMPT_LOGPROBS_TYPE = pa.list_(pa.struct([("token_id", pa.int64()), ("token", pa.string()),
                                            ("logprob", pa.float64()), ("rank", pa.int64()),
                                            ("top_logprobs", pa.list_(_TOP))]))
@@ -64,12 +64,13 @@ def _top(ids: Sequence[int], vals: Sequence[float], text: Callable[[int], str]) 
     return [{"token_id": i, "token": text(i), "logprob": _logprob(v)} for i, v in zip(ids, vals)]
 
 
-def logprob_entries(ids: Sequence[int], logprobs: Sequence[tuple[float, list[int], list[float]]],
+def logprob_entries(ids: Sequence[int], logprobs: Sequence[tuple[float, int, list[int], list[float]]],
                     text: Callable[[int], str]) -> list[dict[str, Any]]:
-    """The `logprobs` column of one completion: per generated token {token_id, token, logprob,
-    top_logprobs: [{token_id, token, logprob}, ...]}; `text(id)` gives a token's text."""
-    return [{"token_id": tok, "token": text(tok), "logprob": _logprob(lp), "top_logprobs": _top(top, vals, text)}
-            for tok, (lp, top, vals) in zip(ids, logprobs)]
+    """The `logprobs` column of one completion: per generated token {token_id, token, logprob, rank
+    (1 = the likeliest), top_logprobs: [{token_id, token, logprob}, ...]}; `text(id)` gives a token's text."""
+    return [{"token_id": tok, "token": text(tok), "logprob": _logprob(lp), "rank": rank,
+             "top_logprobs": _top(top, vals, text)}
+            for tok, (lp, rank, top, vals) in zip(ids, logprobs)]
 
 
 def prompt_logprob_entries(prompt_ids: Sequence[int], logprobs: Sequence[tuple[float, int, list[int], list[float]]],
@@ -129,7 +130,7 @@ COLUMNS: list[Column] = [
            "the generated ids, ending with the EOS id when generation stopped on EOS", option="save_token_ids"),
     # Written when some row of the job asked for them (parts keep them always; null for other rows).
     Column("logprobs", LOGPROBS_TYPE, lambda f: f.logprobs,
-           "per generated token: token_id, token, logprob, top_logprobs (--logprobs-mode: by default the "
+           "per generated token: token_id, token, logprob, rank, top_logprobs (--logprobs-mode: by default the "
            "model's raw distribution)",
            option="logprobs"),
     Column("prompt_logprobs", PROMPT_LOGPROBS_TYPE, lambda f: f.prompt_logprobs,

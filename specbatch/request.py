@@ -27,7 +27,7 @@ class Request:
     stop_hit: bool = False              # finished on a stop string: text is cut at it
     stop_token: bool = False            # finished on EOS or a stop token id: its text is left out
     stop_id: int | None = None          # finished on this stop_token_ids entry (not EOS)
-    logprobs: list | None = None        # per kept token: (logprob, top ids, top logprobs); None: not asked
+    logprobs: list | None = None        # per kept token: (logprob, rank, top ids, top logprobs); None: not asked
     prompt_logprobs: list | None = None  # per prompt token after the first: (logprob, rank, top ids, top logprobs)
     choice: int = 0                     # which of the row's n completions
     group: Any = None                   # the row's choices (engine.rows.Choices) when n > 1

@@ -13,9 +13,9 @@ from .records import choice_stop_reason
 
 @dataclass(frozen=True)
 class Logprob:
-    """vLLM's Logprob: the token's logprob, its rank in the distribution (1 = the most likely;
-    None for a sampled token outside the top alternatives, whose rank the row did not record) and
-    its text."""
+    """vLLM's Logprob: the token's logprob, its rank in the distribution (1 = the most likely; None
+    only for a token outside the top alternatives of an output written before ranks were) and its
+    text."""
     logprob: float
     rank: int | None
     decoded_token: str | None
@@ -43,8 +43,12 @@ def _vllm_logprobs(entries: Sequence[Mapping[str, Any]] | None) -> list[dict[int
     for e in entries:
         top = {t["token_id"]: Logprob(t["logprob"], rank, t["token"])
                for rank, t in enumerate(e.get("top_logprobs") or (), start=1)}
-        sampled = top.get(e["token_id"])
-        out.append({e["token_id"]: sampled or Logprob(e["logprob"], None, e["token"]), **top})
+        # its rank (an output from before ranks were written: its place among the top ones, else None)
+        rank = e["rank"] if e.get("rank") is not None else getattr(top.get(e["token_id"]), "rank", None)
+        d = {e["token_id"]: Logprob(e["logprob"], rank, e["token"])}
+        for t, v in top.items():
+            d.setdefault(t, v)
+        out.append(d)
     return out
 
 

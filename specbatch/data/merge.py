@@ -187,7 +187,12 @@ def _conform(table: pa.Table, schema: pa.Schema, as_json: set[str]) -> pa.Table:
         if f.name in as_json and col.type != pa.string():
             arrays.append(_json_strings(col.to_pylist()))
         elif col.type != f.type:
-            arrays.append(col.cast(f.type))
+            try:
+                arrays.append(col.cast(f.type))
+            except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
+                # a struct an older part wrote without a field since added (logprobs' rank): an
+                # older pyarrow casts no struct to one with more fields
+                arrays.append(pa.array(col.to_pylist(), type=f.type))
         else:
             arrays.append(col)
     return pa.Table.from_arrays(arrays, schema=schema)

@@ -84,7 +84,7 @@ class Batch:
     out: torch.Tensor | None = None          # [B, D + 2]: emitted tokens, then their count
     proc: Processors | None = None           # logits processors (None: no row uses one)
     lp_k: int | None = None                  # logprobs: alternatives per token (None: no row asked)
-    lp_out: torch.Tensor | None = None       # [B, D + 1, 1 + lp_k]: each emitted token's logprob, then the top ones'
+    lp_out: torch.Tensor | None = None       # [B, D + 1, 2 + lp_k]: each emitted token's logprob and rank, the top ones'
     lp_ids: torch.Tensor | None = None       # [B, D + 1, lp_k]: the top alternatives' ids
 
 

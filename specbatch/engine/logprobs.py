@@ -17,9 +17,9 @@ PROMPT_CHUNK = 1024       # prompt positions per log-softmax ([chunk, V] float32
 def emitted_logprobs(raw: torch.Tensor, processed: torch.Tensor, path: torch.Tensor, tokens: torch.Tensor,
                      sp: BatchSampling, k: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The raw and processed logits [B, N, V] at every node, the acceptance's path [B, W] (token d
-    was drawn at node path[:, d]) and emitted tokens [B, W] -> ([B, W, 1 + k] the tokens' values
-    then the top k values, [B, W, k] the top ids), in `mode` (LOGPROBS_MODES; processed greedy
-    rows: no temperature, no filters)."""
+    was drawn at node path[:, d]) and emitted tokens [B, W] -> ([B, W, 2 + k] the tokens' values,
+    their ranks (1 = the likeliest, as vLLM's; float) then the top k values, [B, W, k] the top
+    ids), in `mode` (LOGPROBS_MODES; processed greedy rows: no temperature, no filters)."""
     logits = raw if mode.startswith("raw") else processed
     B, N, V = logits.shape
     W = path.shape[1]
@@ -33,7 +33,9 @@ def emitted_logprobs(raw: torch.Tensor, processed: torch.Tensor, path: torch.Ten
     else:
         lp = sp.repeat_rows(W).target_logits(at).view(B, W, V)
     top, ids = lp.topk(k, dim=-1)
-    values = torch.cat([lp.gather(2, tokens[:, :, None]), top], dim=2)
+    own = lp.gather(2, tokens[:, :, None])
+    rank = (lp > own).sum(dim=2, keepdim=True).to(lp.dtype) + 1
+    values = torch.cat([own, rank, top], dim=2)
     if mode.startswith("processed"):
         ids = _filtered_lowest_first(lp, top, ids)
     return values, ids
@@ -55,10 +57,11 @@ def _filtered_lowest_first(lp: torch.Tensor, top: torch.Tensor, ids: torch.Tenso
 
 
 def add_logprobs(req: Request, lps: list[list[float]], ids: list[list[int]]) -> None:
-    """Append the kept tokens' logprobs (host lists from emitted_logprobs) to the request."""
+    """Append the kept tokens' logprobs (host lists from emitted_logprobs) to the request:
+    (logprob, rank, top k ids, top k values) a token."""
     k = req.params.logprobs or 0
     for lp, top in zip(lps, ids):
-        req.logprobs.append((lp[0], top[:k], lp[1: 1 + k]))
+        req.logprobs.append((lp[0], int(lp[1]), top[:k], lp[2: 2 + k]))
 
 
 def prompt_token_logprobs(logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,

@@ -90,3 +90,28 @@ def test_parts_with_batch_lines_begun_before_openai_lines_are_refused(tiny_model
     _forget_openai_lines(tmp_path / "o.parquet.parts" / "manifest.json")
     r = cli("run", inp, "-o", out, "--model", tiny_model, "--device", "cpu", "-q")
     assert r.exit_code != 0 and "openai_lines: \"unset temperature 0" in r.output
+
+
+def test_an_output_written_before_logprobs_had_ranks_takes_more_rows(tiny_model, tmp_path):
+    """A finished output whose logprobs struct has no rank (written before generated tokens' ranks
+    were) reopens to add rows: its rows read with rank null, the new ones with theirs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": p, "max_tokens": 3, "logprobs": 1}) + "\n"
+                           for p in ("def f(x):", "import os")))
+    out = tmp_path / "o.parquet"
+    args = ("run", inp, "-o", out, "--model", tiny_model, "--device", "cpu", "-q")
+    ok(*args, "--limit", "1")
+    t = pq.read_table(out)
+    top = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64())])
+    old = pa.list_(pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64()),
+                              ("top_logprobs", pa.list_(top))]))
+    rows = [[{k: v for k, v in e.items() if k != "rank"} for e in r] for r in t.column("logprobs").to_pylist()]
+    i = t.schema.get_field_index("logprobs")
+    pq.write_table(t.set_column(i, pa.field("logprobs", old), pa.array(rows, old))
+                   .replace_schema_metadata(t.schema.metadata), out)
+    ok(*args)
+    ranks = [[e["rank"] for e in r] for r in pq.read_table(out).column("logprobs").to_pylist()]
+    assert ranks[0] == [None] * 3 and all(r >= 1 for r in ranks[1])

@@ -68,10 +68,12 @@ def test_n_choices_and_logprobs_native(tiny_model, tmp_path):
         {"prompt_token_ids": ps[1]},
         {"prompt_token_ids": ps[2], "n": 3},                                  # greedy: one run, 3 copies
         {"prompt_token_ids": ps[3], "n": 2, "temperature": 1.0, "seed": 5, "max_tokens": 4},
+        {"prompt_token_ids": ps[0], "logprobs": 0, "max_tokens": 5},            # greedy: every token ranks 1
     ])
     _job(tiny_model, inp, tmp_path / "out.jsonl")
     recs = _lines(tmp_path / "out.jsonl")
-    a, b, c, d = recs
+    a, b, c, d, e = recs
+    assert [x["rank"] for x in e["logprobs"]] == [1] * 5 and all(x["top_logprobs"] == [] for x in e["logprobs"])
     assert [ch["index"] for ch in a["choices"]] == [0, 1, 2]
     assert len({tuple(ch["output_token_ids"]) for ch in a["choices"]}) > 1            # independent draws
     assert a["completion"] == a["choices"][0]["completion"]
@@ -79,9 +81,13 @@ def test_n_choices_and_logprobs_native(tiny_model, tmp_path):
     assert a["logprobs"] == a["choices"][0]["logprobs"]
     for ch in a["choices"]:
         assert len(ch["logprobs"]) == ch["completion_tokens"]
-        for e, tok in zip(ch["logprobs"], ch["output_token_ids"]):
-            assert e["token_id"] == tok and len(e["top_logprobs"]) == 2 and e["logprob"] <= 0
-            assert e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
+        for x, tok in zip(ch["logprobs"], ch["output_token_ids"]):
+            assert x["token_id"] == tok and len(x["top_logprobs"]) == 2 and x["logprob"] <= 0
+            tops = x["top_logprobs"]
+            assert tops[0]["logprob"] >= tops[1]["logprob"]
+            # the sampled token's rank, as vLLM reports it: its place among the top ones, else past them
+            at = [t["token_id"] for t in tops].index(tok) + 1 if tok in [t["token_id"] for t in tops] else None
+            assert x["rank"] == at if at else (x["rank"] > 2 and tops[1]["logprob"] >= x["logprob"])
     assert b["choices"] is None and b["logprobs"] is None
     assert len({ch["completion"] for ch in c["choices"]}) == 1 and c["spec"]["verify_steps"] == c["choices"][0]["completion_tokens"]
     # choice 0 is the row itself: a run with n = 1 and the same seed draws the same tokens
