@@ -357,12 +357,23 @@ def inspect(
         path = resolve_model(r.model)
         cfg, _ = load_config(path)
         draft = resolve_draft(r)
-        if draft is not None:          # a draft directory: a config and weights, as loading will need
-            from .models.config import load_config_dict
-            from .models.loader import safetensors_files
+        # what loading will need, checked without reading tensors: the target's weights and
+        # tokenizer, a draft directory's config and weights, an MTP layer the target is to hold
+        from .models.config import load_config_dict
+        from .models.loader import safetensors_files, tensor_names
+        from .prompts import load_tokenizer
 
+        tensor_names(safetensors_files(path))          # (the headers: a git-lfs pointer is named)
+        load_tokenizer(path)
+        if draft is not None:
             load_config_dict(draft)
             safetensors_files(draft)
+        elif describe_draft(r, None) is not None:
+            from .models.mtp import find_mtp, looked_for
+
+            if find_mtp(path, cfg.num_layers) is None:
+                raise ModelError(f"{path}: no MTP layer found (looked for {looked_for(cfg.num_layers)}); pass "
+                                 "--draft DIR for an exported MTP checkpoint")
         sampling = describe_defaults(r.sampling, generation_sampling_defaults(path))
     except (RecipeError, JobError, ModelError) as e:
         _fail(str(e))

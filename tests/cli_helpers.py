@@ -96,5 +96,15 @@ def broken_models(tiny_model, tmp_path_factory):
     weights.write_bytes(weights.read_bytes()[:-1000])            # a download cut short
     lfs = copy("lfs", lambda n: False)
     (lfs / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 99\n")
+    two_copies = copy("two_copies", lambda n: False)              # an old copy kept beside the weights
+    shutil.copy(two_copies / "model.safetensors", two_copies / "model_old.safetensors")
+    stale = copy("stale", lambda n: False)                       # a stale single file beside the shards
+    shutil.copy(stale / "model.safetensors", stale / "model-00001-of-00001.safetensors")
+    from safetensors import safe_open
+    with safe_open(str(stale / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    (stale / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}))
     return {"no_config": no_config, "gpt2": gpt2, "no_weights": no_weights, "missing": root / "missing",
-            "bin_only": bin_only, "cut": cut, "lfs": lfs, "a_file": gpt2 / "config.json"}
+            "bin_only": bin_only, "cut": cut, "lfs": lfs, "a_file": gpt2 / "config.json", "two_copies": two_copies,
+            "stale": stale}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -30,6 +31,9 @@ def resolve_dtype(name: str, cfg: DecoderConfig, device: torch.device) -> torch.
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The weight files: the index's shards where there is one, else every *.safetensors. A tensor
+    two of the directory's files hold (a stale model.safetensors beside the shards, an old copy)
+    is refused naming both: which copy loads would otherwise be a matter of file names."""
     d = Path(model_dir)
     index = d / "model.safetensors.index.json"
     if index.is_file():
@@ -40,8 +44,14 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
         missing = [f for f in files if not (d / f).is_file()]
         if missing:
             raise ModelError(f"{index}: shard {missing[0]} is missing from {d}")
-        return [d / f for f in files]
+        shards = [d / f for f in files]
+        others = [p for p in sorted(d.glob("*.safetensors")) if p.name not in files]
+        if others:                  # (e.g. Mistral's consolidated.safetensors: other names, no clash)
+            _no_second_copy(shards + others, d)
+        return shards
     files = sorted(d.glob("*.safetensors"))
+    if len(files) > 1:
+        _no_second_copy(files, d)
     if not files:
         bins = sorted(p.name for p in d.glob("*.bin") if p.name.startswith(("pytorch_model", "model")))
         if bins:
@@ -50,6 +60,16 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
                              "safetensors.torch.save_file(torch.load(path), 'model.safetensors') for a bare state dict")
         raise ModelError(f"{d}: no *.safetensors weights (expected model.safetensors or a sharded index)")
     return files
+
+
+def _no_second_copy(files: list[Path], d: Path) -> None:
+    seen: dict[str, Path] = {}
+    for path in files:
+        for name in tensor_names([path]):
+            if name in seen:
+                raise ModelError(f"{d}: {seen[name].name} and {path.name} both hold tensor {name} (two copies of the "
+                                 "weights?); remove the one that is not the model's")
+            seen[name] = path
 
 
 _LFS_POINTER = b"version https://git-lfs"
@@ -135,7 +155,8 @@ def load_target(model_dir: str | Path, dtype: str = "auto",
     # bf16 model's bytes) whose freed blocks then stay in torch's cache
     model = model.to(torch_dtype).to_empty(device=device)
     model.inv_freq = rope_inv_freq(cfg).to(device)       # float32 even when weights are not
-    tie = "lm_head.weight" not in tensor_names(files)
+    names = tensor_names(files)
+    tie = "lm_head.weight" not in names
     if tie and raw.get("tie_word_embeddings") is False:
         raise ModelError(f"{model_dir}: no lm_head.weight, and config.json says tie_word_embeddings: false "
                          "(a checkpoint missing its output layer)")
@@ -144,9 +165,28 @@ def load_target(model_dir: str | Path, dtype: str = "auto",
     # Only the decoder's own tensors: an MTP layer stored alongside (model.layers.{L}.*,
     # model.mtp_layers.*, mtp.*) is the drafter's to load.
     params = set(dict(model.named_parameters()))
+    _say_unused(names - params, cfg.num_layers, model_dir)
     load_weights(model, iter_tensors(files, device, keep=params.__contains__), str(model_dir),
                  optional=("lm_head.weight",) if tie else ())
     return model.eval().requires_grad_(False), raw
+
+
+def _say_unused(unused: set[str], layers: int, model_dir: str | Path) -> None:
+    """Tensors the decoder config.json describes has no place for (biases under attention_bias:
+    false, layers past num_hidden_layers) are left out, as transformers leaves them, and said: the
+    config may not describe the checkpoint. An MTP layer stored alongside is the drafter's."""
+    def mtp(name: str) -> bool:
+        if name.startswith(("model.mtp_layers.", "mtp.")):
+            return True
+        parts = name.split(".")
+        return (name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= layers
+                and f"model.layers.{parts[2]}.eh_proj.weight" in unused)
+    left = sorted(n for n in unused if not mtp(n) and not n.endswith("rotary_emb.inv_freq"))
+    if left:
+        more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+        print(f"warning: {model_dir}: the checkpoint holds {len(left)} tensors the model config.json describes has no "
+              f"place for ({', '.join(left[:3])}{more}); they are left out, as transformers leaves them: check "
+              "config.json (attention_bias, mlp_bias, num_hidden_layers, tie_word_embeddings)", file=sys.stderr)
 
 
 def tensor_names(files: list[Path]) -> set[str]:

@@ -79,3 +79,15 @@ def test_inspect_shows_the_resolved_draft(tiny_model):
     line = one_line_cli_error(cli("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model),
                                   "--draft", "/some/head"), EXIT_USAGE)
     assert "/some/head: model directory not found" in line
+
+
+def test_inspect_says_a_target_holds_no_mtp_layer_as_run_does(tiny_model, tmp_path):
+    """nextn_mtp without --draft reads the MTP layer inside the target: inspect said so of a target
+    holding none, and run then refused it."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "x"}\n')
+    line = one_line_cli_error(cli("inspect", "--recipe", "nextn_mtp", "--model", str(tiny_model)), EXIT_USAGE)
+    assert f"{tiny_model}: no MTP layer found (looked for " in line
+    ran = one_line_cli_error(cli("run", inp, "-r", "nextn_mtp", "--model", str(tiny_model), "--device", "cpu",
+                                 "-o", tmp_path / "o.jsonl"), EXIT_USAGE)
+    assert f"{tiny_model}: no MTP layer found (looked for " in ran

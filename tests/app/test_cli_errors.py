@@ -121,11 +121,37 @@ def test_unknown_key_in_recipe_file(tiny_model, data_dir, tmp_path):
     ("cut", "model.safetensors: cannot read safetensors (") ,
     ("lfs", "model.safetensors: a git-lfs pointer, not the weights"),
     ("a_file", "config.json: is a file, not a model directory"),
+    ("two_copies", "model.safetensors and model_old.safetensors both hold tensor "),
+    ("stale", "model-00001-of-00001.safetensors and model.safetensors both hold tensor "),
 ])
 def test_unusable_model_dir(broken_models, data_dir, tmp_path, which, expect):
+    """run and inspect (which checks what loading will need, short of reading the tensors: a file
+    cut short shows when they are read) say the same one line."""
     model = broken_models[which]
     line = one_line_cli_error(cli(*run_args(model, data_dir / "rows.jsonl", tmp_path / "o.parquet")), EXIT_USAGE)
     assert str(model) in line and expect in line
+    if which != "cut":
+        assert one_line_cli_error(cli("inspect", "--model", model), EXIT_USAGE) == line
+
+
+def test_tensors_the_config_has_no_place_for_are_said(tiny_model, data_dir, tmp_path):
+    """A checkpoint holding tensors its config.json does not describe (biases under
+    attention_bias: false) runs as transformers runs it, without them, and says so."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "biased"
+    shutil.copytree(tiny_model, model)
+    weights = load_file(str(model / "model.safetensors"))
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    weights["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(q.shape[0])
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    r = ok(*run_args(model, data_dir / "rows.jsonl", tmp_path / "o.parquet"))
+    assert "the checkpoint holds 1 tensors the model config.json describes has no place for " \
+           "(model.layers.0.self_attn.q_proj.bias)" in r.output
+    ok(*run_args(tiny_model, data_dir / "rows.jsonl", tmp_path / "plain.parquet"))
+    assert read_out(tmp_path / "o.parquet") == read_out(tmp_path / "plain.parquet")
 
 
 def test_a_hub_id_says_nothing_is_downloaded(data_dir, tmp_path, monkeypatch):
