@@ -273,9 +273,25 @@ _dataclass_init = SamplingParams.__init__
 
 
 def _init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+    given = {}
     if not VLLM_KEYWORDS.isdisjoint(kwargs):
-        _vllm_keywords({k: kwargs.pop(k) for k in VLLM_KEYWORDS & kwargs.keys()}, kwargs.get("n", 1))
+        given = {k: kwargs.pop(k) for k in VLLM_KEYWORDS & kwargs.keys()}
+        _vllm_keywords(given, kwargs.get("n", 1))
     _dataclass_init(self, *args, **kwargs)
+    for k, v in given.items():            # readable as given (not fields: eq, asdict and replace leave them)
+        object.__setattr__(self, k, v)
+
+
+_AS_SHOWN = {"true": True, "false": False, "null": None}
+
+
+def _getattr(self: SamplingParams, name: str) -> Any:
+    """A vLLM-only field never given reads as its default (`sp.best_of`, `sp.detokenize`)."""
+    if name == "best_of":
+        return None
+    if name in VLLM_FIELDS:
+        return _AS_SHOWN[VLLM_FIELDS[name][0]]
+    raise AttributeError(f"'SamplingParams' object has no attribute {name!r}")
 
 
 def _setattr(self: SamplingParams, name: str, value: Any) -> None:
@@ -288,7 +304,6 @@ def _setattr(self: SamplingParams, name: str, value: Any) -> None:
             raise AttributeError(f"SamplingParams has no field {name!r}"
                                  + (f" (did you mean {near!r}?)" if near in _FIELDS else ""))
         _vllm_keywords({name: value}, self.n)       # a vLLM field at its default asks for nothing
-        return
     object.__setattr__(self, name, value)
 
 
@@ -296,6 +311,7 @@ _init.__signature__ = inspect.signature(_dataclass_init)        # help() shows t
 _init.__doc__ = _dataclass_init.__doc__
 SamplingParams.__init__ = _init
 SamplingParams.__setattr__ = _setattr
+SamplingParams.__getattr__ = _getattr      # (only for names an instance does not hold)
 SamplingParams.__hash__ = None          # mutable: no hash by value
 
 
