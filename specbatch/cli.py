@@ -347,6 +347,7 @@ def inspect(
 ) -> None:
     """Show which model and draft a recipe resolves to, and the model's shape."""
     from .job import JobError, describe_draft, resolve_draft, resolve_model
+    from .resolve import reads_target_layer
     from .models.config import ModelError, generation_sampling_defaults, load_config
     from .models.registry import model_class
     from .params import describe_defaults
@@ -368,12 +369,10 @@ def inspect(
         if draft is not None:
             load_config_dict(draft)
             safetensors_files(draft)
-        elif describe_draft(r, None) is not None:
-            from .models.mtp import find_mtp, looked_for
+        if reads_target_layer(r):
+            from .models.mtp import mtp_source
 
-            if find_mtp(path, cfg.num_layers) is None:
-                raise ModelError(f"{path}: no MTP layer found (looked for {looked_for(cfg.num_layers)}); pass "
-                                 "--draft DIR for an exported MTP checkpoint")
+            mtp_source(path, draft, cfg.num_layers)
         sampling = describe_defaults(r.sampling, generation_sampling_defaults(path))
     except (RecipeError, JobError, ModelError) as e:
         _fail(str(e))

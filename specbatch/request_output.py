@@ -43,12 +43,9 @@ def _vllm_logprobs(entries: Sequence[Mapping[str, Any]] | None) -> list[dict[int
     for e in entries:
         top = {t["token_id"]: Logprob(t["logprob"], rank, t["token"])
                for rank, t in enumerate(e.get("top_logprobs") or (), start=1)}
-        # its rank (an output from before ranks were written: its place among the top ones, else None)
-        rank = e["rank"] if e.get("rank") is not None else getattr(top.get(e["token_id"]), "rank", None)
-        d = {e["token_id"]: Logprob(e["logprob"], rank, e["token"])}
-        for t, v in top.items():
-            d.setdefault(t, v)
-        out.append(d)
+        # its rank, then the top ones' places over it (vLLM builds the dict so: on a tie the token's
+        # place in the top list wins); an output from before ranks were written has none
+        out.append({e["token_id"]: Logprob(e["logprob"], e.get("rank"), e["token"]), **top})
     return out
 
 
@@ -70,10 +67,10 @@ def prompt_logprobs(record: Mapping[str, Any]) -> list[dict[int, Logprob] | None
         if e is None:
             out.append(None)
             continue
-        d = {e["token_id"]: Logprob(e["logprob"], e.get("rank"), e["token"])}   # (its rank may be past the top)
-        for rank, t in enumerate(e.get("top_logprobs") or (), start=1):
-            d.setdefault(t["token_id"], Logprob(t["logprob"], rank, t["token"]))
-        out.append(d)
+        top = {t["token_id"]: Logprob(t["logprob"], rank, t["token"])
+               for rank, t in enumerate(e.get("top_logprobs") or (), start=1)}
+        # its rank (it may be past the top ones), then their places over it, as vLLM builds the dict
+        out.append({e["token_id"]: Logprob(e["logprob"], e.get("rank"), e["token"]), **top})
     return out
 
 

@@ -70,6 +70,13 @@ def resolve_draft(recipe: Recipe) -> str | None:
     return str(path)
 
 
+def reads_target_layer(recipe: Recipe) -> bool:
+    """The recipe's drafter is a layer a target checkpoint may hold (an MTP layer): one it reads from
+    the target without a draft directory."""
+    kind = _drafter(recipe)
+    return kind is not None and kind.in_target is not None
+
+
 def describe_draft(recipe: Recipe, draft: str | None) -> str | None:
     """The draft for summaries: its directory, where the layer is read from, or None."""
     kind = _drafter(recipe)

@@ -20,7 +20,9 @@ engines; the rerun resumes.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -113,8 +115,10 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
         from .llm import LLM
 
         t0 = time.perf_counter()
-        llm = LLM(recipe=spec.recipe, device=spec.device, eager=spec.eager, bucket=spec.bucket,
-                  enable_prefix_caching=spec.prefix_caching, logprobs_mode=spec.logprobs_mode)
+        # what loading says about the model and settings (the same in every worker) is said once, by worker 0
+        with contextlib.redirect_stderr(io.StringIO()) if wid else contextlib.nullcontext():
+            llm = LLM(recipe=spec.recipe, device=spec.device, eager=spec.eager, bucket=spec.bucket,
+                      enable_prefix_caching=spec.prefix_caching, logprobs_mode=spec.logprobs_mode)
         eng = llm.engine
         outbox.send(("ready", wid, {"device": str(eng.device), "max_model_len": eng.max_len,
                                    "capture_s": eng.capture_seconds, "load_s": time.perf_counter() - t0,

@@ -96,8 +96,9 @@ def broken_models(tiny_model, tmp_path_factory):
     weights.write_bytes(weights.read_bytes()[:-1000])            # a download cut short
     lfs = copy("lfs", lambda n: False)
     (lfs / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 99\n")
-    two_copies = copy("two_copies", lambda n: False)              # an old copy kept beside the weights
-    shutil.copy(two_copies / "model.safetensors", two_copies / "model_old.safetensors")
+    two_copies = copy("two_copies", lambda n: n == "model.safetensors")     # weights under names of one's own
+    shutil.copy(src / "model.safetensors", two_copies / "a.safetensors")
+    shutil.copy(src / "model.safetensors", two_copies / "b.safetensors")
     stale = copy("stale", lambda n: False)                       # a stale single file beside the shards
     shutil.copy(stale / "model.safetensors", stale / "model-00001-of-00001.safetensors")
     from safetensors import safe_open

@@ -163,9 +163,9 @@ def _with_buffers(head: Eagle3Head, tensors, where: str):
         if name in ("d2t", "t2d"):
             buf = getattr(head, name)
             if tuple(t.shape) != tuple(buf.shape):
-                size = "d2t has one entry a draft token" if name == "d2t" else "t2d one entry a target token"
+                size = ("one entry a draft token: the draft vocabulary is config.json's draft_vocab_size, the "
+                        "target's vocab_size where it is absent") if name == "d2t" else "one entry a target token"
                 raise ModelError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(buf.shape)} "
-                                 f"({size}; the draft vocabulary is config.json's draft_vocab_size, the target's "
-                                 "vocab_size where it is absent)")
+                                 f"({size})")
             buf.copy_(t.to(buf.dtype))
         yield name, t

@@ -31,9 +31,11 @@ def resolve_dtype(name: str, cfg: DecoderConfig, device: torch.device) -> torch.
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
-    """The weight files: the index's shards where there is one, else every *.safetensors. A tensor
-    two of the directory's files hold (a stale model.safetensors beside the shards, an old copy)
-    is refused naming both: which copy loads would otherwise be a matter of file names."""
+    """The weight files: the index's shards where there is one (vLLM's rule), else model.safetensors
+    where there is one (transformers' rule: an old copy, Mistral's consolidated.safetensors or an
+    adapter beside it is not read), else every *.safetensors. A tensor two of the files hold (a
+    stale model.safetensors beside the shards) is refused naming both: transformers would load the
+    one and vLLM the other."""
     d = Path(model_dir)
     index = d / "model.safetensors.index.json"
     if index.is_file():
@@ -47,8 +49,10 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
         shards = [d / f for f in files]
         others = [p for p in sorted(d.glob("*.safetensors")) if p.name not in files]
         if others:                  # (e.g. Mistral's consolidated.safetensors: other names, no clash)
-            _no_second_copy(shards + others, d)
+            _no_second_copy(shards + others, d, index.name)
         return shards
+    if (d / "model.safetensors").is_file():
+        return [d / "model.safetensors"]
     files = sorted(d.glob("*.safetensors"))
     if len(files) > 1:
         _no_second_copy(files, d)
@@ -62,13 +66,14 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def _no_second_copy(files: list[Path], d: Path) -> None:
+def _no_second_copy(files: list[Path], d: Path, index: str | None = None) -> None:
     seen: dict[str, Path] = {}
     for path in files:
         for name in tensor_names([path]):
             if name in seen:
+                named = f" ({index} names {seen[name].name}; transformers would load {path.name})" if index else ""
                 raise ModelError(f"{d}: {seen[name].name} and {path.name} both hold tensor {name} (two copies of the "
-                                 "weights?); remove the one that is not the model's")
+                                 f"weights?{named}); remove the one that is not the model's")
             seen[name] = path
 
 
@@ -184,9 +189,10 @@ def _say_unused(unused: set[str], layers: int, model_dir: str | Path) -> None:
     left = sorted(n for n in unused if not mtp(n) and not n.endswith("rotary_emb.inv_freq"))
     if left:
         more = f" and {len(left) - 3} more" if len(left) > 3 else ""
-        print(f"warning: {model_dir}: the checkpoint holds {len(left)} tensors the model config.json describes has no "
-              f"place for ({', '.join(left[:3])}{more}); they are left out, as transformers leaves them: check "
-              "config.json (attention_bias, mlp_bias, num_hidden_layers, tie_word_embeddings)", file=sys.stderr)
+        print(f"warning: {model_dir}: {len(left)} tensor{'s' if len(left) > 1 else ''} in the weights "
+              f"({', '.join(left[:3])}{more}) fit no part of the model config.json describes; left out, as "
+              "transformers leaves them: check config.json (attention_bias, mlp_bias, num_hidden_layers)",
+              file=sys.stderr)
 
 
 def tensor_names(files: list[Path]) -> set[str]:

@@ -139,12 +139,10 @@ def looked_for(layer_index: int) -> str:
                      zip(LAYOUTS, ("DeepSeek NextN", "MiMo", "Qwen3-Next")))
 
 
-def load_mtp(target: CausalLM, target_dir: str | Path | None, draft_dir: str | Path | None,
-             dtype: torch.dtype, device: torch.device) -> MTPLayer:
-    """The MTP layer of `draft_dir` (an exported checkpoint: DeepSeek's at model.layers.0) or,
-    without one, the one inside the target's checkpoint (DeepSeek's at model.layers.{L});
-    every missing, unexpected or mis-shaped tensor is a one-line ModelError."""
-    L = target.cfg.num_layers
+def mtp_source(target_dir: str | Path | None, draft_dir: str | Path | None, layers: int) -> MTPSource:
+    """Where the MTP layer is: `draft_dir` (an exported checkpoint: DeepSeek's at model.layers.0,
+    or a whole checkpoint's after its last layer) or, without one, inside the target (at
+    model.layers.{layers}); none is a one-line ModelError."""
     if draft_dir is not None:
         src, index = find_mtp(draft_dir, 0), 0
         if src is None and (Path(draft_dir) / "config.json").is_file():
@@ -153,13 +151,22 @@ def load_mtp(target: CausalLM, target_dir: str | Path | None, draft_dir: str | P
             if isinstance(n, int) and n > 0:
                 src = find_mtp(draft_dir, n)
     elif target_dir is not None:
-        src, index = find_mtp(target_dir, L), L
+        src, index = find_mtp(target_dir, layers), layers
     else:
         raise ModelError("nextn_mtp needs an MTP layer: pass --draft DIR")
     if src is None:
         where = draft_dir if draft_dir is not None else target_dir
         hint = "" if draft_dir is not None else "; pass --draft DIR for an exported MTP checkpoint"
         raise ModelError(f"{where}: no MTP layer found (looked for {looked_for(index)}){hint}")
+    return src
+
+
+def load_mtp(target: CausalLM, target_dir: str | Path | None, draft_dir: str | Path | None,
+             dtype: torch.dtype, device: torch.device) -> MTPLayer:
+    """The MTP layer of `draft_dir` (an exported checkpoint: DeepSeek's at model.layers.0) or,
+    without one, the one inside the target's checkpoint (DeepSeek's at model.layers.{L});
+    every missing, unexpected or mis-shaped tensor is a one-line ModelError."""
+    src = mtp_source(target_dir, draft_dir, target.cfg.num_layers)
     layer_cfg = _layer_config(target.cfg, draft_dir)
     tensors = {n[len(src.prefix):]: n for n in src.names if n.startswith(src.prefix)}
     renames = _RENAMES[src.layout]

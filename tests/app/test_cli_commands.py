@@ -91,3 +91,7 @@ def test_inspect_says_a_target_holds_no_mtp_layer_as_run_does(tiny_model, tmp_pa
     ran = one_line_cli_error(cli("run", inp, "-r", "nextn_mtp", "--model", str(tiny_model), "--device", "cpu",
                                  "-o", tmp_path / "o.jsonl"), EXIT_USAGE)
     assert f"{tiny_model}: no MTP layer found (looked for " in ran
+    from specbatch.job import DEMO_DIR
+
+    line = one_line_cli_error(cli("inspect", "--recipe", "nextn_mtp", "--draft", str(DEMO_DIR / "eagle3")), EXIT_USAGE)
+    assert f"{DEMO_DIR / 'eagle3'}: no MTP layer found" in line              # an EAGLE3 head given as the MTP draft

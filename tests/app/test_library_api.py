@@ -567,3 +567,20 @@ def test_an_lm_eval_loglikelihood_over_prompt_logprobs_runs_as_on_vllm(llm):
     greedy = all(max(e, key=lambda k: e[k].logprob) == t for t, e in zip(ids[ctxlen:], plp[ctxlen:]))
     assert greedy == all(c["rank"] == 1 for c in column[ctxlen:])
     assert llm.generate(["x"], {"max_tokens": 1}, use_tqdm=False)[0].prompt_logprobs is None
+
+
+def test_logprob_dicts_rank_a_tied_token_as_vllm_does():
+    """vLLM builds a position's {token_id: Logprob} from the token's rank, then the top ones'
+    places over it: a token tied with a likelier-listed one reads its place in the list."""
+    from specbatch.request_output import outputs, prompt_logprobs
+
+    top = [{"token_id": 3, "token": "c", "logprob": -0.5}, {"token_id": 7, "token": "g", "logprob": -1.0},
+           {"token_id": 5, "token": "e", "logprob": -1.0}]
+    tied = {"token_id": 5, "token": "e", "logprob": -1.0, "rank": 2, "top_logprobs": top}
+    past = {"token_id": 9, "token": "i", "logprob": -4.0, "rank": 40, "top_logprobs": top}
+    (out,) = outputs({"error": None, "completion": "ei", "output_token_ids": [5, 9], "logprobs": [tied, past],
+                      "finish_reason": "length", "stop_reason": None, "choices": None})
+    assert [(d[5].rank, d[3].rank) for d in out.logprobs[:1]] == [(3, 1)] and out.logprobs[1][9].rank == 40
+    assert list(out.logprobs[1]) == [9, 3, 7, 5]                    # the token first, then the top ones
+    plp = prompt_logprobs({"prompt_logprobs": [None, tied]})
+    assert plp[0] is None and plp[1][5].rank == 3
