@@ -187,10 +187,6 @@ class SamplingParams:
         return replace(self, seed=s ^ (s >> 31))
 
 
-def _none(v: object) -> bool:
-    return v is None
-
-
 def _empty(v: object) -> bool:
     return v is None or (isinstance(v, (str, list, tuple, dict)) and not v)
 

@@ -55,10 +55,6 @@ def _false(v: object) -> bool:
     return v is None or v is False
 
 
-def _true(v: object) -> bool:
-    return v is None or v is True
-
-
 def _set_keys(v: object) -> object:
     return {k: x for k, x in v.items() if x is not None} if isinstance(v, dict) else v
 
