@@ -17,7 +17,7 @@ from .chat_template import content_as_parts
 from .data import RowError, RowRequest, parse_row
 from .engine_args import engine_args
 from .params import DEFAULT_LOGPROBS_MODE, FALLBACK, MODEL_DEFAULT_KEYS, SamplingParams
-from .prompts import PromptError, encode_row, render_chat
+from .prompts import PromptError, chat_template_of, encode_row, render_chat
 from .recipe import Recipe, RecipeError, load_recipe
 from .request_output import CompletionOutput, Logprob, outputs, prompt_logprobs
 from .resolve import describe_draft, resolve_model, spec_config
@@ -435,11 +435,9 @@ class LLM:
         messages) or a list of them, each rendered by the model's chat template with these options
         (as a row's fields of the same names), then `generate`. lora_request, chat_template, tools
         and mm_processor_kwargs are taken at their defaults only."""
-        tok = self.engine.tokenizer
         _refuse_vllm_arguments("chat", {"lora_request": lora_request, "chat_template": chat_template,
                                         "chat_template_content_format": chat_template_content_format,
-                                        "tools": tools, **vllm},
-                               tok.get_chat_template() if getattr(tok, "chat_template", None) else None)
+                                        "tools": tools, **vllm}, chat_template_of(self.engine.tokenizer))
         if continue_final_message and add_generation_prompt:       # the caller's, as vLLM raises it
             raise ValueError("chat(continue_final_message=True) needs add_generation_prompt=False: the final "
                              "message is continued, not followed by a new turn")

@@ -90,6 +90,13 @@ def _encode(tokenizer: Any, text: str, where: str, limit: int | None, **kw: Any)
     return list(tokenizer(text, **kw)["input_ids"])
 
 
+def chat_template_of(tokenizer: Any) -> str | None:
+    """The tokenizer's chat template text (its default one where it holds several), or None."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    return tokenizer.get_chat_template() if hasattr(tokenizer, "get_chat_template") else tokenizer.chat_template
+
+
 def render_chat(tokenizer: Any, row: Any) -> str:
     """A `messages` row's prompt text: the model's chat template with the row's chat options (the
     generation prompt unless it says otherwise)."""
@@ -100,8 +107,8 @@ def render_chat(tokenizer: Any, row: Any) -> str:
         opts = dict(getattr(row, "chat", None) or {})
         kwargs = opts.pop("chat_template_kwargs", None) or {}
         opts = {"add_generation_prompt": True, **opts, **kwargs}        # (vLLM's order: the kwargs win)
-        template = tokenizer.get_chat_template() if hasattr(tokenizer, "get_chat_template") else tokenizer.chat_template
-        return tokenizer.apply_chat_template(template_messages(row.messages, template), tokenize=False, **opts)
+        return tokenizer.apply_chat_template(template_messages(row.messages, chat_template_of(tokenizer)),
+                                             tokenize=False, **opts)
     except Exception as e:
         raise PromptError(f"{row.place}: field 'messages': chat template failed ({exception_line(e)})") from None
 
