@@ -182,12 +182,17 @@ class DrafterKind:
     load: str | Callable[..., Any] | None = None     # loads the draft module's weights before the KV
     # pool is planned (so the pool leaves them room), called (spec, target, target_dir) and handed
     # to `build` as head=; None: `build` loads what it needs itself
+    check: str | Callable[..., Any] | None = None    # `inspect`: what loading would refuse, short of
+    # reading the tensors, called (draft_dir or None, target_dir, target config); raises ModelError
 
     def builder(self) -> Callable[..., Any]:
         return load_function(self.build)
 
     def loader(self) -> Callable[..., Any] | None:
         return None if self.load is None else load_function(self.load)
+
+    def checker(self) -> Callable[..., Any] | None:
+        return None if self.check is None else load_function(self.check)
 
     def random_builder(self) -> Callable[..., Any] | None:
         return None if self.random is None else load_function(self.random)
@@ -358,12 +363,12 @@ def _builtin() -> None:
     register_drafter(DrafterKind(
         "eagle3", "specbatch.speculative.factory:build_eagle3", directory="an EAGLE3 head", demo="eagle3",
         random="specbatch.bench.configs:random_eagle3_draft", load="specbatch.speculative.factory:load_eagle3_module",
-        **layer))
+        check="specbatch.models.eagle3:check_head", **layer))
     register_drafter(DrafterKind(
         "nextn_mtp", "specbatch.speculative.factory:build_mtp", directory="an exported MTP layer",
         demo="nextn_mtp", in_target="the MTP layer inside the target checkpoint",
         random="specbatch.bench.configs:random_mtp_draft", load="specbatch.speculative.factory:load_mtp_module",
-        **layer))
+        check="specbatch.models.mtp:check_source", **layer))
     register_algorithm("vanilla", "No speculation: one target forward per token (the baseline).", NoParams())
     register_algorithm("eagle3", "An EAGLE3 head drafts S steps of k candidates; the best N - 1 are verified.",
                        DraftShape(), drafters=("eagle3",))

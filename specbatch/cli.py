@@ -347,7 +347,7 @@ def inspect(
 ) -> None:
     """Show which model and draft a recipe resolves to, and the model's shape."""
     from .job import JobError, describe_draft, resolve_draft, resolve_model
-    from .resolve import reads_target_layer
+    from .resolve import drafter_check
     from .models.config import ModelError, generation_sampling_defaults, load_config
     from .models.registry import model_class
     from .params import describe_defaults
@@ -368,11 +368,10 @@ def inspect(
         load_tokenizer(path)
         if draft is not None:
             load_config_dict(draft)
-            safetensors_files(draft)
-        if reads_target_layer(r):
-            from .models.mtp import mtp_source
-
-            mtp_source(path, draft, cfg.num_layers)
+            tensor_names(safetensors_files(draft))
+        check = drafter_check(r)
+        if check is not None:
+            check(draft, path, cfg)
         sampling = describe_defaults(r.sampling, generation_sampling_defaults(path))
     except (RecipeError, JobError, ModelError) as e:
         _fail(str(e))

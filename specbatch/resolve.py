@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Callable
 
 from .algorithms import AlgorithmError, DrafterKind, get_algorithm, get_drafter
 from .recipe import Recipe
@@ -70,11 +71,11 @@ def resolve_draft(recipe: Recipe) -> str | None:
     return str(path)
 
 
-def reads_target_layer(recipe: Recipe) -> bool:
-    """The recipe's drafter is a layer a target checkpoint may hold (an MTP layer): one it reads from
-    the target without a draft directory."""
+def drafter_check(recipe: Recipe) -> Callable[..., Any] | None:
+    """The recipe's drafter's check of a draft directory (or of the target holding its layer),
+    short of reading tensors; None for a recipe that drafts nothing or a drafter without one."""
     kind = _drafter(recipe)
-    return kind is not None and kind.in_target is not None
+    return None if kind is None else kind.checker()
 
 
 def describe_draft(recipe: Recipe, draft: str | None) -> str | None:

@@ -107,9 +107,8 @@ class Eagle3Head(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
 
-def load_eagle3(head_dir: str | Path, target_cfg: DecoderConfig, target_embedding: nn.Embedding,
-                dtype: torch.dtype, device: torch.device) -> Eagle3Head:
-    """Load an EAGLE3 head for this target; every mismatch is a one-line ModelError."""
+def _head_config(head_dir: str | Path, target_cfg: DecoderConfig) -> Eagle3Config:
+    """The head's config.json, checked against the target's shape."""
     raw, where = load_config_dict(head_dir)
     cfg = Eagle3Config.from_dict(raw, where)
     if cfg.layer.vocab_size != target_cfg.vocab_size:
@@ -121,6 +120,21 @@ def load_eagle3(head_dir: str | Path, target_cfg: DecoderConfig, target_embeddin
     if cfg.target_hidden_size != target_cfg.hidden_size:
         raise ModelError(f"{where}: draft head reads target hidden size {cfg.target_hidden_size} "
                          f"(fc takes 3 x that), the target has {target_cfg.hidden_size}")
+    return cfg
+
+
+def check_head(head_dir: str | Path | None, target_dir: str | Path, target_cfg: DecoderConfig) -> None:
+    """What load_eagle3 would refuse of `head_dir`'s config and weight headers (for inspect)."""
+    if head_dir is None:
+        raise ModelError("the eagle3 drafter needs a draft head: pass --draft DIR (an EAGLE3 head directory)")
+    _head_config(head_dir, target_cfg)
+    tensor_names(safetensors_files(head_dir))
+
+
+def load_eagle3(head_dir: str | Path, target_cfg: DecoderConfig, target_embedding: nn.Embedding,
+                dtype: torch.dtype, device: torch.device) -> Eagle3Head:
+    """Load an EAGLE3 head for this target; every mismatch is a one-line ModelError."""
+    cfg = _head_config(head_dir, target_cfg)
     files = safetensors_files(head_dir)
     names = {_strip(n) for n in tensor_names(files)}
     own = "embed_tokens.weight" in names

@@ -161,6 +161,11 @@ def mtp_source(target_dir: str | Path | None, draft_dir: str | Path | None, laye
     return src
 
 
+def check_source(draft_dir: str | Path | None, target_dir: str | Path, target_cfg: DecoderConfig) -> None:
+    """What load_mtp would refuse of where the layer is to be (for inspect)."""
+    mtp_source(target_dir, draft_dir, target_cfg.num_layers)
+
+
 def load_mtp(target: CausalLM, target_dir: str | Path | None, draft_dir: str | Path | None,
              dtype: torch.dtype, device: torch.device) -> MTPLayer:
     """The MTP layer of `draft_dir` (an exported checkpoint: DeepSeek's at model.layers.0) or,

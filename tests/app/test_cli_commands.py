@@ -72,9 +72,14 @@ def test_inspect_shows_the_resolved_draft(tiny_model):
     flat = "".join(line.strip("│ ").split("│")[-1].strip() for line in r.output.splitlines())
     assert str(DEMO_DIR / "eagle3") in flat, r.output
     one_line_cli_error(cli("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model)), EXIT_USAGE)
-    r = ok("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model), "--draft", str(DEMO_DIR / "eagle3"))
+    r = ok("inspect", "--recipe", "eagle3_topk1", "--model", str(DEMO_DIR / "target"),
+           "--draft", str(DEMO_DIR / "eagle3"))
     flat = "".join(line.strip("│ ").split("│")[-1].strip() for line in r.output.splitlines())
     assert str(DEMO_DIR / "eagle3") in flat, r.output
+    # a head for another target is refused as loading it would be
+    line = one_line_cli_error(cli("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model), "--draft",
+                                  str(DEMO_DIR / "eagle3")), EXIT_USAGE)
+    assert "draft head vocab_size 8192 does not match the target's" in line
     # a directory that holds no draft is said, as loading it would (it was shown as the draft)
     line = one_line_cli_error(cli("inspect", "--recipe", "eagle3_topk1", "--model", str(tiny_model),
                                   "--draft", "/some/head"), EXIT_USAGE)
@@ -95,3 +100,5 @@ def test_inspect_says_a_target_holds_no_mtp_layer_as_run_does(tiny_model, tmp_pa
 
     line = one_line_cli_error(cli("inspect", "--recipe", "nextn_mtp", "--draft", str(DEMO_DIR / "eagle3")), EXIT_USAGE)
     assert f"{DEMO_DIR / 'eagle3'}: no MTP layer found" in line              # an EAGLE3 head given as the MTP draft
+    line = one_line_cli_error(cli("inspect", "--recipe", "eagle3_tree", "--draft", str(tiny_model)), EXIT_USAGE)
+    assert "not an EAGLE3 head (architectures ['LlamaForCausalLM']" in line  # a target given as the head
