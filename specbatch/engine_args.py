@@ -1,13 +1,16 @@
 """vLLM's engine arguments as `LLM(...)` (and Ray's `engine_kwargs`) read them, so that a migrated
 script's first line runs: one with a specbatch setting of its own becomes that setting
 (max_num_seqs -> batch_size, enforce_eager -> eager); one that asks for nothing specbatch does
-differently at the value given is taken (tensor_parallel_size=1, trust_remote_code); one that
-tunes what specbatch does its own way is taken with a warning saying so; any other value is a
-ValueError naming what specbatch has instead. Torch-free."""
+differently at the value given is taken (tensor_parallel_size=1, trust_remote_code, a tokenizer
+that is the model's); one that tunes what specbatch does its own way is taken with a warning
+saying so; another value of one of these is a ValueError naming why. A key none of these tables
+holds goes on to the recipe's keys, which refuse it naming what specbatch has instead (RecipeError).
+Torch-free."""
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 # name -> the specbatch keyword it is
@@ -40,6 +43,8 @@ TAKEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "load_format": (lambda v: v in (None, "auto", "safetensors"), "not supported: the model directory's safetensors "
                                                                    "are read (expected 'auto')"),
     "quantization": (lambda v: v is None, "not supported yet: no quantised weights (leave it unset)"),
+    "distributed_executor_backend": (lambda v: v in (None, "mp", "uni", "ray"), "expected mp, uni or ray (one "
+                                     "engine per GPU here: the backend changes nothing)"),
     "revision": (lambda v: v is None, "not supported: the model is a local directory (leave it unset)"),
     "tokenizer_revision": (lambda v: v is None, "not supported: the model is a local directory (leave it unset)"),
 }
@@ -56,7 +61,7 @@ def _keyword(key: str, value: Any) -> str:
 
 
 def engine_args(given: Mapping[str, Any], eager: bool | None = None, say: bool = True,
-                spell: Callable[[str, Any], str] = _keyword) -> dict[str, Any]:
+                spell: Callable[[str, Any], str] = _keyword, model: str | Path | None = None) -> dict[str, Any]:
     """`given` (LLM's keywords) with vLLM's engine arguments read as above; a renamed one must agree
     with specbatch's own keyword if that is given too (`eager`: LLM's eager, when not in `given`).
     `say`: print the TUNED warnings (a check made before the engines start says nothing); `spell`:
@@ -64,7 +69,12 @@ def engine_args(given: Mapping[str, Any], eager: bool | None = None, say: bool =
     own = {"batch_size": given.get("batch_size"), "eager": given.get("eager", eager) or None}
     out: dict[str, Any] = {}
     for key, value in given.items():
-        if key in RENAMED:
+        if key == "tokenizer":              # vLLM's tokenizer path: the model directory's here
+            if value is not None and (model is None or Path(value).expanduser().resolve()
+                                      != Path(model).expanduser().resolve()):
+                raise ValueError(f"{spell(key, value)}: specbatch reads the tokenizer in the model directory; "
+                                 "copy the tokenizer's files there and leave tokenizer unset")
+        elif key in RENAMED:
             ours = RENAMED[key]
             if own.get(ours) is not None and value is not None and own[ours] != value:
                 raise ValueError(f"{spell(key, value)} and {spell(ours, own[ours])} disagree: {key} is vLLM's "

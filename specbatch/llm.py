@@ -257,7 +257,7 @@ class LLM:
                  **overrides: Any):
         from .engine import Engine, EngineOptions      # torch is imported here, not at package import
 
-        overrides = engine_args(overrides, eager)
+        overrides = engine_args(overrides, eager, model=model)
         eager = overrides.pop("eager", eager)
         base = recipe if isinstance(recipe, Recipe) else load_recipe(str(recipe))
         try:

@@ -11,6 +11,7 @@ running request's params are always resolved.
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import inspect
 from dataclasses import asdict, dataclass, replace
@@ -95,8 +96,8 @@ class SamplingParams:
                 object.__setattr__(self, name, form(value))
 
     def clone(self) -> "SamplingParams":
-        """A copy (vLLM's clone): changing one leaves the other."""
-        return replace(self)
+        """A copy (vLLM's clone): changing one leaves the other; vLLM-only fields given go along."""
+        return copy.copy(self)
 
     @property
     def greedy(self) -> bool:

@@ -299,12 +299,25 @@ def _unless_failed(postprocess: Callable[[dict], dict], keep_error_column: bool)
     return apply
 
 
+# LLM's own keywords (not recipe keys) an engine_kwargs may hold
+_LLM_KEYWORDS = ("device", "eager", "bucket", "enable_prefix_caching", "logprobs_mode")
+
+
+def _check_engine_kwargs(config: ProcessorConfig) -> None:
+    """engine_kwargs as every actor's LLM(...) will read them, refused now rather than in each
+    actor as it starts: vLLM's arguments no engine takes, keys no recipe has."""
+    from .recipe import load_recipe
+
+    given = engine_args(config.engine_kwargs, say=False, model=config.model_source)
+    load_recipe(config.recipe).with_overrides(**{k: v for k, v in given.items() if k not in _LLM_KEYWORDS})
+
+
 def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
                     postprocess: Callable[[dict], dict] | None = None) -> Callable[[Any], Any]:
     """A `Dataset -> Dataset` function: preprocess rows, generate on `concurrency` actors, postprocess."""
     import ray.data
 
-    engine_args(config.engine_kwargs, say=False)      # a value no engine takes: refused now, not in each actor
+    _check_engine_kwargs(config)
     kwargs = {k: v for k, v in asdict(config).items() if k in (
         "model_source", "recipe", "draft", "engine_kwargs", "apply_chat_template", "should_continue_on_error")}
     num_gpus = config.num_gpus

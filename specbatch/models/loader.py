@@ -69,11 +69,11 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 def _no_second_copy(files: list[Path], d: Path, index: str | None = None) -> None:
     seen: dict[str, Path] = {}
     for path in files:
-        for name in tensor_names([path]):
+        for name in sorted(tensor_names([path])):
             if name in seen:
-                named = f" ({index} names {seen[name].name}; transformers would load {path.name})" if index else ""
+                named = f": {index} names {seen[name].name}, transformers would load {path.name}" if index else ""
                 raise ModelError(f"{d}: {seen[name].name} and {path.name} both hold tensor {name} (two copies of the "
-                                 f"weights?{named}); remove the one that is not the model's")
+                                 f"weights{named}); remove the one that is not the model's")
             seen[name] = path
 
 

@@ -189,7 +189,7 @@ def test_sampling_params_are_mutable_and_take_vllms_other_fields_at_their_defaul
     assert copy == SamplingParams(max_tokens=4) != sp
     assert SamplingParams(n=3, best_of=3).n == 3
     # vLLM's fields read back as given, else as their defaults (a script's `if sp.best_of ...`)
-    assert (sp.detokenize, SamplingParams(n=3, best_of=3).best_of) == (False, 3)
+    assert (sp.detokenize, SamplingParams(n=3, best_of=3).best_of) == (False, 3) and sp.clone().detokenize is False
     assert (SamplingParams().detokenize, SamplingParams().best_of, SamplingParams().flat_logprobs) == (True, None, False)
     for make, message in (
             (lambda: SamplingParams(bad_words=["x"]), r"^SamplingParams: 'bad_words': not supported by specbatch yet"),

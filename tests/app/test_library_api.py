@@ -446,6 +446,7 @@ def test_vllms_engine_arguments_run_as_specbatchs_or_name_what_it_has_instead(ti
     from specbatch.recipe import RecipeError
 
     llm = LLM(tiny_model, device="cpu", tensor_parallel_size=1, trust_remote_code=True, max_num_seqs=3,
+              tokenizer=str(tiny_model), distributed_executor_backend="mp",
               enforce_eager=True, disable_log_stats=True, enable_chunked_prefill=True, kv_cache_dtype="auto",
               max_num_batched_tokens=4096)
     assert llm.recipe.batch_size == 3 and llm.engine.graphs is None
@@ -454,6 +455,8 @@ def test_vllms_engine_arguments_run_as_specbatchs_or_name_what_it_has_instead(ti
     for kw, message in (({"tensor_parallel_size": 2}, r"^LLM\(tensor_parallel_size=2\): specbatch runs one engine per "
                                                        r"GPU, without tensor or pipeline parallelism"),
                         ({"kv_cache_dtype": "fp8"}, r"^LLM\(kv_cache_dtype='fp8'\): not supported: the KV cache holds"),
+                        ({"tokenizer": "/elsewhere"}, r"^LLM\(tokenizer='/elsewhere'\): specbatch reads the tokenizer "
+                                                      r"in the model directory"),
                         ({"max_num_seqs": 4, "batch_size": 8}, r"^LLM\(max_num_seqs=4\) and LLM\(batch_size=8\) "
                                                                 r"disagree: max_num_seqs is vLLM's name for batch_size")):
         with pytest.raises(ValueError, match=message):

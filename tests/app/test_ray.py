@@ -369,3 +369,8 @@ def test_vllms_engine_kwargs_run_and_a_value_no_engine_takes_is_refused_before_t
     assert out.column("num_generated_tokens").to_pylist() == [3]
     with pytest.raises(ValueError, match=r"^LLM\(tensor_parallel_size=4\): specbatch runs one engine per GPU"):
         build_processor(ProcessorConfig(engine_kwargs={"device": "cpu", "tensor_parallel_size": 4}))
+    from specbatch.recipe import RecipeError
+
+    for key, named in (("speculative_config", "the recipe"), ("batchsize", "did you mean 'batch_size'")):
+        with pytest.raises(RecipeError, match=rf"unknown key '{key}' .*{named}"):
+            build_processor(ProcessorConfig(engine_kwargs={"device": "cpu", key: {}}))
