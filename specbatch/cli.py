@@ -164,7 +164,8 @@ def run(
     max_num_batched_tokens: Optional[int] = typer.Option(None, hidden=True),
     swap_space: Optional[float] = typer.Option(None, hidden=True),
 ) -> None:
-    """Generate a completion for every row of INPUT. Rerunning the same command resumes."""
+    """Generate a completion for every row of INPUT. Rerunning the same command resumes. A vllm
+    run-batch command line runs too: -i, --output-file and its engine flags (README)."""
     import signal
 
     from .data import InputError, OutputError, StdoutClosed
