@@ -293,6 +293,8 @@ def _getattr(self: SamplingParams, name: str) -> Any:
 
 def _setattr(self: SamplingParams, name: str, value: Any) -> None:
     """`sp.field = value` after construction, as vLLM's SamplingParams takes it."""
+    if name == "n" and self.__dict__.get("best_of") is not None:
+        _vllm_keywords({"best_of": self.__dict__["best_of"]}, value)     # best_of given must stay n
     if name in _NORMALISED:
         value = _NORMALISED[name](value)
     elif name not in _FIELDS:

@@ -190,6 +190,10 @@ def test_sampling_params_are_mutable_and_take_vllms_other_fields_at_their_defaul
     assert SamplingParams(n=3, best_of=3).n == 3
     # vLLM's fields read back as given, else as their defaults (a script's `if sp.best_of ...`)
     assert (sp.detokenize, SamplingParams(n=3, best_of=3).best_of) == (False, 3) and sp.clone().detokenize is False
+    three = SamplingParams(n=3, best_of=3)
+    with pytest.raises(ValueError, match=r"'best_of': not supported by specbatch yet \(got 3\); remove it or set it "
+                                         r"to n \(4\)"):
+        three.n = 4
     assert (SamplingParams().detokenize, SamplingParams().best_of, SamplingParams().flat_logprobs) == (True, None, False)
     for make, message in (
             (lambda: SamplingParams(bad_words=["x"]), r"^SamplingParams: 'bad_words': not supported by specbatch yet"),
