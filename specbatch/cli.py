@@ -365,7 +365,7 @@ def inspect(
         from .models.loader import safetensors_files, tensor_names
         from .prompts import load_tokenizer
 
-        tensor_names(safetensors_files(path))          # (the headers: a git-lfs pointer is named)
+        names = tensor_names(safetensors_files(path))          # (the headers: a git-lfs pointer is named)
         load_tokenizer(path)
         if draft is not None:
             load_config_dict(draft)
@@ -376,7 +376,16 @@ def inspect(
         sampling = describe_defaults(r.sampling, generation_sampling_defaults(path))
     except (RecipeError, JobError, ModelError) as e:
         _fail(str(e))
+    from .models.config import generation_eos_ids
+
     params = model_class(cfg.architecture).num_parameters(cfg)      # counted on the meta device
+    rope = f"theta {cfg.rope_theta:g}" + ("" if not cfg.rope_scaling else ", " + ", ".join(
+        f"{k} {v}" for k, v in cfg.rope_scaling.items() if v is not None))
+    biases = [b for b, on in (("q/k/v", cfg.qkv_bias), ("o", cfg.o_bias), ("mlp", cfg.mlp_bias)) if on]
+    layout = (f"rope {rope}; sliding window {cfg.sliding_window or 'none'}; biases {', '.join(biases) or 'none'}"
+              f"{'; q/k norm' if cfg.qk_norm else ''}; output layer "
+              f"{'tied to the embeddings' if 'lm_head.weight' not in names else 'its own'}")
+    eos = generation_eos_ids(path) or cfg.eos_token_ids
     table = Table(show_header=False)
     table.add_column("key")
     table.add_column("value", overflow="fold")          # paths shown whole, wrapped
@@ -384,6 +393,7 @@ def inspect(
                  ("architecture", cfg.architecture), ("layers", cfg.num_layers),
                  ("hidden / heads / kv heads / head dim", f"{cfg.hidden_size} / {cfg.num_heads} / {cfg.num_kv_heads} / {cfg.head_dim}"),
                  ("vocab", cfg.vocab_size), ("parameters (approx.)", f"{params / 1e6:.1f} M"),
+                 ("layout", layout), ("EOS ids", ", ".join(map(str, eos)) or "the tokenizer's"),
                  ("checkpoint dtype", cfg.torch_dtype), ("max positions", cfg.max_position_embeddings),
                  ("draft", describe_draft(r, draft) or "-"), ("sampling defaults", sampling)]:
         table.add_row(k, escape(str(v)))

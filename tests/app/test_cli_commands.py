@@ -53,11 +53,16 @@ def test_recipes_unknown():
     assert "unknown recipe 'nope'" in line
 
 
-@pytest.mark.parametrize("arch, name", [("llama3", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
-def test_inspect(tiny_model_factory, arch, name):
+@pytest.mark.parametrize("arch, name, norm", [("llama3", "LlamaForCausalLM", False),
+                                               ("qwen3", "Qwen3ForCausalLM", True)])
+def test_inspect(tiny_model_factory, arch, name, norm):
+    """The shape and what decides the outputs: RoPE, window, biases, q/k norm, the output layer, EOS ids."""
     r = ok("inspect", "--model", tiny_model_factory(arch))
     assert name in r.stdout
     assert re.search(r"layers\s*│\s*3\b", r.stdout)
+    flat = " ".join(line.strip("│ ").split("│")[-1].strip() for line in r.stdout.splitlines())
+    assert "rope theta " in flat and "sliding window none" in flat and ("q/k norm" in flat) is norm
+    assert re.search(r"output layer (tied to the embeddings|its own)", flat) and "EOS ids" in r.stdout
 
 
 def test_inspect_bad_model(broken_models):
