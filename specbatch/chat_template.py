@@ -80,6 +80,11 @@ def content_as_parts(template: str) -> bool:
     return next(_loop_targets(tree, {"content"}), None) is not None
 
 
+def texts(content: str | list[str]) -> list[str]:
+    """A message's content (data/fields.py's form) as its texts."""
+    return [content] if isinstance(content, str) else content
+
+
 def _text(content: str | list[str]) -> str:
     return content if isinstance(content, str) else "\n".join(t for t in content if t)     # (vLLM drops empty ones)
 
@@ -101,7 +106,5 @@ def template_messages(messages: list[dict], template: str) -> list[dict]:
             '"developer"' not in template and "'developer'" not in template:
         messages = _no_developer(messages)
     if content_as_parts(template):
-        return [{**m, "content": [{"type": "text", "text": t}
-                                  for t in ([m["content"]] if isinstance(m["content"], str) else m["content"])]}
-                for m in messages]
+        return [{**m, "content": [{"type": "text", "text": t} for t in texts(m["content"])]} for m in messages]
     return [m if isinstance(m["content"], str) else {**m, "content": _text(m["content"])} for m in messages]

@@ -349,7 +349,7 @@ def inspect(
     """Show which model and draft a recipe resolves to, and the model's shape."""
     from .job import JobError, describe_draft, resolve_draft, resolve_model
     from .resolve import drafter_check
-    from .models.config import ModelError, generation_sampling_defaults, load_config
+    from .models.config import ModelError, generation_sampling_defaults, load_config, model_eos_ids
     from .models.registry import model_class
     from .params import describe_defaults
     from .recipe import RecipeError, load_recipe
@@ -376,8 +376,6 @@ def inspect(
         sampling = describe_defaults(r.sampling, generation_sampling_defaults(path))
     except (RecipeError, JobError, ModelError) as e:
         _fail(str(e))
-    from .models.config import generation_eos_ids
-
     params = model_class(cfg.architecture).num_parameters(cfg)      # counted on the meta device
     rope = f"theta {cfg.rope_theta:g}" + ("" if not cfg.rope_scaling else ", " + ", ".join(
         f"{k} {v}" for k, v in cfg.rope_scaling.items() if v is not None))
@@ -385,7 +383,7 @@ def inspect(
     layout = (f"rope {rope}; sliding window {cfg.sliding_window or 'none'}; biases {', '.join(biases) or 'none'}"
               f"{'; q/k norm' if cfg.qk_norm else ''}; output layer "
               f"{'tied to the embeddings' if 'lm_head.weight' not in names else 'its own'}")
-    eos = generation_eos_ids(path) or cfg.eos_token_ids
+    eos = model_eos_ids(path, cfg)
     table = Table(show_header=False)
     table.add_column("key")
     table.add_column("value", overflow="fold")          # paths shown whole, wrapped

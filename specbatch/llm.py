@@ -104,7 +104,7 @@ class Completion:
             if isinstance(row, RowRequest):
                 try:
                     text = render_chat(tokenizer, row) if row.messages is not None else row.prompt
-                    ids = encode_row(tokenizer, row, vocab)
+                    ids = encode_row(tokenizer, row, vocab, rendered=text if row.messages is not None else None)
                 except PromptError:
                     pass
             self.__dict__["_prompt_cache"] = (text, ids)

@@ -5,7 +5,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from .chat_template import template_messages
+from .chat_template import template_messages, texts
 from .models.config import ModelError
 
 
@@ -100,20 +100,21 @@ def chat_template_of(tokenizer: Any) -> str | None:
 def render_chat(tokenizer: Any, row: Any) -> str:
     """A `messages` row's prompt text: the model's chat template with the row's chat options (the
     generation prompt unless it says otherwise)."""
-    if not getattr(tokenizer, "chat_template", None):
+    template = chat_template_of(tokenizer)
+    if template is None:
         raise PromptError(f"{row.place}: field 'messages': the model's tokenizer has no chat "
                           "template; give a 'prompt' instead")
     try:
         opts = dict(getattr(row, "chat", None) or {})
         kwargs = opts.pop("chat_template_kwargs", None) or {}
         opts = {"add_generation_prompt": True, **opts, **kwargs}        # (vLLM's order: the kwargs win)
-        return tokenizer.apply_chat_template(template_messages(row.messages, chat_template_of(tokenizer)),
-                                             tokenize=False, **opts)
+        return tokenizer.apply_chat_template(template_messages(row.messages, template), tokenize=False, **opts)
     except Exception as e:
         raise PromptError(f"{row.place}: field 'messages': chat template failed ({exception_line(e)})") from None
 
 
-def encode_row(tokenizer: Any, row: Any, vocab_size: int, max_tokens_allowed: int | None = None) -> list[int]:
+def encode_row(tokenizer: Any, row: Any, vocab_size: int, max_tokens_allowed: int | None = None,
+               rendered: str | None = None) -> list[int]:
     """`prompt` as tokenizer(prompt) does (default special tokens), `messages` through the chat
     template with the generation prompt, `prompt_token_ids` as given.
 
@@ -130,16 +131,16 @@ def encode_row(tokenizer: Any, row: Any, vocab_size: int, max_tokens_allowed: in
         return ids
     limit = max_tokens_allowed
     if limit is not None:
-        texts = [t for m in row.messages for t in ([m["content"]] if isinstance(m["content"], str) else m["content"])] \
-            if row.messages is not None else [row.prompt]
-        nbytes = sum(_utf8_len(t) for t in texts)
+        parts = [t for m in row.messages for t in texts(m["content"])] if row.messages is not None else [row.prompt]
+        nbytes = sum(_utf8_len(t) for t in parts)
         if nbytes > limit * max_bytes_per_token(tokenizer):
             raise PromptError(f"{where}: prompt has {nbytes} bytes, more than a context of {limit} tokens can "
                               "hold (the model's limit, --max-model-len, or what the KV pool holds)")
     try:
         if row.messages is not None:
             # The template writes any BOS itself.
-            ids = _encode(tokenizer, render_chat(tokenizer, row), where, limit, add_special_tokens=False)
+            text = rendered if rendered is not None else render_chat(tokenizer, row)
+            ids = _encode(tokenizer, text, where, limit, add_special_tokens=False)
         else:
             ids = _encode(tokenizer, row.prompt, where, limit)
     except PromptError:

@@ -299,17 +299,17 @@ def _unless_failed(postprocess: Callable[[dict], dict], keep_error_column: bool)
     return apply
 
 
-# LLM's own keywords (not recipe keys) an engine_kwargs may hold
-_LLM_KEYWORDS = ("device", "eager", "bucket", "enable_prefix_caching", "logprobs_mode")
-
-
 def _check_engine_kwargs(config: ProcessorConfig) -> None:
     """engine_kwargs as every actor's LLM(...) will read them, refused now rather than in each
     actor as it starts: vLLM's arguments no engine takes, keys no recipe has."""
+    import inspect
+
+    from .llm import LLM
     from .recipe import load_recipe
 
+    own = {p.name for p in inspect.signature(LLM.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY}
     given = engine_args(config.engine_kwargs, say=False, model=config.model_source)
-    load_recipe(config.recipe).with_overrides(**{k: v for k, v in given.items() if k not in _LLM_KEYWORDS})
+    load_recipe(config.recipe).with_overrides(**{k: v for k, v in given.items() if k not in own})
 
 
 def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,

@@ -36,17 +36,17 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+def _position(e: Mapping[str, Any]) -> dict[int, Logprob]:
+    """One position's column entry as vLLM's {token_id: Logprob}: the token with its rank, then the
+    top ones with their places over it (vLLM builds the dict so: on a tie the token's place in the
+    top list wins); an output written before ranks were has none for the token."""
+    top = {t["token_id"]: Logprob(t["logprob"], rank, t["token"])
+           for rank, t in enumerate(e.get("top_logprobs") or (), start=1)}
+    return {e["token_id"]: Logprob(e["logprob"], e.get("rank"), e["token"]), **top}
+
+
 def _vllm_logprobs(entries: Sequence[Mapping[str, Any]] | None) -> list[dict[int, Logprob]] | None:
-    if entries is None:
-        return None
-    out = []
-    for e in entries:
-        top = {t["token_id"]: Logprob(t["logprob"], rank, t["token"])
-               for rank, t in enumerate(e.get("top_logprobs") or (), start=1)}
-        # its rank, then the top ones' places over it (vLLM builds the dict so: on a tie the token's
-        # place in the top list wins); an output from before ranks were written has none
-        out.append({e["token_id"]: Logprob(e["logprob"], e.get("rank"), e["token"]), **top})
-    return out
+    return None if entries is None else [_position(e) for e in entries]
 
 
 def _output(index: int, text: str | None, token_ids: Sequence[int] | None, logprobs: Any,
@@ -62,16 +62,7 @@ def prompt_logprobs(record: Mapping[str, Any]) -> list[dict[int, Logprob] | None
     column = record.get("prompt_logprobs")
     if column is None:
         return None
-    out: list[dict[int, Logprob] | None] = []
-    for e in column:
-        if e is None:
-            out.append(None)
-            continue
-        top = {t["token_id"]: Logprob(t["logprob"], rank, t["token"])
-               for rank, t in enumerate(e.get("top_logprobs") or (), start=1)}
-        # its rank (it may be past the top ones), then their places over it, as vLLM builds the dict
-        out.append({e["token_id"]: Logprob(e["logprob"], e.get("rank"), e["token"]), **top})
-    return out
+    return [None if e is None else _position(e) for e in column]
 
 
 def outputs(record: Mapping[str, Any]) -> list[CompletionOutput]:

@@ -55,8 +55,9 @@ class UnreadFields:
             if role not in self.ROLES and role not in self.roles and len(self.roles) <= self.SAID_AT_MOST:
                 self.roles.add(role)
                 print(f"warning: {row.place}: a message's role is {role!r}, not one of OpenAI's "
-                      f"({', '.join(self.ROLES)}): the chat template decides what it makes of such a turn, and many leave it out; rename the role "
-                      "if it means one of them (said once a role)", file=sys.stderr)
+                      f"({', '.join(self.ROLES)}): the chat template decides what it makes of such a turn, "
+                      "and many leave it out; rename the role if it means one of them (said once a role)",
+                      file=sys.stderr)
         for key, meant in getattr(row, "unread", ()):
             if key in self.seen or len(self.seen) > self.SAID_AT_MOST:
                 continue

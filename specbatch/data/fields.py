@@ -564,8 +564,6 @@ def check_vllm_only(params: dict, prefix: str) -> None:
         raise BadField(f"field '{prefix}{key}': a vLLM sampling field specbatch does not support yet; remove it")
 
 
-
-
 def _edits(a: str, b: str, most: int) -> int:
     """Levenshtein distance with adjacent transpositions, or most + 1 once it exceeds `most`."""
     if abs(len(a) - len(b)) > most:

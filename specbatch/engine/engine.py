@@ -24,7 +24,7 @@ from .prefill import Prefiller
 from .profile import CycleTime
 from ..data import RowError, RowRequest
 from ..models.attention import AttnMetadata
-from ..models.config import ModelError, generation_eos_ids, generation_sampling_defaults
+from ..models.config import ModelError, generation_sampling_defaults, model_eos_ids
 from ..models.eagle3 import Eagle3Head
 from ..models.llama import CausalLM, fuse_projections
 from ..models.loader import load_target
@@ -106,7 +106,7 @@ class Engine:
             self._on_device()
             self.model, _ = load_target(model_dir, opts.dtype, self.device)
             self.tokenizer = load_tokenizer(model_dir)
-            eos = generation_eos_ids(model_dir) or self.model.cfg.eos_token_ids
+            eos = model_eos_ids(model_dir, self.model.cfg)
             # sampling values the model's generation_config.json sets: for rows, flags and recipes that set none
             self.model_defaults = generation_sampling_defaults(model_dir)
         else:

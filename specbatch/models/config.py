@@ -149,6 +149,12 @@ def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
         raise ModelError(f"{path}: not valid JSON ({e})") from None
 
 
+def model_eos_ids(model_dir: str | Path, cfg: DecoderConfig) -> tuple[int, ...]:
+    """The EOS ids generation stops on: generation_config.json's, else config.json's (else, for
+    the engine, the tokenizer's)."""
+    return generation_eos_ids(model_dir) or cfg.eos_token_ids
+
+
 def generation_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
     """The sampling values generation_config.json sets (temperature, top_p, top_k,
     repetition_penalty, max_new_tokens as max_tokens; null or absent ones are left out): what
