@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -130,7 +131,17 @@ def _output_paths(output: str) -> tuple[str, ...]:
     return (output, output + ".parts", output + ".manifest.json", output + ".lock")
 
 
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def _check_paths(input_path: str, output: str) -> None:
+    # vllm run-batch fetches an http(s) -i and uploads to an http(s) -o; pyarrow would take s3:// and
+    # the like for its own filesystems, and the job would fail only when its output is assembled
+    if _URL.match(input_path):
+        raise JobError(f"{input_path}: a URL; specbatch reads local files: download it first and give its path")
+    if _URL.match(output):
+        raise JobError(f"--output {output}: a URL; specbatch writes a local file (and resumes from the parts beside "
+                       "it): give a local path and copy the file up when the job ends")
     if output != "-":
         output_file_format(output)           # a bad output path fails before the input is counted
     if output == "-" or input_path == "-":

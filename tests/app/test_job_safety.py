@@ -147,6 +147,19 @@ def test_the_input_is_never_the_output(tmp_path, base, how, monkeypatch):
     assert inp.read_bytes() == before
 
 
+@pytest.mark.parametrize("where", ["input", "output"])
+@pytest.mark.parametrize("url", ["https://example.com/batch.jsonl", "s3://bucket/batch.jsonl"])
+def test_a_url_is_refused_before_anything_runs(tmp_path, base, monkeypatch, where, url):
+    """vllm run-batch reads and writes http(s) URLs; pyarrow would take s3:// for its own filesystems
+    and the job would fail only at assembly, after every row ran, and again on every rerun."""
+    monkeypatch.chdir(tmp_path)
+    inp = write(tmp_path / "in.jsonl", ROWS)
+    args = ("run", url, "-o", tmp_path / "o.jsonl") if where == "input" else ("run", inp, "-o", url)
+    line = one_line_cli_error(cli(*args, *base), EXIT_USAGE)
+    assert url in line and "a URL" in line and ("download it first" if where == "input" else "local path") in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]       # no parts under ./https:/...
+
+
 def test_output_on_stdout_in_input_order(tmp_path, base):
     inp = write(tmp_path / "in.jsonl", ROWS)
     r = ok("run", inp, "-o", "-", *base)
