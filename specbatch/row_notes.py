@@ -125,13 +125,21 @@ class RepeatedIds:
     """Rows whose id another row has too (a row without one takes its row number, which can meet a
     given id; 1 and "1" count as one, as a Parquet id column of mixed types stores them): results
     joined back by id would go to the wrong rows. 8 bytes a row: a 64-bit hash of each id, in row
-    order, compared once at the end."""
+    order, compared once at the end. A line whose id could not be read has none, and is left out
+    (16 bytes then: the rows' numbers are kept beside their hashes)."""
 
     def __init__(self) -> None:
         self.hashes = array("q")
+        self.rows: array | None = None      # row numbers once one row was left out (else index = row)
 
     def add(self, row: Any) -> None:
+        if row.id is None:
+            if self.rows is None:
+                self.rows = array("q", range(len(self.hashes)))
+            return
         self.hashes.append(hash(str(row.id)))
+        if self.rows is not None:
+            self.rows.append(row.row)
 
     def count(self) -> tuple[int, tuple[int, int] | None]:
         """(rows whose id an earlier row has, (the first such row, the first row of that id) or None)."""
@@ -145,4 +153,7 @@ class RepeatedIds:
         if not repeats:
             return 0, None
         later = int(order[1:][same].min())
-        return repeats, (later, int(order[np.searchsorted(hs, h[later])]))
+        first = int(order[np.searchsorted(hs, h[later])])
+        if self.rows is not None:
+            return repeats, (self.rows[later], self.rows[first])
+        return repeats, (later, first)

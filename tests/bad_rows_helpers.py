@@ -9,7 +9,12 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 WHERE = "f.jsonl:4"
 
 
-def parse(obj, **kw):
+def parse(obj, as_given: bool = False, **kw):
+    """`obj` parsed as row 3; an OpenAI batch line without an id gets custom_id "c" (its results need
+    one: without, the line is an error) unless `as_given`."""
+    if not as_given and isinstance(obj, dict) and obj.get("body") is not None and \
+            obj.get("custom_id") is None and obj.get("id") is None:
+        obj = {"custom_id": "c", **obj}
     opts = {"row": 3, "where": WHERE, "prompt_column": "prompt", "id_column": None, "keep_columns": ()}
     opts.update(kw)
     return parse_row(obj, **opts)

@@ -175,7 +175,7 @@ def _jsonl_digests(lines: Iterable[bytes], first_row: int = 0) -> Iterator[Diges
 
 
 def _line_error(row: int, error: str, opts: dict) -> RowError:
-    return RowError(row, row, error, {c: None for c in opts["keep_columns"]})
+    return RowError(row, None, error, {c: None for c in opts["keep_columns"]})      # no id read: none made up
 
 
 def _read_block(f: BinaryIO) -> tuple[list[bytes], bool]:

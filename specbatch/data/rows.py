@@ -90,10 +90,14 @@ def _row_id(obj: dict, row: int, id_column: str | None) -> str | int:
         return _check_id(obj.get(id_column), id_column)
     # An OpenAI batch line's key is custom_id (the response echoes it; clients match on it); a
     # plain row's is id.
-    for key in ("custom_id", "id") if obj.get("body") is not None else ("id", "custom_id"):
+    batch_line = obj.get("body") is not None
+    for key in ("custom_id", "id") if batch_line else ("id", "custom_id"):
         v = obj.get(key)
         if v is not None:
             return _check_id(v, key)
+    if batch_line:      # its result would carry a made-up custom_id, which may be another request's
+        raise BadField("field 'custom_id': required on an OpenAI batch line (its result line echoes it, and "
+                       "results are matched to requests by it), got none")
     return row
 
 
@@ -172,6 +176,9 @@ def _parse_plain(obj: dict, req: RowRequest, prompt_column: str, exempt: Sequenc
     # tokenized_prompt and sampling_params: a dataset prepared for Ray Data LLM reads as it does
     # there. Its tokenize stage adds tokenized_prompt beside the prompt it came from: the prompt
     # form given wins (as specbatch.ray reads such a row), tokenized_prompt is one only alone.
+    if obj.get("url") in OPENAI_URLS:     # its fields at the top level would run as a plain row's defaults
+        raise BadField(f"field 'body': an OpenAI batch line (url '{obj['url']}') holds its request in 'body', "
+                       "got none")
     prompts = (prompt_column, "messages", "prompt_token_ids")
     forms = _present(obj, prompts) or _present(obj, ("tokenized_prompt",))
     if len(forms) > 1:
@@ -239,7 +246,7 @@ def _parse_row(obj: object, *, row: int, where: str, prompt_column: str, id_colu
                keep_columns: Sequence[str]) -> RowRequest | RowError:
     if not isinstance(obj, dict):
         kind = "an array" if isinstance(obj, list) else show(obj)
-        return RowError(row, row, f"{where}: expected a JSON object, got {kind}", {c: None for c in keep_columns})
+        return RowError(row, None, f"{where}: expected a JSON object, got {kind}", {c: None for c in keep_columns})
     keep = {}
     keep_error = None
     for c in keep_columns:
@@ -253,8 +260,8 @@ def _parse_row(obj: object, *, row: int, where: str, prompt_column: str, id_colu
     batch_line = True if obj.get("body") is not None else None
     try:
         rid = _row_id(obj, row, id_column)
-    except BadField as e:
-        return RowError(row, row, f"{where}: {e}", keep, batch_line=batch_line)
+    except BadField as e:       # no id read: none made up (the row number may be another row's id)
+        return RowError(row, None, f"{where}: {e}", keep, batch_line=batch_line)
     if keep_error is not None:
         return RowError(row, rid, f"{where}: {keep_error}", keep, batch_line=batch_line)
     req = RowRequest(row=row, id=rid, keep=keep, where=where)

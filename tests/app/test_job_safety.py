@@ -510,13 +510,15 @@ def test_repeated_ids_counting():
 
     def count(ids):
         r = RepeatedIds()
-        for i in ids:
-            r.add(SimpleNamespace(id=i))
+        for row, i in enumerate(ids):
+            r.add(SimpleNamespace(id=i, row=row))
         return r.count()
 
     assert count([]) == (0, None) and count(["a"]) == (0, None) and count(["a", "b", 1]) == (0, None)
     assert count(["x", "a", "b", "a", "a", "b"]) == (3, (3, 1))
     assert count([7, "q", "7"]) == (1, (2, 0))                  # 7 and "7": one id in a Parquet column
+    # a line whose id could not be read (None) meets no other and leaves the others' row numbers right
+    assert count([None, "x", None, "a", "x", None]) == (1, (4, 1)) and count([None, None]) == (0, None)
 
 
 @pytest.mark.parametrize("finished", [True, False])

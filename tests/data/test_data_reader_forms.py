@@ -220,6 +220,19 @@ def test_id_precedence():
     line = {"id": "meta-1", "custom_id": "req-7", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
     assert parse(line).id == "req-7"
     assert parse({**line, "custom_id": None}).id == "meta-1"
+    # one without any: an error row with no id (its result's custom_id would be made up, maybe another's)
+    bare = {k: v for k, v in line.items() if k not in ("id", "custom_id")}
+    for missing in (bare, {**bare, "id": None, "custom_id": None}):
+        e = parse(missing, as_given=True)
+        assert isinstance(e, RowError) and e.id is None and e.batch_line
+        assert e.error == ("f.jsonl:4: field 'custom_id': required on an OpenAI batch line (its result line echoes it, "
+                           "and results are matched to requests by it), got none")
+    assert parse({k: v for k, v in line.items() if k != "custom_id"}, id_column="id", as_given=True).id == "meta-1"
+    # a batch line's fields at the top level, without its body, would run as a plain row's defaults
+    flat = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "messages": MESSAGES, "max_tokens": 5}
+    assert err(flat) == ("f.jsonl:4: field 'body': an OpenAI batch line (url '/v1/chat/completions') holds its "
+                         "request in 'body', got none")
+    assert parse({"prompt": "x", "url": "https://example.com/page"}).prompt == "x"      # a dataset's own url column
     # pandas stores an integer column with nulls as float: whole values are the integer ids
     assert parse({"prompt": "x", "id": 12.0}).id == 12 and "'id'" in err({"prompt": "x", "id": 1.5})
 
