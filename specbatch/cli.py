@@ -14,6 +14,7 @@ from rich.table import Table
 
 from . import algorithms
 from .engine_args import engine_args
+from .speculative_config import speculative_base
 from .progress import ProgressView, print_summary           # torch-free: the help strings that name algorithms and drafters
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ def _check_stats_path(path: str) -> None:
 def run(
     input: Optional[str] = typer.Argument(None, show_default=False, help="Input rows: a .jsonl (or .jsonl.gz, .zst, .bz2, .lz4) or .parquet file, a directory of them (a dataset's files, read in path order), or - for JSONL on stdin (or -i, as vllm run-batch takes it)."),
     input_file: Optional[str] = typer.Option(None, "--input-file", "-i", help="The input, as vllm run-batch's -i (or give it as INPUT)."),
-    recipe: str = typer.Option("vanilla", "--recipe", "-r", help="Builtin recipe name or a recipe .yaml path."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", show_default=False, help="Builtin recipe name or a recipe .yaml path (default: vanilla; vLLM's --speculative-config chooses one too)."),
     model: Optional[str] = typer.Option(None, help="HF model directory (default: the recipe's model)."),
     draft: Optional[str] = typer.Option(None, help=algorithms.draft_help("run")),
     output: Optional[str] = typer.Option(None, "--output", "-o", "--output-file", help="Output .parquet or .jsonl, or - for JSONL on stdout (default: beside the input, data.jsonl -> data.completions.parquet; stdin: completions.parquet)."),
@@ -163,6 +164,27 @@ def run(
     kv_cache_dtype: Optional[str] = typer.Option(None, hidden=True),
     max_num_batched_tokens: Optional[int] = typer.Option(None, hidden=True),
     swap_space: Optional[float] = typer.Option(None, hidden=True),
+    block_size: Optional[int] = typer.Option(None, hidden=True),
+    speculative_config: Optional[str] = typer.Option(None, hidden=True),
+    tokenizer: Optional[str] = typer.Option(None, hidden=True),
+    tokenizer_mode: Optional[str] = typer.Option(None, hidden=True),
+    revision: Optional[str] = typer.Option(None, hidden=True),
+    tokenizer_revision: Optional[str] = typer.Option(None, hidden=True),
+    load_format: Optional[str] = typer.Option(None, hidden=True),
+    generation_config: Optional[str] = typer.Option(None, hidden=True),
+    max_logprobs: Optional[int] = typer.Option(None, hidden=True),
+    chat_template: Optional[str] = typer.Option(None, hidden=True),
+    served_model_name: Optional[str] = typer.Option(None, hidden=True),
+    response_role: Optional[str] = typer.Option(None, hidden=True),
+    reasoning_parser: Optional[str] = typer.Option(None, hidden=True),
+    enable_prompt_tokens_details: Optional[bool] = typer.Option(None, "--enable-prompt-tokens-details", hidden=True),
+    output_tmp_dir: Optional[str] = typer.Option(None, hidden=True),
+    enable_metrics: Optional[bool] = typer.Option(None, "--enable-metrics", hidden=True),
+    port: Optional[int] = typer.Option(None, hidden=True),
+    url: Optional[str] = typer.Option(None, hidden=True),
+    max_log_len: Optional[int] = typer.Option(None, hidden=True),
+    enable_log_requests: Optional[bool] = typer.Option(None, "--enable-log-requests", hidden=True),
+    enable_force_include_usage: Optional[bool] = typer.Option(None, "--enable-force-include-usage", hidden=True),
 ) -> None:
     """Generate a completion for every row of INPUT. Rerunning the same command resumes. A vllm
     run-batch command line runs too: -i, --output-file and its engine flags (README)."""
@@ -183,13 +205,30 @@ def run(
     input = input if input is not None else input_file
     vllm = dict(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                 data_parallel_size=data_parallel_size, quantization=quantization,
-                trust_remote_code=trust_remote_code, disable_log_stats=disable_log_stats or disable_log_requests,
-                enable_chunked_prefill=enable_chunked_prefill, kv_cache_dtype=kv_cache_dtype,
-                max_num_batched_tokens=max_num_batched_tokens, swap_space=swap_space)
+                trust_remote_code=trust_remote_code, disable_log_stats=disable_log_stats,
+                disable_log_requests=disable_log_requests, enable_chunked_prefill=enable_chunked_prefill,
+                kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=max_num_batched_tokens, swap_space=swap_space,
+                block_size=block_size, tokenizer=tokenizer, tokenizer_mode=tokenizer_mode, revision=revision,
+                tokenizer_revision=tokenizer_revision, load_format=load_format, generation_config=generation_config,
+                max_logprobs=max_logprobs, chat_template=chat_template, served_model_name=served_model_name,
+                response_role=response_role, reasoning_parser=reasoning_parser,
+                enable_prompt_tokens_details=enable_prompt_tokens_details, output_tmp_dir=output_tmp_dir,
+                enable_metrics=enable_metrics, port=port, url=url, max_log_len=max_log_len,
+                enable_log_requests=enable_log_requests, enable_force_include_usage=enable_force_include_usage)
+    if speculative_config is not None:
+        try:
+            vllm["speculative_config"] = json.loads(speculative_config)
+        except ValueError as e:
+            _fail(f"--speculative-config: expected a JSON object, as vLLM's ({e})")
+    spec: dict[str, Any] = {}
     try:
-        engine_args({k: v for k, v in vllm.items() if v is not None}, spell=_flag)
+        taken = engine_args({k: v for k, v in vllm.items() if v is not None}, spell=_flag, model=model)
+        if "speculative" in taken:        # the recipe doing what vLLM's speculative config asks
+            recipe, spec = speculative_base(recipe or "vanilla", draft, taken["speculative"], "--speculative-config")
+            draft = spec.pop("draft")
     except ValueError as e:
         _fail(str(e))
+    recipe = recipe or "vanilla"
     overrides = dict(model=model, draft=draft, batch_size=batch_size, max_tokens=max_tokens,
                      temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                      stop=list(stop) if stop else None, ignore_eos=ignore_eos, dtype=dtype,
@@ -204,6 +243,10 @@ def run(
         rec = load_recipe(recipe)
     except RecipeError as e:
         _fail(str(e))
+    try:
+        rec = rec.with_overrides(**spec)
+    except RecipeError as e:
+        _fail(f"--speculative-config: {e.detail or e}")
     try:
         rec = rec.with_overrides(**overrides)
     except RecipeError as e:
@@ -225,7 +268,7 @@ def run(
         keep_columns=[c.strip() for c in keep_columns.split(",") if c.strip()] if keep_columns else (),
         save_token_ids=save_token_ids, fail_fast=fail_fast, overwrite=overwrite, device=device,
         bucket_window=bucket, eager=eager, output_format=output_format, gpus=gpus, workers=workers,
-        prefix_caching=prefix_caching, logprobs_mode=logprobs_mode)
+        prefix_caching=prefix_caching, logprobs_mode=logprobs_mode, served_model_name=served_model_name)
     view = ProgressView(err, quiet=quiet, every=progress_every)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:

@@ -3,7 +3,8 @@ script's first line runs: one with a specbatch setting of its own becomes that s
 (max_num_seqs -> batch_size, enforce_eager -> eager); one that asks for nothing specbatch does
 differently at the value given is taken (tensor_parallel_size=1, trust_remote_code, a tokenizer
 that is the model's); one that tunes what specbatch does its own way is taken with a warning
-saying so; another value of one of these is a ValueError naming why. A key none of these tables
+saying so; another value of one of these is a ValueError naming why; speculative_config is the recipe
+that does what it asks (speculative_config.py). A key none of these tables
 holds goes on to the recipe's keys, which refuse it naming what specbatch has instead (RecipeError).
 Torch-free."""
 from __future__ import annotations
@@ -12,6 +13,8 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from .speculative_config import speculative_recipe
 
 # name -> the specbatch keyword it is
 RENAMED = {"max_num_seqs": "batch_size", "enforce_eager": "eager"}
@@ -47,12 +50,34 @@ TAKEN: dict[str, tuple[Callable[[Any], bool], str]] = {
                                      "engine per GPU here: the backend changes nothing)"),
     "revision": (lambda v: v is None, "not supported: the model is a local directory (leave it unset)"),
     "tokenizer_revision": (lambda v: v is None, "not supported: the model is a local directory (leave it unset)"),
+    "generation_config": (lambda v: v in (None, "auto"), "only 'auto': the model directory's generation_config.json "
+                                                         "gives unset sampling fields (set them in rows or flags)"),
+    "max_logprobs": (lambda v: v in (None, 20), "not supported: rows may ask for up to 20 logprobs a token "
+                                               "(vLLM's default); expected 20"),
+    "chat_template": (lambda v: v is None, "not supported yet: the model directory's template is used (put yours in "
+                                           "a chat_template.jinja file there, which the tokenizer reads)"),
+    "served_model_name": (lambda v: v is None or isinstance(v, str) or all(isinstance(n, str) for n in v),
+                          "expected a name"),
+    # vllm run-batch's own flags
+    "response_role": (lambda v: v in (None, "assistant"), "not supported: chat results' role is 'assistant'"),
+    "reasoning_parser": (lambda v: v in (None, ""), "not supported: no reasoning parser: a reasoning model's "
+                                                    "thinking stays in the completion (README)"),
+    "enable_prompt_tokens_details": (lambda v: not v, "not supported: usage has no prompt_tokens_details"),
+    "output_tmp_dir": (lambda v: True, ""),         # vLLM's too is used only for an http(s) output
+    "port": (lambda v: True, ""),                   # the metrics server's (--enable-metrics, said below)
+    "url": (lambda v: True, ""),
+    "max_log_len": (lambda v: True, ""),            # request logging: none here
+    "enable_log_requests": (_any_bool, "expected true or false"),
+    "disable_log_requests": (_any_bool, "expected true or false"),
+    "enable_force_include_usage": (_any_bool, "expected true or false (every result carries usage)"),
 }
 
 # name -> what specbatch does instead: taken, and said (they tune speed or memory, not results)
 TUNED = {
     "max_num_batched_tokens": "prefill packs up to 8,192 prompt tokens a forward",
     "swap_space": "a preempted sequence is recomputed, not swapped to CPU memory",
+    "block_size": "KV pages hold 64 tokens on a GPU, 16 on a CPU",
+    "enable_metrics": "no metrics server: the progress lines and --stats-json report the run",
 }
 
 
@@ -85,8 +110,11 @@ def engine_args(given: Mapping[str, Any], eager: bool | None = None, say: bool =
             ok, instead = TAKEN[key]
             if not ok(value):
                 raise ValueError(f"{spell(key, value)}: {instead}")
+        elif key == "speculative_config":   # the recipe doing what it asks: ("speculative", (name, overrides))
+            if value is not None:
+                out["speculative"] = speculative_recipe(value, spell(key, value), model, say)
         elif key in TUNED:
-            if value is not None and say:
+            if value not in (None, False) and say:
                 print(f"warning: {spell(key, value)} is vLLM's and is not used: {TUNED[key]}", file=sys.stderr)
         else:
             out[key] = value

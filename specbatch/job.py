@@ -45,6 +45,7 @@ class JobOptions:
     output_format: str = "auto"          # native | openai (OpenAI Batch lines) | auto: openai for OpenAI batch input
     prefix_caching: bool = True          # share the KV pages of prompts that begin alike
     logprobs_mode: str = DEFAULT_LOGPROBS_MODE  # what logprobs hold: vLLM's --logprobs-mode (engine/logprobs.py)
+    served_model_name: str | None = None  # the model OpenAI responses name (vLLM's --served-model-name)
 
 
 # A job commits a part of its finished rows at most once a second (and at least every 30 s):
@@ -114,8 +115,11 @@ def _run_dtype(name: str, model: Any, device: str | None) -> str:
     return str(resolve_dtype(name, load_config(model)[0], resolve_device(device))).removeprefix("torch.")
 
 
-def model_name(recipe: Recipe) -> str:
-    """The model an OpenAI response names when its request named none: the model directory's name."""
+def model_name(recipe: Recipe, served: str | None = None) -> str:
+    """The model an OpenAI response names when its request named none: `served` (vLLM's
+    --served-model-name), else the model directory's name."""
+    if served is not None:
+        return served
     return "specbatch-demo" if recipe.model == "default" else os.path.basename(os.path.normpath(recipe.model))
 
 
@@ -218,14 +222,14 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     if output == "-":
         writer: OutputWriter | StdoutWriter = StdoutWriter(
             save_token_ids=opts.save_token_ids, keep_columns=opts.keep_columns,
-            output_format=opts.output_format, model_name=model_name(recipe))
+            output_format=opts.output_format, model_name=model_name(recipe, opts.served_model_name))
     else:
         in_process = len(devices) == 1 and opts.gpus is None        # _Runner's choice
         fp = fingerprint(recipe, model_dir, spec.draft, opts, opts.device if in_process else devices[0])
         writer = OutputWriter(output, fingerprint=fp, commit_interval=COMMIT_INTERVAL_S,
                               save_token_ids=opts.save_token_ids, keep_columns=opts.keep_columns,
                               overwrite=opts.overwrite, output_format=opts.output_format,
-                              model_name=model_name(recipe), keep_types=source.column_types)
+                              model_name=model_name(recipe, opts.served_model_name), keep_types=source.column_types)
     spooled = None
     try:
         if len(writer.done_rows) or writer.complete:      # complete with no rows: --limit 0, an empty input
@@ -357,7 +361,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
     total = source.total if limit is None or source.total is None else min(source.total, limit)
     resumed = len(done) if limit is None else done.count_below(limit)
     digests: dict[int, bytes] = {}
-    named, ids = ModelNames(model_name(recipe)), RepeatedIds()
+    named, ids = ModelNames(model_name(recipe, opts.served_model_name)), RepeatedIds()
     unread = UnreadFields("(rename the column, or name it in --keep-columns, to keep this quiet)")
     greedy = GreedyByDefault(recipe.sampling, runner.model_defaults)
 

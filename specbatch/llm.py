@@ -22,6 +22,7 @@ from .recipe import Recipe, RecipeError, load_recipe
 from .request_output import CompletionOutput, Logprob, outputs, prompt_logprobs
 from .resolve import describe_draft, resolve_model, spec_config
 from .row_notes import GreedyByDefault, UnreadFields
+from .speculative_config import speculative_base
 
 # A prompt: text, a chat (list of {role, content}), token ids, or a whole input row as a dict
 # (the forms and per-row fields of an input file, OpenAI batch lines included).
@@ -259,6 +260,10 @@ class LLM:
 
         overrides = engine_args(overrides, eager, model=model)
         eager = overrides.pop("eager", eager)
+        if "speculative" in overrides:     # vLLM's speculative_config: the recipe doing what it asks
+            recipe, spec = speculative_base(recipe, draft, overrides.pop("speculative"), "LLM(speculative_config=...)")
+            draft = spec.pop("draft")
+            overrides = {**spec, **overrides}
         base = recipe if isinstance(recipe, Recipe) else load_recipe(str(recipe))
         try:
             self.recipe = base.with_overrides(model=None if model is None else str(model),

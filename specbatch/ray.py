@@ -55,6 +55,7 @@ from .data.fields import BadField, check_token_ids, sampling_params_fields
 from .engine_args import engine_args
 from .records import LOGPROBS_TYPE, PROMPT_LOGPROBS_TYPE
 from .row_notes import GreedyByDefault, UnreadFields
+from .speculative_config import speculative_base
 
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens", "num_generated_tokens",
                   "time_taken_llm", "finish_reason", "spec_verify_steps", "spec_accepted_tokens",
@@ -309,7 +310,12 @@ def _check_engine_kwargs(config: ProcessorConfig) -> None:
 
     own = {p.name for p in inspect.signature(LLM.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY}
     given = engine_args(config.engine_kwargs, say=False, model=config.model_source)
-    load_recipe(config.recipe).with_overrides(**{k: v for k, v in given.items() if k not in own})
+    recipe = config.recipe
+    if "speculative" in given:
+        recipe, spec = speculative_base(recipe, config.draft, given.pop("speculative"),
+                                        "engine_kwargs['speculative_config']")
+        given = {**spec, **given}
+    load_recipe(recipe).with_overrides(**{k: v for k, v in given.items() if k not in own})
 
 
 def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,

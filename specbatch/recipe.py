@@ -16,6 +16,7 @@ from .models.config import DTYPE_NAMES
 from .params import LOGIT_BIAS_MAX, LOGIT_BIAS_RANGE, LOGPROBS_MAX, N_MAX, PENALTY_RANGE, SamplingParams
 
 DTYPES = ("auto", *DTYPE_NAMES)
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}       # vLLM's --dtype spellings
 BUILTIN_PREFIX = "<builtin>"
 
 
@@ -169,6 +170,10 @@ def _str(source: str, key: str, v: Any, *, nullable: bool = False) -> str | None
     if not isinstance(v, str):
         _fail(source, key, f"expected a string{' or null' if nullable else ''}, got {describe(v)}")
     return v
+
+
+def _dtype_name(v: Any) -> Any:
+    return DTYPE_ALIASES.get(v, v) if isinstance(v, str) else v
 
 
 def _choice(source: str, key: str, v: Any, choices: tuple[str, ...]) -> str:
@@ -366,7 +371,7 @@ def parse_recipe(data: dict, source: str) -> Recipe:
         drafter=_check_drafter(source, algorithm, data.get("drafter")),
         model=model,
         draft=_str(source, "draft", data.get("draft"), nullable=True),
-        dtype=_choice(source, "dtype", data.get("dtype", "auto"), DTYPES),
+        dtype=_choice(source, "dtype", _dtype_name(data.get("dtype", "auto")), DTYPES),
         batch_size=_int(source, "batch_size", data.get("batch_size"), minimum=1, nullable=True),
         max_model_len=_int(source, "max_model_len", data.get("max_model_len"), minimum=1, nullable=True),
         gpu_memory_utilization=_number(source, "gpu_memory_utilization", data.get("gpu_memory_utilization"),

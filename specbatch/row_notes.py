@@ -23,7 +23,7 @@ class ModelNames:
     def check(self, row: Any) -> None:
         name = getattr(row, "request_model", None)
         if (name is None or name in self.seen or len(self.seen) > self.SAID_AT_MOST
-                or os.path.basename(os.path.normpath(name)) == self.running):       # the directory, or org/name
+                or self.running in (name, os.path.basename(os.path.normpath(name)))):   # the directory, or org/name
             return
         self.seen.add(name)
         if len(self.seen) > self.SAID_AT_MOST:

@@ -376,21 +376,42 @@ def test_a_vllm_run_batch_command_line_runs(tiny_model, tmp_path):
     src = tmp_path / "batch.jsonl"
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
               "body": {"model": "m", "prompt": p, "max_tokens": 3, "temperature": 0}} for i, p in enumerate(PROMPTS[:3])]
+    del lines[2]["body"]["model"]
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "results.jsonl"
     r = ok("run", "-i", src, "--output-file", out, "--model", tiny_model, "--device", "cpu", "--max-num-seqs", 2,
            "--enforce-eager", "--tensor-parallel-size", 1, "--trust-remote-code", "--disable-log-requests",
-           "--enable-chunked-prefill", "--max-num-batched-tokens", 4096, "-q")
+           "--enable-chunked-prefill", "--max-num-batched-tokens", 4096, "--served-model-name", "served",
+           "--output-tmp-dir", tmp_path, "--max-log-len", 10, "--enable-log-requests", "--enable-force-include-usage",
+           "--generation-config", "auto", "--max-logprobs", 20, "--response-role", "assistant", "--enable-metrics",
+           "--port", 9000, "-q")
     assert "--max-num-batched-tokens 4096 is vLLM's and is not used" in r.output
+    assert "--enable-metrics is vLLM's and is not used: no metrics server" in r.output
     got = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["custom_id"] for x in got] == ["r0", "r1", "r2"] and all(x["error"] is None for x in got)
+    # the request's name, echoed; the served name where it gives none
+    assert [x["response"]["body"]["model"] for x in got] == ["m", "m", "served"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["batch.jsonl", "results.jsonl", "results.jsonl.manifest.json"]
     same = tmp_path / "same.jsonl"
     ok("run", src, "-o", same, "--model", tiny_model, "--device", "cpu", "--batch-size", 2, "--eager", "-q")
     texts = [[c["text"] for c in json.loads(x)["response"]["body"]["choices"]] for x in same.read_text().splitlines()]
     assert texts == [[c["text"] for c in x["response"]["body"]["choices"]] for x in got]
     for flags, expected in ((["--tensor-parallel-size", 2], "--tensor-parallel-size 2: specbatch runs one engine per "
                                                               "GPU, without tensor or pipeline parallelism"),
-                            (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported: the KV cache holds")):
+                            (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported: the KV cache holds"),
+                            (["--response-role", "user"], "--response-role user: not supported: chat results' role"),
+                            (["--reasoning-parser", "qwen3"], "--reasoning-parser qwen3: not supported: no reasoning "
+                                                              "parser"),
+                            (["--chat-template", "t.jinja"], "--chat-template t.jinja: not supported yet: the model "
+                                                             "directory's template is used"),
+                            (["--speculative-config", "{method: eagle3}"], "--speculative-config: expected a JSON "
+                                                                           "object, as vLLM's"),
+                            (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+                             "--speculative-config {'method': 'ngram', 'num_speculative_tokens': 2}: method 'ngram' "
+                             "is not supported"),
+                            (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', "-r",
+                              "eagle3_tree"], "--speculative-config and recipe 'eagle3_tree' both choose the "
+                                              "algorithm: give one")):
         line = one_line_cli_error(cli("run", "-i", src, "-o", tmp_path / "x.jsonl", "--model", tiny_model,
                                       "--device", "cpu", *flags), 2)
         assert line == f"error: {expected}" or line.startswith(f"error: {expected}"), line

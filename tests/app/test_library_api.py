@@ -461,9 +461,30 @@ def test_vllms_engine_arguments_run_as_specbatchs_or_name_what_it_has_instead(ti
                                                                 r"disagree: max_num_seqs is vLLM's name for batch_size")):
         with pytest.raises(ValueError, match=message):
             LLM(tiny_model, device="cpu", **kw)
-    with pytest.raises(RecipeError, match=r"^LLM\(\.\.\.\): unknown key 'speculative_config' .*vLLM's "
-                                          r"speculative_config is, here, the recipe"):
-        LLM(tiny_model, device="cpu", speculative_config={"method": "eagle3"})
+    with pytest.raises(RecipeError, match=r"^LLM\(\.\.\.\): unknown key 'max_loras'"):
+        LLM(tiny_model, device="cpu", max_loras=2)
+
+
+def test_vllms_speculative_config_runs_the_recipe_doing_the_same(target_dir, eagle3_dir, capsys):
+    """LLM(model, speculative_config={"method": "eagle3", "model": HEAD, "num_speculative_tokens": K}),
+    vLLM's way to speculate, is eagle3_topk1 with S = K and that head: its greedy tokens are plain
+    decoding's; what it cannot honour is a ValueError naming it."""
+    from specbatch.llm import LLM
+
+    config = {"method": "eagle3", "model": str(eagle3_dir), "num_speculative_tokens": 2}
+    llm = LLM(target_dir, device="cpu", speculative_config=config)
+    r = llm.recipe
+    assert (r.name, r.algorithm, r.num_steps, r.topk, r.num_draft_tokens, r.draft) == \
+        ("eagle3_topk1", "eagle3", 2, 1, 3, str(eagle3_dir))
+    prompts, params = ["The cat", "def f(x):"], {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(c.record["spec"]["draft_tokens"] for c in got) > 0                      # it speculated
+    plain = LLM(target_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+    with pytest.raises(ValueError, match=r"^LLM\(speculative_config=\{.*\}\): method 'ngram' is not supported"):
+        LLM(target_dir, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="and recipe 'eagle3_tree' both choose the algorithm: give one"):
+        LLM(target_dir, "eagle3_tree", device="cpu", speculative_config=config)
 
 
 def test_a_completion_reads_as_vllms_request_output(llm):

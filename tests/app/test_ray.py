@@ -371,6 +371,15 @@ def test_vllms_engine_kwargs_run_and_a_value_no_engine_takes_is_refused_before_t
         build_processor(ProcessorConfig(engine_kwargs={"device": "cpu", "tensor_parallel_size": 4}))
     from specbatch.recipe import RecipeError
 
-    for key, named in (("speculative_config", "the recipe"), ("batchsize", "did you mean 'batch_size'")):
+    for key, named in (("max_num_partial_prefills", "known: name"), ("batchsize", "did you mean 'batch_size'")):
         with pytest.raises(RecipeError, match=rf"unknown key '{key}' .*{named}"):
             build_processor(ProcessorConfig(engine_kwargs={"device": "cpu", key: {}}))
+    # vLLM's speculative_config is the recipe doing the same, checked as each actor's LLM will read it
+    for config, said in (({"method": "ngram", "num_speculative_tokens": 2}, "method 'ngram' is not supported"),
+                         ({"method": "eagle3", "model": "/h", "num_speculative_tokens": 0},
+                          "num_speculative_tokens: expected an integer >= 1")):
+        with pytest.raises(ValueError, match=said):
+            build_processor(ProcessorConfig(engine_kwargs={"device": "cpu", "speculative_config": config}))
+    with pytest.raises(ValueError, match=r"^engine_kwargs\['speculative_config'\] and recipe 'eagle3_tree' both"):
+        build_processor(ProcessorConfig(recipe="eagle3_tree", engine_kwargs={"speculative_config": {
+            "method": "mtp", "num_speculative_tokens": 2}}))

@@ -40,6 +40,15 @@ def test_unknown_algorithm_and_dtype():
     assert "algorithm: expected one of vanilla, eagle3, nextn_mtp, naive_2token, got str 'medusa'" in msg
     msg = _error({"algorithm": "vanilla", "dtype": "fp8"})
     assert "dtype: expected one of auto, float32, bfloat16, float16" in msg
+    msg = _error({"algorithm": "vanilla", "dtype": ["half"]})
+    assert "dtype: expected one of auto, float32, bfloat16, float16" in msg
+
+
+def test_vllms_dtype_spellings_are_their_dtypes():
+    from specbatch.recipe import load_recipe
+
+    assert load_recipe("vanilla").with_overrides(dtype="half").dtype == "float16"
+    assert load_recipe("vanilla").with_overrides(dtype="float").dtype == "float32"
 
 
 @pytest.mark.parametrize(
