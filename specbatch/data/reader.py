@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .fields import CHAT_OPTIONS, OVERRIDE_KEYS, UNSUPPORTED_FIELDS, near_field
-from .rows import InputError, RowError, RowRequest, parse_row
+from .rows import InputError, RowError, RowRequest, has_ray_fields, parse_row
 
 PARQUET_BATCH_ROWS = 1024
 SCAN_CHUNK_BYTES = 1 << 22
@@ -59,7 +59,7 @@ class RowSource:
                  column_types: dict[str, pa.DataType] | None = None,
                  digests: Callable[[], Iterator[Digested | Row]] | None = None) -> None:
         """`column_types`: the input's own types of the kept columns, where it has them (Parquet);
-        `digests`: the rows' numbers and digests without parsing them (JSONL), else `rows` serve."""
+        `digests`: the rows' numbers and digests without parsing them (JSONL, Parquet), else `rows` serve."""
         self.path = path
         self.total = total
         self._rows = rows
@@ -383,23 +383,28 @@ def _open_parquet(path: str, opts: dict, first_row: int = 0) -> RowSource:
     columns, noted = _parquet_columns(names, opts)
     name = _display(path)
 
-    def rows() -> Iterator[Row]:
+    def batches() -> Iterator[pa.RecordBatch]:
         try:
             # pre_buffer off: with it, every row group read stays allocated until the file's end
             # (a 10M-row input's prompts held in memory; apache/arrow#39808)
             pf = pq.ParquetFile(path, pre_buffer=False)
-            batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns + noted)
+            read = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns + noted)
         except (OSError, pa.ArrowException, ValueError) as e:
             raise InputError(f"{path}: cannot read Parquet: {_one_line(e)}") from None
         with pf:
-            yield from _parquet_rows(path, name, batches, noted, first_row, opts)
+            yield from read
 
-    return RowSource(path, total, rows, {c: schema.field(c).type for c in opts["keep_columns"]})
+    def rows() -> Iterator[Row]:
+        return _parquet_rows(path, name, batches(), noted, first_row, opts)
+
+    def digests() -> Iterator[Digested]:
+        return _parquet_digests(path, batches(), noted, first_row, opts)
+
+    return RowSource(path, total, rows, {c: schema.field(c).type for c in opts["keep_columns"]}, digests=digests)
 
 
-def _parquet_rows(path: str, name: str, batches: Iterator[pa.RecordBatch], noted: list[str], first_row: int,
-                  opts: dict) -> Iterator[Row]:
-    row = 0                              # in this file (its messages' numbering)
+def _parquet_records(path: str, batches: Iterator[pa.RecordBatch]) -> Iterator[list[dict]]:
+    """Each batch's rows as dicts; a read that fails midway is the input's error naming the file."""
     while True:
         try:
             batch = next(batches)
@@ -408,16 +413,40 @@ def _parquet_rows(path: str, name: str, batches: Iterator[pa.RecordBatch], noted
             return
         except (OSError, pa.ArrowException, ValueError) as e:
             raise InputError(f"{path}: cannot read Parquet: {_one_line(e)}") from None
+        yield records
+
+
+def _parquet_rows(path: str, name: str, batches: Iterator[pa.RecordBatch], noted: list[str], first_row: int,
+                  opts: dict) -> Iterator[Row]:
+    row = 0                              # in this file (its messages' numbering)
+    for records in _parquet_records(path, batches):
         for obj in records:
             out = parse_row(obj, row=first_row + row, where=f"{name} row {row}", **opts)
-            for c in noted:
-                del obj[c]
-            for c in _READ_SINCE:
-                if c in obj and (obj[c] is None or (c == "tokenized_prompt" and not out.ray_fields)):
-                    del obj[c]           # (a tokenized_prompt beside a prompt changes nothing it reads)
-            out.digest = _parquet_digest(obj)
+            out.digest = _parquet_row_digest(obj, noted, out.ray_fields)
             yield out
             row += 1
+
+
+def _parquet_digests(path: str, batches: Iterator[pa.RecordBatch], noted: list[str], first_row: int,
+                     opts: dict) -> Iterator[Digested]:
+    """What _parquet_rows yields, numbered and digested alike, without validating the rows (the
+    digest needs only whether a row has Ray Data LLM's fields, which parse_row reads the same way)."""
+    row = first_row
+    for records in _parquet_records(path, batches):
+        for obj in records:
+            yield Digested(row, _parquet_row_digest(obj, noted, has_ray_fields(obj, opts["prompt_column"])))
+            row += 1
+
+
+def _parquet_row_digest(obj: dict, noted: list[str], ray_fields: bool) -> bytes:
+    """The digest of a row as read (`obj` is consumed): the columns read only to be noted, and the
+    _READ_SINCE columns an older specbatch took as data where they change nothing, left out."""
+    for c in noted:
+        del obj[c]
+    for c in _READ_SINCE:
+        if c in obj and (obj[c] is None or (c == "tokenized_prompt" and not ray_fields)):
+            del obj[c]           # (a tokenized_prompt beside a prompt changes nothing it reads)
+    return _parquet_digest(obj)
 
 
 def _parquet_digest(obj: dict) -> bytes:

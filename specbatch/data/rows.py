@@ -234,12 +234,16 @@ def parse_row(
     """Validate one input row (a JSON object or a Parquet row as a dict)."""
     out = _parse_row(obj, row=row, where=where, prompt_column=prompt_column, id_column=id_column,
                      keep_columns=keep_columns)
-    # Whether the row has what an older specbatch took as its data (job.py checks a resume by it),
-    # whether or not it parses now.
-    out.ray_fields = isinstance(obj, dict) and (obj.get("sampling_params") is not None or (
+    out.ray_fields = has_ray_fields(obj, prompt_column)
+    return out
+
+
+def has_ray_fields(obj: object, prompt_column: str = "prompt") -> bool:
+    """Whether the row has what an older specbatch took as its data (job.py checks a resume by it),
+    whether or not it parses now: Ray Data LLM's sampling_params, or a tokenized_prompt alone."""
+    return isinstance(obj, dict) and (obj.get("sampling_params") is not None or (
         obj.get("tokenized_prompt") is not None
         and not _present(obj, (prompt_column, "messages", "prompt_token_ids", "body"))))
-    return out
 
 
 def _parse_row(obj: object, *, row: int, where: str, prompt_column: str, id_column: str | None,

@@ -284,6 +284,33 @@ def test_a_resumes_digest_pass_numbers_and_digests_rows_as_reading_them_does(tmp
         assert light == full and len(full) >= 5
 
 
+def test_a_resumes_digest_pass_over_parquet_gives_the_full_reads_digests(tmp_path, monkeypatch):
+    """Parquet rows are digested without validating them (a resume's check): every row, good or
+    bad, in every form, with the columns left out of the digest (noted fields, Ray Data LLM's
+    nulls and a tokenized_prompt beside a prompt) and across batches and a directory's files."""
+    monkeypatch.setattr(reader_mod, "PARQUET_BATCH_ROWS", 2)
+    rows = [
+        {"id": "a", "prompt": "p", "tokenized_prompt": None, "sampling_params": {"max_tokens": 7, "n": None}},
+        {"id": "b", "prompt": None, "tokenized_prompt": [5, 6], "sampling_params": None},
+        {"id": "c", "prompt": "p", "tokenized_prompt": [1], "sampling_params": None},
+        {"id": None, "prompt": None, "tokenized_prompt": None, "sampling_params": None},
+        {"id": "e", "prompt": "q", "tokenized_prompt": None, "sampling_params": {"max_tokens": -1, "n": 2}},
+    ]
+    extra = [{"messages": MESSAGES, "max_new_tokens": 3, "temperature": 9.0, "k": b"\x00"},
+             {"messages": None, "max_new_tokens": None, "temperature": 0.5, "k": None},
+             {"messages": [{"role": "", "content": "x"}], "max_new_tokens": 1, "temperature": None, "k": b"x"}]
+    bodies = [{"custom_id": "x", "body": {"prompt": "p", "seed": 1}}, {"custom_id": None, "body": None},
+              {"custom_id": "z", "body": {"prompt": None, "seed": None}}]
+    (tmp_path / "ds").mkdir()
+    paths = [write_parquet(tmp_path / "r.parquet", rows), write_parquet(tmp_path / "ds" / "a.parquet", rows),
+             write_parquet(tmp_path / "x.parquet", extra), write_parquet(tmp_path / "ds" / "b.parquet", rows[:3]),
+             write_parquet(tmp_path / "b.parquet", bodies)]
+    for p, opts in [*((p, {}) for p in paths), (paths[2], {"keep_columns": ["k"]}), (str(tmp_path / "ds"), {})]:
+        full = [(r.row, r.digest) for r in open_rows(p, **opts)]
+        light = [(d.row, d.digest) for d in open_rows(p, **opts).digested()]
+        assert light == full and len(full) >= 3
+
+
 def test_a_prompt_column_of_conversations_reads_as_chat(tmp_path):
     """TRL's conversational datasets hold each prompt as a list of messages under `prompt`; such a
     column (or the one --prompt-column names) reads as a chat, its errors named under it."""
