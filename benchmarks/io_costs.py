@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specbatch.data import OutputWriter, check_input, open_rows
+from specbatch.row_notes import RepeatedIds
 
 FP = {"recipe": "vanilla", "model": "bench", "sampling": {"max_tokens": 1}}
 
@@ -120,11 +121,15 @@ def measure(d: str, only: list[str], profile: bool) -> None:
         _timed("check_input (digested)", lambda: check_input(source.digested(), exp, input_name=inp, output=out),
                profile)
 
-        def second_pass() -> int:               # what job._generate's todo() does with the committed rows
-            left = 0
-            for r in source:
+        def second_pass(limit: int | None = None) -> int:     # what job._generate's todo() does
+            ids, left = RepeatedIds(), 0
+            for r in source.skipping(done) if hasattr(source, "skipping") else source:
+                if limit is not None and r.row >= limit:
+                    break
+                ids.add(r)
                 left += r.row not in done
             return left
+        _timed("job pass, committed rows only", lambda: second_pass(done.max() + 1), profile)
         left = _timed("job pass over the input", second_pass, profile)
         rows = _timed("finalize (merge)", w.finalize, profile)
         w.close()

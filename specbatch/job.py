@@ -366,7 +366,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
     greedy = GreedyByDefault(recipe.sampling, runner.model_defaults)
 
     def todo() -> Iterator[Row]:
-        rows = iter(source)
+        rows = source.skipping(done)         # committed rows: their ids only (for `ids`), not parsed
         if limit is not None:
             rows = itertools.takewhile(lambda r: r.row < limit, rows)
         for r in rows:

@@ -67,6 +67,10 @@ class RowSet:
     def __repr__(self) -> str:
         return f"RowSet({len(self)} rows)"
 
+    def holds(self, lo: int, hi: int) -> bool:
+        """Whether every row in [lo, hi) is in the set."""
+        return hi <= self._has.size and bool(self._has[lo:hi].all())
+
     def count_below(self, n: int) -> int:
         return int(self._has[: max(n, 0)].sum())
 

@@ -10,13 +10,15 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple, TypeVar
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .digests import RowSet
 from .fields import CHAT_OPTIONS, OVERRIDE_KEYS, UNSUPPORTED_FIELDS, near_field
-from .rows import InputError, RowError, RowRequest, has_ray_fields, parse_row
+from .rows import InputError, RowError, RowRequest, has_ray_fields, parse_row, row_id
 
 PARQUET_BATCH_ROWS = 1024
 SCAN_CHUNK_BYTES = 1 << 22
@@ -52,18 +54,28 @@ class Digested(NamedTuple):
     digest: bytes
 
 
+class Skipped(NamedTuple):
+    """A row the caller has already (a resume's committed row): its number and the id parse_row
+    would give it, the row not validated nor digested."""
+    row: int
+    id: str | int
+
+
 class RowSource:
     """Iterable of RowRequest | RowError in input order; `total` is the row count when cheaply known."""
 
     def __init__(self, path: str, total: int | None, rows: Callable[[], Iterator[Row]],
                  column_types: dict[str, pa.DataType] | None = None,
-                 digests: Callable[[], Iterator[Digested | Row]] | None = None) -> None:
+                 digests: Callable[[], Iterator[Digested | Row]] | None = None,
+                 skipping: Callable[[RowSet], Iterator[Row | Skipped]] | None = None) -> None:
         """`column_types`: the input's own types of the kept columns, where it has them (Parquet);
-        `digests`: the rows' numbers and digests without parsing them (JSONL, Parquet), else `rows` serve."""
+        `digests`: the rows' numbers and digests without parsing them (JSONL, Parquet), else `rows` serve;
+        `skipping`: the rows with those of a set as Skipped (JSONL, Parquet), else `rows` serve."""
         self.path = path
         self.total = total
         self._rows = rows
         self._digests = digests
+        self._skipping = skipping
         self.column_types = column_types or {}
 
     def __iter__(self) -> Iterator[Row]:
@@ -73,6 +85,12 @@ class RowSource:
         """Every row's number and digest, as iterating gives them (a resume checks a million
         committed rows: JSONL lines are hashed, not parsed, ~20x faster)."""
         return (self._digests or self._rows)()
+
+    def skipping(self, done: RowSet) -> Iterator[Row | Skipped]:
+        """The rows as iterating gives them, those in `done` as Skipped: a resume's pass over the
+        input reads a committed row's id only (parsing a million of them took ~11 s). Whether a
+        row is in `done` is asked when it is reached: rows added to it later are those already given."""
+        return self._skipping(done) if self._skipping is not None else self._rows()
 
     def __repr__(self) -> str:
         return f"RowSource(path={self.path!r}, total={self.total!r})"
@@ -126,11 +144,12 @@ def _nonblank(lines: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
             yield lineno, line
 
 
-def _jsonl_rows(lines: Iterable[bytes], name: str, opts: dict, first_row: int = 0) -> Iterator[Row]:
+def _jsonl_rows(lines: Iterable[bytes], name: str, opts: dict, first_row: int = 0,
+                skip: RowSet | None = None) -> Iterator[Row | Skipped]:
+    """`skip`: rows given as Skipped once their line is read as JSON (RowSource.skipping)."""
     row = first_row
     for lineno, line in _nonblank(lines):
         where = f"{name}:{lineno}"
-        digest = _digest(line.strip())  # the raw bytes: invalid UTF-8 lines get one too
         try:
             text = line.rstrip(b"\r\n").decode("utf-8")
         except UnicodeDecodeError as e:
@@ -153,8 +172,12 @@ def _jsonl_rows(lines: Iterable[bytes], name: str, opts: dict, first_row: int = 
             except (ValueError, RecursionError) as e:
                 out = _line_error(row, f"{where}: malformed JSON: {_one_line(e)}", opts)
             else:
+                if skip is not None and row in skip:
+                    yield Skipped(row, row_id(obj, row, opts["id_column"]))
+                    row += 1
+                    continue
                 out = parse_row(obj, row=row, where=where, **opts)
-        out.digest = digest
+        out.digest = _digest(line.strip())  # the raw bytes: invalid UTF-8 lines get one too
         yield out
         row += 1
 
@@ -314,7 +337,8 @@ def _open_jsonl_file(path: str, opts: dict, display: str | None = None, first_ro
     name = display or _display(path)
 
     return RowSource(path, total, lambda: _jsonl_rows(_file_lines(path, shown), name, opts, first_row),
-                     digests=lambda: _jsonl_digests(_file_lines(path, shown), first_row))
+                     digests=lambda: _jsonl_digests(_file_lines(path, shown), first_row),
+                     skipping=lambda done: _jsonl_rows(_file_lines(path, shown), name, opts, first_row, done))
 
 
 def _stdin_lines(stream: BinaryIO, opts: dict) -> Iterator[bytes]:
@@ -394,36 +418,63 @@ def _open_parquet(path: str, opts: dict, first_row: int = 0) -> RowSource:
         with pf:
             yield from read
 
-    def rows() -> Iterator[Row]:
-        return _parquet_rows(path, name, batches(), noted, first_row, opts)
+    def rows(skip: RowSet | None = None) -> Iterator[Row | Skipped]:
+        return _parquet_rows(path, name, batches(), noted, first_row, opts, skip)
 
     def digests() -> Iterator[Digested]:
         return _parquet_digests(path, batches(), noted, first_row, opts)
 
-    return RowSource(path, total, rows, {c: schema.field(c).type for c in opts["keep_columns"]}, digests=digests)
+    return RowSource(path, total, rows, {c: schema.field(c).type for c in opts["keep_columns"]}, digests=digests,
+                     skipping=rows)
+
+
+T = TypeVar("T")
+
+
+def _parquet_read(path: str, read: Callable[[], T]) -> T:
+    """`read()`; a read that fails midway is the input's error naming the file."""
+    try:
+        return read()
+    except (OSError, pa.ArrowException, ValueError) as e:
+        raise InputError(f"{path}: cannot read Parquet: {_one_line(e)}") from None
 
 
 def _parquet_records(path: str, batches: Iterator[pa.RecordBatch]) -> Iterator[list[dict]]:
-    """Each batch's rows as dicts; a read that fails midway is the input's error naming the file."""
-    while True:
-        try:
-            batch = next(batches)
-            records = batch.to_pylist()
-        except StopIteration:
-            return
-        except (OSError, pa.ArrowException, ValueError) as e:
-            raise InputError(f"{path}: cannot read Parquet: {_one_line(e)}") from None
-        yield records
+    """Each batch's rows as dicts."""
+    while (batch := _parquet_read(path, lambda: next(batches, None))) is not None:
+        yield _parquet_read(path, batch.to_pylist)
+
+
+def _id_fields(batch: pa.RecordBatch, id_column: str | None) -> list[dict]:
+    """Each row of a batch as far as row_id reads it: its id columns, and whether it has a body."""
+    names = [id_column] if id_column is not None else ["id", "custom_id"]
+    cols = {c: batch.column(c).to_pylist() for c in names if c in batch.schema.names}
+    if id_column is None and "body" in batch.schema.names:
+        cols["body"] = [True if valid else None for valid in pc.is_valid(batch.column("body")).to_pylist()]
+    if not cols:
+        return [{}] * batch.num_rows
+    return [dict(zip(cols, values)) for values in zip(*cols.values())]
 
 
 def _parquet_rows(path: str, name: str, batches: Iterator[pa.RecordBatch], noted: list[str], first_row: int,
-                  opts: dict) -> Iterator[Row]:
+                  opts: dict, skip: RowSet | None = None) -> Iterator[Row | Skipped]:
+    """`skip`: rows given as Skipped (RowSource.skipping); a batch of them alone is read no further
+    than its ids."""
     row = 0                              # in this file (its messages' numbering)
-    for records in _parquet_records(path, batches):
-        for obj in records:
-            out = parse_row(obj, row=first_row + row, where=f"{name} row {row}", **opts)
-            out.digest = _parquet_row_digest(obj, noted, out.ray_fields)
-            yield out
+    while (batch := _parquet_read(path, lambda: next(batches, None))) is not None:
+        first = first_row + row
+        if skip is not None and skip.holds(first, first + batch.num_rows):
+            objs = _parquet_read(path, lambda: _id_fields(batch, opts["id_column"]))
+            yield from (Skipped(first + i, row_id(obj, first + i, opts["id_column"])) for i, obj in enumerate(objs))
+            row += batch.num_rows
+            continue
+        for obj in _parquet_read(path, batch.to_pylist):
+            if skip is not None and first_row + row in skip:
+                yield Skipped(first_row + row, row_id(obj, first_row + row, opts["id_column"]))
+            else:
+                out = parse_row(obj, row=first_row + row, where=f"{name} row {row}", **opts)
+                out.digest = _parquet_row_digest(obj, noted, out.ray_fields)
+                yield out
             row += 1
 
 
@@ -531,14 +582,15 @@ def _open_directory(path: str, opts: dict) -> RowSource:
         sources.append(src)
         first_row += src.total or 0
 
-    def rows(digested: bool = False) -> Iterator[Any]:
+    def rows(digested: bool = False, skip: RowSet | None = None) -> Iterator[Any]:
         for i, src in enumerate(sources):
             # A file that grew since it was counted: the rows past its count wait for a rerun (they
             # would take the next file's numbers); the last file's extra rows are numbered on.
-            items = src.digested() if digested else iter(src)
+            items = src.digested() if digested else iter(src) if skip is None else src.skipping(skip)
             yield from items if i == len(sources) - 1 else itertools.islice(items, src.total)
 
-    return RowSource(path, first_row, rows, _keep_types(sources), digests=lambda: rows(digested=True))
+    return RowSource(path, first_row, rows, _keep_types(sources), digests=lambda: rows(digested=True),
+                     skipping=lambda done: rows(skip=done))
 
 
 def open_rows(

@@ -284,6 +284,55 @@ def test_a_resumes_digest_pass_numbers_and_digests_rows_as_reading_them_does(tmp
         assert light == full and len(full) >= 5
 
 
+def _skipping_matches_the_full_read(path, done, **opts):
+    from specbatch.data.digests import RowSet
+    from specbatch.data.reader import Skipped
+
+    full = list(open_rows(str(path), **opts))
+    light = list(open_rows(str(path), **opts).skipping(RowSet(done)))
+    assert [r.row for r in light] == [r.row for r in full] and len(full) >= 4
+    for a, b in zip(light, full):            # (a line that is not JSON is its error row either way)
+        assert a == (Skipped(b.row, b.id) if b.row in done and isinstance(a, Skipped) else b), (a, b)
+        assert isinstance(a, Skipped) or b.row not in done or "JSON" in b.error or "UTF-8" in b.error
+    assert {type(r) for r in light} >= {Skipped}
+
+
+@pytest.mark.parametrize("id_column", [None, "uid"])
+def test_a_resumes_pass_reads_committed_rows_ids_only(tmp_path, monkeypatch, id_column):
+    """A resume's pass over the input skips its committed rows reading no more of them than their
+    ids (the repeated-ids count needs every row's), each the id the full read gives: bad ids and
+    rows that are not objects take their row number; the other rows are read in full, JSONL and
+    Parquet (a batch of committed rows alone, and a batch holding both), in a directory too."""
+    monkeypatch.setattr(reader_mod, "PARQUET_BATCH_ROWS", 2)
+    lines = [b'{"id": "a", "uid": 1, "prompt": "x"}', b'{"id": 3.0, "uid": "u", "prompt": 5}', b"",
+             b'{"id": true, "uid": [1], "prompt": "x"}', b'{"id": {"k": 1}, "prompt": "x"}',
+             b'{"custom_id": "c", "id": "i", "body": {"prompt": "p"}}', b'{"custom_id": "c2", "id": "i2"}',
+             b'{"id": "\\ud800", "uid": "\\udc00", "prompt": "x"}', b"[1, 2]", b"not json", b'{"id": "\xff"}',
+             b'{"id": 99999999999999999999, "prompt": "x"}', b'{"uid": null, "prompt": "y"}', b'{"prompt": "half']
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"\n".join(lines))
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "a.jsonl").write_bytes(b"\n".join(lines[:-1]) + b"\n")
+    (tmp_path / "ds" / "b.jsonl").write_bytes(b"\n".join(lines))
+    opts = {"id_column": id_column}
+    for done in ({0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 11}, {1, 4, 7}, set(range(30))):
+        _skipping_matches_the_full_read(path, done, **opts)
+        _skipping_matches_the_full_read(tmp_path / "ds", done, **opts)
+    rows = [{"id": "a", "custom_id": None, "uid": 1, "prompt": "x", "body": None},
+            {"id": None, "custom_id": "c", "uid": None, "prompt": None, "body": {"prompt": "p"}},
+            {"id": "i", "custom_id": "c2", "uid": 7, "prompt": None, "body": {"prompt": None}},
+            {"id": None, "custom_id": None, "uid": 2, "prompt": "y", "body": None},
+            {"id": "e", "custom_id": None, "uid": 1.5, "prompt": "z", "body": None}]
+    pq.write_table(pa.Table.from_pylist(rows * 2), tmp_path / "in.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "ds" / "c.parquet")
+    (tmp_path / "ds" / "a.jsonl").unlink()
+    (tmp_path / "ds" / "b.jsonl").unlink()
+    pq.write_table(pa.Table.from_pylist(rows[:3]), tmp_path / "ds" / "b.parquet")
+    for done in ({0, 1, 2, 3, 5, 7, 8, 9}, {2, 3}, set(range(10))):
+        _skipping_matches_the_full_read(tmp_path / "in.parquet", done, **opts)
+        _skipping_matches_the_full_read(tmp_path / "ds", done, **opts)
+
+
 def test_a_resumes_digest_pass_over_parquet_gives_the_full_reads_digests(tmp_path, monkeypatch):
     """Parquet rows are digested without validating them (a resume's check): every row, good or
     bad, in every form, with the columns left out of the digest (noted fields, Ray Data LLM's
