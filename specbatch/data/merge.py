@@ -12,7 +12,7 @@ import datetime
 import json
 import math
 from collections.abc import Iterator, Sequence
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -198,14 +198,33 @@ def _conform(table: pa.Table, schema: pa.Schema, as_json: set[str]) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def part_rows(parts: Sequence[str], count_errors: bool = False) -> tuple[pa.Array, list[bytes], int | None]:
-    """(sorted unique row numbers, their input digests, and with `count_errors` how many of those
-    rows the parts hold as errors: a resumed output's count, earlier runs' included) over every part,
-    in one read of each."""
+class PartIndex(NamedTuple):
+    """What the merge reads of every part before its rows, in one opening of each: its schema, its
+    rows' numbers, input digests (and errors), and the parts' uncompressed bytes."""
+    schemas: list[pa.Schema]
+    tables: list[pa.Table]             # "row", DIGEST_COLUMN (and "error") of each part
+    size: int
+
+
+def index_parts(parts: Sequence[str], count_errors: bool = False) -> PartIndex:
+    """Each part's footer and its row, digest (and error) columns, the file opened once."""
     columns = ["row", DIGEST_COLUMN, *(["error"] if count_errors else [])]
-    tables = [pq.read_table(p, columns=columns) for p in parts]
+    schemas, tables, size = [], [], 0
+    for p in parts:
+        with pq.ParquetFile(p) as pf:
+            schemas.append(pf.schema_arrow)
+            md = pf.metadata
+            size += sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
+            tables.append(pf.read(columns=columns))
+    return PartIndex(schemas, tables, size)
+
+
+def unique_rows(tables: Sequence[pa.Table], count_errors: bool = False) -> tuple[pa.Array, pa.Array, int | None]:
+    """(sorted unique row numbers, their input digests, and with `count_errors` how many of those
+    rows the tables hold as errors: a resumed output's count, earlier runs' included); a row held
+    twice takes the first table's (the merge keeps that one)."""
     if not tables:
-        return pa.array([], pa.int64()), [], 0 if count_errors else None
+        return pa.array([], pa.int64()), pa.array([], pa.binary()), 0 if count_errors else None
     t = pa.concat_tables(tables)
     errors = len(pc.unique(t.filter(pc.is_valid(t.column("error"))).column("row"))) if count_errors else None
     t = t.take(pc.sort_indices(t, sort_keys=[("row", "ascending")]))
@@ -213,16 +232,23 @@ def part_rows(parts: Sequence[str], count_errors: bool = False) -> tuple[pa.Arra
     if len(rows) > 1:
         first = pc.not_equal(rows.slice(1), rows.slice(0, len(rows) - 1))
         t = t.filter(pa.concat_arrays([pa.array([True]), first]))
-    return t.column("row").combine_chunks(), t.column(DIGEST_COLUMN).to_pylist(), errors
+    return t.column("row").combine_chunks(), t.column(DIGEST_COLUMN).combine_chunks(), errors
 
 
-def merge_chunks(parts: Sequence[str], schema: pa.Schema, as_json: set[str]) -> Iterator[pa.Table]:
-    """The merged output in row order (deduplicated), in chunks bounded by MERGE_CHUNK_BYTES."""
-    rows_of = [pq.read_table(p, columns=["row"]).column("row").combine_chunks() for p in parts]
-    size = 0
-    for p in parts:
-        md = pq.ParquetFile(p).metadata
-        size += sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
+def part_rows(parts: Sequence[str], count_errors: bool = False) -> tuple[pa.Array, list[bytes], int | None]:
+    """unique_rows over every part (the digests as bytes), in one read of each."""
+    rows, digests, errors = unique_rows(index_parts(parts, count_errors).tables, count_errors)
+    return rows, digests.to_pylist(), errors
+
+
+def merge_chunks(parts: Sequence[str], schema: pa.Schema, as_json: set[str],
+                 index: PartIndex | None = None) -> Iterator[pa.Table]:
+    """The merged output in row order (deduplicated), in chunks bounded by MERGE_CHUNK_BYTES;
+    `index`: the parts' index_parts, when the caller has it (each part is then read once more, whole)."""
+    if index is None:
+        index = index_parts(parts)
+    rows_of = [t.column("row").combine_chunks() for t in index.tables]
+    size = index.size
     unique = pc.unique(pa.chunked_array(rows_of, pa.int64())) if parts else pa.array([], pa.int64())
     unique = unique.take(pc.array_sort_indices(unique))
     if len(unique) == 0:
@@ -277,11 +303,11 @@ def typed_columns(options: dict[str, bool]) -> tuple[str, ...]:
 
 
 def write_parquet(f: BinaryIO, parts: Sequence[str], schema: pa.Schema, as_json: set[str],
-                  metadata: dict[bytes, bytes]) -> int:
+                  metadata: dict[bytes, bytes], index: PartIndex | None = None) -> int:
     """The merged parts as one Parquet file carrying `metadata` (the manifest); -> rows written."""
     count = 0
     with pq.ParquetWriter(f, schema.with_metadata(metadata)) as w:
-        for chunk in merge_chunks(parts, schema, as_json):
+        for chunk in merge_chunks(parts, schema, as_json, index):
             w.write_table(chunk.replace_schema_metadata(metadata))
             count += chunk.num_rows
         if count == 0:
@@ -291,14 +317,14 @@ def write_parquet(f: BinaryIO, parts: Sequence[str], schema: pa.Schema, as_json:
 
 def write_jsonl(f: BinaryIO, parts: Sequence[str], schema: pa.Schema, as_json: set[str],
                 json_columns: Sequence[str], openai_model: str | None = None,
-                keep_columns: Sequence[str] = ()) -> tuple[int, int, str]:
+                keep_columns: Sequence[str] = (), index: PartIndex | None = None) -> tuple[int, int, str]:
     """The merged parts as JSONL (native rows, or OpenAI batch lines for `openai_model`);
     -> (rows, bytes, blake2b hex of the bytes)."""
     out = HashingFile(f)
     count = 0
     if openai_model is not None:              # the lines' ids take the input row's digest
         schema = schema.append(pa.field(DIGEST_COLUMN, pa.binary()))
-    for chunk in merge_chunks(parts, schema, as_json):
+    for chunk in merge_chunks(parts, schema, as_json, index):
         for data in jsonl_lines(chunk, json_columns, openai_model, keep_columns):
             out.write(data)
         count += chunk.num_rows

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import manifest
-from .digests import Expected, RowSet, block_digests, block_size
+from .digests import Expected, RowSet, block_digests_arrow, block_size
 from .files import file_hash, fs_error, fsync_dir, write_atomic
 from ..records import ON_REQUEST
 from .lock import OutputLock
@@ -41,11 +41,13 @@ from .openai_out import check_keep_columns, check_output_format, from_openai_lin
 from .merge import (
     DIGEST_COLUMN,
     STANDARD_COLUMNS,
+    index_parts,
     merged_schema,
     output_schema,
     part_rows,
     part_table,
     typed_columns,
+    unique_rows,
     write_jsonl,
     write_parquet,
 )
@@ -543,15 +545,14 @@ class OutputWriter:
         known = [tuple(s["first_form"]) for s in summaries if s["first_form"] is not None]
         return bool(known and min(known)[1])
 
-    def _summaries(self, parts: list[str]) -> tuple[list[pa.Schema], list[dict]]:
-        """Each part's schema, and what the merge asks of its rows (_summary): from the part's own
-        metadata, read from its rows for a part written before parts held it."""
-        schemas = [pq.read_schema(p) for p in parts]
+    def _summaries(self, parts: list[str], schemas: list[pa.Schema]) -> list[dict]:
+        """What the merge asks of each part's rows (_summary): from the part's own metadata (in
+        its schema), read from its rows for a part written before parts held it."""
         summaries = []
         for p, schema in zip(parts, schemas):
             held = (schema.metadata or {}).get(PART_SUMMARY.encode())
             summaries.append(json.loads(held) if held is not None else _read_summary(p, schema))
-        return schemas, summaries
+        return summaries
 
     def finalize(self) -> int:
         """Commit, merge all parts into the final file (sorted by row, deduplicated); return the row count."""
@@ -562,29 +563,30 @@ class OutputWriter:
         self.commit()
         try:
             parts = self._part_paths()
-            schemas, summaries = self._summaries(parts)
+            index = index_parts(parts, count_errors=True)   # each part's footer and rows: one opening
+            summaries = self._summaries(parts, index.schemas)
             openai = self._openai_output(summaries)
             options = {"save_token_ids": self.save_token_ids, "openai": openai,
                        **{name: any(name in s["set"] for s in summaries) for name in ON_REQUEST}}
-            schema, as_json = merged_schema(schemas, options, self.keep_columns, parts)
-            rows, digests, self.error_rows = part_rows(parts, count_errors=True)
+            schema, as_json = merged_schema(index.schemas, options, self.keep_columns, parts)
+            rows, digests, self.error_rows = unique_rows(index.tables, count_errors=True)
         except OSError as e:
             raise fs_error(self.parts_dir, e) from None
-        row_list = rows.to_pylist()
-        block = block_size(len(row_list))
-        final = {"input": {"rows": len(row_list), "block": block,
-                           "blocks": block_digests(zip(row_list, digests), block)}}
+        index = index._replace(tables=[t.select(["row"]) for t in index.tables])   # (digests: not held twice)
+        block = block_size(len(rows))
+        final = {"input": {"rows": len(rows), "block": block, "blocks": block_digests_arrow(rows, digests, block)}}
         json_columns = (*typed_columns(options), *self.keep_columns) if self.format == "jsonl" else ()
         count = 0
 
         def parquet(f: BinaryIO) -> None:
             nonlocal count
-            count = write_parquet(f, parts, schema, as_json, {manifest.MANIFEST_KEY: self._dump_manifest(final)})
+            count = write_parquet(f, parts, schema, as_json, {manifest.MANIFEST_KEY: self._dump_manifest(final)},
+                                  index)
 
         def jsonl(f: BinaryIO) -> None:
             nonlocal count
             count, size, digest = write_jsonl(f, parts, schema, as_json, json_columns,
-                                              self.model_name if openai else None, self.keep_columns)
+                                              self.model_name if openai else None, self.keep_columns, index)
             final["output"] = {"bytes": size, "blake2b": digest}
 
         if self.format == "parquet":

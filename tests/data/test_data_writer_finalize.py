@@ -261,3 +261,24 @@ def test_the_merge_reads_what_it_asks_of_each_part_from_its_metadata(tmp_path, f
     new, old = run(tmp_path / f"a.{fmt}", False), run(tmp_path / f"b.{fmt}", True)
     assert new.equals(old)
     assert "logprobs" in new.column_names and "choices" not in new.column_names
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_the_merge_opens_each_part_twice(tmp_path, fmt, monkeypatch):
+    """A million-row output has thousands of parts: the merge opens each once for its footer and
+    its row, digest and error columns, and once to read it whole (it read each about five times)."""
+    out = tmp_path / f"o.{fmt}"
+    w = OutputWriter(str(out), fingerprint=FP, commit_rows=3)
+    for r in [5, 1, 0, 7, 2, 3, 8, 6, 4, 1]:
+        w.add(rec(r))
+    w.commit()
+    opened = []
+    for name in ("ParquetFile", "read_table", "read_schema", "read_metadata"):
+        real = getattr(pq, name)
+        monkeypatch.setattr(pq, name, lambda p, *a, _real=real, **k: opened.append(str(p)) or _real(p, *a, **k))
+    assert w.finalize() == 9
+    monkeypatch.undo()
+    parts = [p for p in opened if ".parts" in p]
+    assert len(set(parts)) == 4 and all(parts.count(p) == 2 for p in set(parts)), parts
+    assert read_final(out).column("row").to_pylist() == list(range(9))
+    w.close()

@@ -262,3 +262,25 @@ def test_check_input_per_row_and_per_block(tmp_path):
     assert check_input(items + [_Row(10, d("new"))], fin, input_name="in", output="out", limit=10)[1] is False
     with pytest.raises(InputChanged, match="rows 4-7 differ"):
         check_input(items[:5] + [_Row(5, d("x"))] + items[6:], fin, input_name="in", output="out")
+
+
+def test_block_digests_of_arrow_arrays_are_the_pair_by_pair_ones():
+    """The final merge hashes its rows' digests a block at a time from Arrow arrays: the manifest's
+    block digests must be those block_digests gives pair by pair (gaps, sliced arrays, digests of
+    one length, of none and of mixed lengths)."""
+    import os
+    import random
+
+    import pyarrow as pa
+
+    from specbatch.data.digests import block_digests, block_digests_arrow
+
+    rng = random.Random(0)
+    for trial in range(300):
+        n = rng.choice([0, 1, 2, 5, 60, 300])
+        rows = sorted(rng.sample(range(rng.choice([n, 2 * n + 3, 10 * n + 10])), n))
+        kind = rng.choice(["16", "mixed", "empty"])
+        digests = [os.urandom(16) if kind == "16" or (kind == "mixed" and rng.random() < 0.5) else b"" for _ in rows]
+        block, cut = rng.choice([1, 2, 3, 7, 64]), int(trial % 3 == 0 and n > 2)
+        arrays = pa.array(rows, pa.int64()).slice(cut), pa.array(digests, pa.binary()).slice(cut)
+        assert block_digests_arrow(*arrays, block) == block_digests(zip(rows[cut:], digests[cut:]), block)
