@@ -101,11 +101,12 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
-def count_nonblank_lines(f: BinaryIO) -> int:
-    """Count lines holding a non-whitespace byte, reading fixed-size chunks."""
+def count_nonblank_lines(f: BinaryIO, head: bytes = b"") -> int:
+    """Count lines holding a non-whitespace byte, reading fixed-size chunks; `head`: bytes already
+    read from `f`, counted first (a line may go on from it into `f`)."""
     n = 0
     open_line = False  # the unterminated line at the end of the previous chunk was counted
-    while chunk := f.read(SCAN_CHUNK_BYTES):
+    for chunk in itertools.chain([head] if head else [], iter(lambda: f.read(SCAN_CHUNK_BYTES), b"")):
         first = chunk.find(b"\n")
         if first < 0:
             if not open_line and chunk.strip():
@@ -319,11 +320,10 @@ def _open_jsonl_file(path: str, opts: dict, display: str | None = None, first_ro
     """`first_row`: the job's number of the file's first row (a directory's later files)."""
     shown = display or path          # what messages call it (stdin spooled to a file: "<stdin>")
     try:
-        with _open_binary(path) as f:
+        with _open_binary(path) as f:     # one stream: a compressed file is decompressed once here
             lines, cut = _read_block(f)
             _check_block(shown, lines, cut, opts)
-        with _open_binary(path) as f:         # (a compressed stream does not seek)
-            total = count_nonblank_lines(f)
+            total = count_nonblank_lines(f, b"".join(lines))
             if lines and lines[0].startswith(_BOM) and not lines[0][len(_BOM):].strip():
                 total -= 1                      # a first line of only a BOM is blank
     except FileNotFoundError:

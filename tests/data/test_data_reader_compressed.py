@@ -39,6 +39,21 @@ def test_compressed_jsonl_reads_as_the_plain_file(tmp_path, suffix, codec):
     assert default_output(str(tmp_path / f"data{suffix}")) == str(tmp_path / "data.completions.parquet")
 
 
+@pytest.mark.parametrize("block_lines, block_bytes", [(1, 1 << 22), (7, 1 << 22), (1000, 1 << 22), (1000, 30)])
+def test_opening_a_compressed_file_decompresses_it_once(tmp_path, monkeypatch, block_lines, block_bytes):
+    """The first block's check and the row count read one stream: the file is opened (and
+    decompressed) once to open it, whatever the first block holds, the total the same."""
+    from specbatch.data import reader as reader_mod
+
+    monkeypatch.setattr(reader_mod, "BLOCK_LINES", block_lines)
+    monkeypatch.setattr(reader_mod, "BLOCK_BYTES", block_bytes)      # 30: the block ends inside a line
+    opened, real = [], reader_mod._open_binary
+    monkeypatch.setattr(reader_mod, "_open_binary", lambda p: opened.append(p) or real(p))
+    for name, codec in (("d.jsonl.gz", "gzip"), ("d.jsonl", None)):
+        opened.clear()
+        assert open_rows(_write(tmp_path / name, codec)).total == 51 and len(opened) == 1
+
+
 def test_a_compressed_file_cut_short_or_misnamed_is_one_line(tmp_path):
     whole = gzip.compress(DATA * 200)
     cut = tmp_path / "cut.jsonl.gz"

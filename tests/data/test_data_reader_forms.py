@@ -189,6 +189,8 @@ def test_total_scan_fuzz(monkeypatch):
         monkeypatch.setattr(reader_mod, "SCAN_CHUNK_BYTES", rng.randrange(1, 12))
         expected = sum(1 for line in io.BytesIO(data) if line.strip())
         assert reader_mod.count_nonblank_lines(io.BytesIO(data)) == expected, data
+        cut = rng.randrange(0, len(data) + 1)        # a head already read, cut anywhere (inside a line too)
+        assert reader_mod.count_nonblank_lines(io.BytesIO(data[cut:]), data[:cut]) == expected, (data, cut)
 
 
 def test_bom_is_ignored(tmp_path):
