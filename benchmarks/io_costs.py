@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specbatch.data import OutputWriter, check_input, open_rows
+from specbatch.data.files import file_hash
 from specbatch.row_notes import RepeatedIds
 
 FP = {"recipe": "vanilla", "model": "bench", "sampling": {"max_tokens": 1}}
@@ -134,7 +135,7 @@ def measure(d: str, only: list[str], profile: bool) -> None:
         rows = _timed("finalize (merge)", w.finalize, profile)
         w.close()
         print(f"  rows {source.total}, committed {len(done)}, left {left}, merged {rows}, "
-              f"output {os.path.getsize(out) / 1e6:.1f} MB", flush=True)
+              f"output {os.path.getsize(out) / 1e6:.1f} MB, blake2b {file_hash(out)[1]}", flush=True)
 
 
 def main() -> None:
