@@ -58,7 +58,7 @@ class Skipped(NamedTuple):
     """A row the caller has already (a resume's committed row): its number and the id parse_row
     would give it, the row not validated nor digested."""
     row: int
-    id: str | int
+    id: str | int | None
 
 
 class RowSource:

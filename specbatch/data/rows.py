@@ -246,16 +246,16 @@ def has_ray_fields(obj: object, prompt_column: str = "prompt") -> bool:
         and not _present(obj, (prompt_column, "messages", "prompt_token_ids", "body"))))
 
 
-def row_id(obj: object, row: int, id_column: str | None = None) -> str | int:
+def row_id(obj: object, row: int, id_column: str | None = None) -> str | int | None:
     """The id parse_row gives the row, without validating anything else (a resume's committed rows:
-    their ids are counted for the repeated-ids warning, nothing else of them is read): the row
-    number for a row that is not an object or whose id is bad."""
+    their ids are counted for the repeated-ids warning, nothing else of them is read): None for a
+    row that is not an object or whose id cannot be read."""
     if not isinstance(obj, dict):
-        return row
+        return None
     try:
         return _row_id(obj, row, id_column)
     except BadField:
-        return row
+        return None
 
 
 def _parse_row(obj: object, *, row: int, where: str, prompt_column: str, id_column: str | None,

@@ -303,7 +303,7 @@ def _skipping_matches_the_full_read(path, done, **opts):
 def test_a_resumes_pass_reads_committed_rows_ids_only(tmp_path, monkeypatch, id_column):
     """A resume's pass over the input skips its committed rows reading no more of them than their
     ids (the repeated-ids count needs every row's), each the id the full read gives: bad ids and
-    rows that are not objects take their row number; the other rows are read in full, JSONL and
+    rows that are not objects have none; the other rows are read in full, JSONL and
     Parquet (a batch of committed rows alone, and a batch holding both), in a directory too."""
     monkeypatch.setattr(reader_mod, "PARQUET_BATCH_ROWS", 2)
     lines = [b'{"id": "a", "uid": 1, "prompt": "x"}', b'{"id": 3.0, "uid": "u", "prompt": 5}', b"",
