@@ -301,10 +301,10 @@ def run(
         _fail(f"{e.filename or 'specbatch'}: {e.strerror or e}")
     except KeyboardInterrupt as e:
         _stopped_stats(e, stats_json, "interrupted")
-        _fail(f"interrupted; {_kept(view, output)}", 130)
+        _fail(f"interrupted; {_kept(view, output, e)}", 130)
     except Terminated as e:
         _stopped_stats(e, stats_json, "terminated")
-        _fail(f"terminated (SIGTERM); {_kept(view, output)}", 143)
+        _fail(f"terminated (SIGTERM); {_kept(view, output, e)}", 143)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -349,12 +349,13 @@ def _stopped_stats(e: BaseException, stats_json: str | None, how: str) -> None:
                   highlight=False, soft_wrap=True)
 
 
-def _kept(view: ProgressView, output: str | None) -> str:
-    """What a stopped run leaves: committed parts to resume from, or lines already on stdout."""
+def _kept(view: ProgressView, output: str | None, stop: BaseException) -> str:
+    """What a stopped run leaves: committed parts to resume from (earlier runs' included, as the
+    job counted them), or lines already on stdout."""
     from .job import NO_RESUME, resume_note
 
     if output != "-":
-        return f"{view.done:,} {resume_note(output or '')}"
+        return f"{getattr(stop, 'committed', view.done):,} {resume_note(output or '')}"
     written = view.on_stdout or 0
     behind = view.done - written
     held = f" ({behind:,} finished rows waited behind unfinished ones and were not)" if behind else ""

@@ -1,12 +1,15 @@
 """A whole batch job: input file -> LLM -> resumable output file, with run statistics."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -262,6 +265,10 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     except DeviceLost as e:
         e.restartable = e.restartable and input_path != "-"      # stdin is read once
         raise
+    except BaseException as e:
+        if output != "-":                # what a stop leaves to resume from, earlier runs' rows included
+            e.committed = len(writer.done_rows)
+        raise
     finally:
         writer.close()
         if spooled:
@@ -425,19 +432,20 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
         from .engine.failures import DeviceFailed, EngineFailed
 
         failure, assembled = None, None
-        try:
-            if isinstance(e, DeviceFailed):
-                failure = _device_failed(e, writer, digests, suspects, opts.fail_fast)
-            elif runner.pool and runner.pool.suspects:
-                writer.set_suspects({**suspects, **{r: "a worker's device failed with it in flight"
-                                                    for r in runner.pool.suspects}})
-            writer.commit()      # what finished is kept; a rerun resumes after it
-            if isinstance(e, RowStopped):
-                assembled = writer.finalize()    # --fail-fast: what finished is assembled into the output
-        except Exception as failed:  # noqa: BLE001 - the first error is the one to report
-            print(f"warning: could not commit the finished rows: {failed}", file=sys.stderr)
+        with _signals_held():        # a second Ctrl-C (or a SIGTERM after it) must not cut the commit
+            try:
+                if isinstance(e, DeviceFailed):
+                    failure = _device_failed(e, writer, digests, suspects, opts.fail_fast)
+                elif runner.pool and runner.pool.suspects:
+                    writer.set_suspects({**suspects, **{r: "a worker's device failed with it in flight"
+                                                        for r in runner.pool.suspects}})
+                writer.commit()      # what finished is kept; a rerun resumes after it
+                if isinstance(e, RowStopped):
+                    assembled = writer.finalize()    # --fail-fast: what finished is assembled into the output
+            except Exception as failed:  # noqa: BLE001 - the first error is the one to report
+                print(f"warning: could not commit the finished rows: {failed}", file=sys.stderr)
         if runner.pool:
-            runner.pool.close()
+            runner.pool.close()      # (told to end as the stop passed through the pool: joined after the commit)
         if failure is not None:
             raise failure from None
         if assembled is not None:
@@ -467,6 +475,22 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
 
 
 NO_RESUME = "-o - keeps nothing to resume from, so a rerun starts over"
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM are held off (dropped: the job is stopping already) while the block runs,
+    in the main thread (where Python handles signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.signal(s, lambda signum, frame: None) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def resume_note(output: str) -> str:

@@ -9,8 +9,9 @@ single-process writer's, unchanged: a record counts once it is committed. Dispat
 queue, not a static split: each worker holds at most about its engine's lookahead, so a slow
 worker never holds rows another could run. A worker that dies (killed, out of memory) loses
 nothing committed; the rows it held are handed to the others, and a new worker starts on its
-device (MAX_RESTARTS times in a worker's place; a job fails only when no worker is left, after committing what
-finished). A worker whose device failed (engine.failures.DeviceFailed)
+device (MAX_RESTARTS times in a worker's place, a replacement that dies while loading counted; a job
+fails only when no worker is left, after committing what finished). A stop (Ctrl-C, SIGTERM) tells
+the workers to end and leaves the waiting for them until the finished rows are committed. A worker whose device failed (engine.failures.DeviceFailed)
 names the rows it had in flight: each then runs alone on one worker, and one that brings a device
 down alone is written as its error. A row that failed alone in a worker's engine is held here
 until that engine finishes a row after it; STRIKES of them in a row end the worker (its engine
@@ -219,6 +220,7 @@ class WorkerPool:
         self.context: int | None = None      # the job's context (the smallest at start): a restart is held to it
         self.last_error = ""
         self.errors: list[str] = []
+        self.unstarted: list[str] = []       # workers that died at the job's start (said by wait_ready)
 
     def _spawn(self, wid: int, restarts: int = 0) -> _Worker:
         spec = self.specs[wid]
@@ -238,6 +240,8 @@ class WorkerPool:
             self._drain([])
         if not any(w.ready and not w.dead for w in self.workers):
             raise WorkerError(f"every worker failed to start: {self.last_error}")
+        for failed in self.unstarted:        # (where none started, the error above says it once)
+            print(f"warning: {failed}; the job runs on the others", file=sys.stderr)
 
     def per_worker(self) -> list[dict[str, Any]]:
         return [{"device": w.device, "records": w.records, "died": w.dead, **w.stats} for w in self.workers]
@@ -301,7 +305,13 @@ class WorkerPool:
                 redo.extend(self._drain(out))
                 yield from out
         finally:
-            self.close()
+            # a stop (Ctrl-C, SIGTERM) or a failure passing through: the workers are told to end and
+            # not waited for (a hung one would hold it up to 15 s), so that the caller commits the
+            # finished rows first and then close()s; the end of the rows, or the consumer letting go: closed
+            if sys.exc_info()[0] not in (None, GeneratorExit):
+                self.stop()
+            else:
+                self.close()
 
     def _run_alone(self, live: list[_Worker], alone: list[Any]) -> None:
         """Suspects go to one worker (the one holding fewest rows), which takes nothing else from
@@ -408,16 +418,24 @@ class WorkerPool:
                 culprit = f"; it ran row {rec['row']} alone, which is written as its error"
             else:
                 self.suspects.update(r for r in w.in_flight if r in w.held)
+        # died mid-job, or a replacement died loading (its device's memory not yet freed, say): a new
+        # one takes its place; one that died at the job's start is wait_ready's to say
+        started = w.ready or w.restarts > 0
         restart = ""
-        if w.ready and w.restarts < MAX_RESTARTS:      # died mid-job (not at start-up): a new one takes its place
+        if started and w.restarts < MAX_RESTARTS:
             self.workers.append(self._spawn(w.wid, w.restarts + 1))
             restart = f" (a new worker starts on {w.device}: restart {w.restarts + 1} of {MAX_RESTARTS})"
-        elif w.ready:
+        elif started:
             restart = f" (no new worker on {w.device}: its {MAX_RESTARTS} restarts are spent)"
-        rest = ("go to the other workers" if any(not o.dead for o in self.workers)
-                else "stay unfinished: rerun to resume") + restart
-        print(f"warning: worker on {w.device} died ({w.error}){culprit}; its {len(w.held)} unfinished rows {rest}",
-              file=sys.stderr)
+        who = f"worker {w.wid} on cpu" if w.device == "cpu" else f"worker on {w.device}"   # (CPU workers share it)
+        if not started:
+            self.unstarted.append(f"{who} failed to start ({w.error})")
+        else:
+            rest = ("go to the other workers" if any(not o.dead for o in self.workers)
+                    else "stay unfinished: rerun to resume") + restart
+            when = "died" if w.ready else "died while loading its engine"
+            print(f"warning: {who} {when} ({w.error}){culprit}; its {len(w.held)} unfinished rows {rest}",
+                  file=sys.stderr)
         redo.extend(w.held.values())
         w.held.clear()
         # rows still in its inbox's pipe have no reader: the queue's feeder thread would block on
@@ -431,11 +449,15 @@ class WorkerPool:
         self.suspects.discard(item.row)
         return device_failed_alone(item, error)
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Tell every worker to end, without waiting for them (close() waits)."""
         for w in self.workers:
             w.inbox.cancel_join_thread()     # nobody reads what is still queued for a stopped worker
             if w.proc.is_alive():
                 w.proc.terminate()
+
+    def close(self) -> None:
+        self.stop()
         for w in self.workers:
             w.proc.join(timeout=10)
             if w.proc.is_alive():

@@ -202,6 +202,42 @@ def test_a_stopped_stdout_run_says_what_it_wrote_and_that_a_rerun_starts_over(tm
     assert "committed" not in line and "rerun the same command" not in line
 
 
+def test_a_second_ctrl_c_does_not_cut_the_commit_and_the_count_has_earlier_runs_rows(tmp_path, base, monkeypatch):
+    """Ctrl-C pressed twice: the second lands while the finished rows are committed, which it must
+    not cut (they were lost while the message said they were kept); the stop's count is what a
+    rerun resumes from, earlier runs' rows included, and equals what the parts hold."""
+    import signal
+
+    from specbatch.data.writer import OutputWriter
+    from specbatch.progress import ProgressView
+
+    inp, out = write(tmp_path / "in.jsonl", ROWS), tmp_path / "o.parquet"
+    _interrupted(inp, out, base, after=3)                   # an earlier run committed 3 rows
+    real_update, real_commit, seen = ProgressView.update, OutputWriter.commit, []
+
+    def update(self, event, info):
+        real_update(self, event, info)
+        if event == "record":
+            seen.append(info["record"]["row"])
+            if len(seen) == 2:
+                raise KeyboardInterrupt
+
+    def commit(self, *a, **kw):
+        if seen:                                           # the stop's commit: a second Ctrl-C arrives
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_commit(self, *a, **kw)
+
+    monkeypatch.setattr(ProgressView, "update", update)
+    monkeypatch.setattr(OutputWriter, "commit", commit)
+    line = one_line_cli_error(cli("run", inp, "-o", out, *base), 130)
+    held = sorted(r for p in (tmp_path / "o.parquet.parts").glob("part-*") for r in pq.read_table(p)["row"].to_pylist())
+    assert len(held) == 5 and line == f"error: interrupted; 5 finished rows are committed, rerun the same command to resume"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler       # (held for the commit only)
+    monkeypatch.undo()
+    ok("run", inp, "-o", out, *base)
+    assert len(read(out)) == len(ROWS)
+
+
 # ---------------------------------------------------------------- what the user sees
 
 def test_quiet_prints_nothing_and_logs_get_progress_lines(tmp_path, base):

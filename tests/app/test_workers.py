@@ -128,12 +128,13 @@ def test_a_worker_killed_mid_job_loses_nothing(job):
 
 def test_a_replaced_worker_takes_rows_and_restarts_are_bounded(capsys):
     """A worker that dies mid-job is replaced on its device (its replacement counted), up to
-    MAX_RESTARTS; one that dies before it was ready is not."""
+    MAX_RESTARTS, and so is a replacement that dies while loading; one that dies at the job's start
+    is not (wait_ready says it, once)."""
     from specbatch.workers import MAX_RESTARTS, WorkerPool, _Worker
 
 
     pool = WorkerPool.__new__(WorkerPool)
-    pool.last_error, pool.suspects, pool.delivered = "", set(), set()
+    pool.last_error, pool.suspects, pool.delivered, pool.unstarted = "", set(), set(), []
     spawned = []
 
     def spawn(wid, restarts=0):
@@ -148,10 +149,54 @@ def test_a_replaced_worker_takes_rows_and_restarts_are_bounded(capsys):
     err = capsys.readouterr().err.splitlines()
     assert "restart 1 of 3" in err[0] and "restart 3 of 3" in err[2] and "rerun to resume" in err[3]
     assert "(no new worker on cuda:1: its 3 restarts are spent)" in err[3]
-    starting = _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:0", wid=0)      # never ready
+    starting = _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:0", wid=0, error="x")   # never ready
     pool.workers.append(starting)
     pool._bury(starting, [], [])
     assert len(spawned) == MAX_RESTARTS
+    assert capsys.readouterr().err == "" and pool.unstarted == ["worker on cuda:0 failed to start (x)"]
+    # a replacement that dies while loading (the dead one's memory not yet freed) is replaced in turn
+    loading = _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:2", wid=2, restarts=1, error="x")
+    pool.workers.append(loading)
+    pool._bury(loading, [], [])
+    assert spawned[-1] == (2, 2)
+    assert "worker on cuda:2 died while loading its engine (x); its 0 unfinished rows go to the other workers (a " \
+           "new worker starts on cuda:2: restart 2 of 3)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["stop", "let go", "end"])
+def test_a_stop_passing_through_the_pool_does_not_wait_for_the_workers(how):
+    """Ctrl-C or SIGTERM passing through stream() tells the workers to end but does not wait for
+    them (a hung one held the commit of the finished rows up to 15 s, past a scheduler's grace
+    period): the job commits, then close()s. A consumer letting go, or the rows' end, closes."""
+    from specbatch.workers import WorkerPool, _Worker
+
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.last_error, pool.suspects, pool.delivered, pool.unstarted = "", set(), set(), []
+    calls = []
+    pool.stop, pool.close = (lambda: calls.append("stop")), (lambda: calls.append("close"))
+    pool._drain = lambda out: []
+    worker = _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cpu", ready=True)
+    worker.inbox.put = lambda items: None
+    pool.workers = [worker]
+
+    def rows():
+        if how == "stop":
+            raise KeyboardInterrupt
+        yield from ()
+
+    stream = pool.stream(rows())
+    if how == "stop":
+        with pytest.raises(KeyboardInterrupt):
+            next(stream)
+    elif how == "end":
+        worker.done = True
+        assert list(stream) == []
+    else:
+        worker.held[0] = object()                # rows in hand: the stream goes on until closed
+        pool._drain = lambda out: out.append({"row": 0}) or []
+        next(stream)
+        stream.close()
+    assert calls == ["stop" if how == "stop" else "close"]
 
 
 def test_the_parent_killed_takes_its_workers_and_the_rerun_resumes(job):
@@ -197,9 +242,10 @@ def test_each_dead_worker_is_named_by_its_own_end(capsys):
 
 
     pool = WorkerPool.__new__(WorkerPool)
-    pool.last_error = ""
-    pool.workers = [_Worker(proc=Proc(-9), inbox=Inbox(), reader=None, device="cuda:0", held={1: "r"}),
-                    _Worker(proc=Proc(3), inbox=Inbox(), reader=None, device="cuda:1", held={2: "r"})]
+    pool.last_error, pool.unstarted = "", []
+    spent = {"ready": True, "restarts": 3}          # mid-job, no restart left (none spawned here)
+    pool.workers = [_Worker(proc=Proc(-9), inbox=Inbox(), reader=None, device="cuda:0", held={1: "r"}, **spent),
+                    _Worker(proc=Proc(3), inbox=Inbox(), reader=None, device="cuda:1", held={2: "r"}, **spent)]
     redo: list = []
     pool._bury(pool.workers[0], redo, [])
     pool._bury(pool.workers[1], redo, [])
@@ -218,11 +264,12 @@ def test_a_device_failure_makes_suspects_and_one_alone_is_the_error(capsys):
 
     rows = {i: RowRequest(row=i, id=f"q{i}", prompt="x", where=f"in.jsonl:{i + 1}") for i in range(6)}
     pool = WorkerPool.__new__(WorkerPool)
-    pool.last_error, pool.suspects, pool.delivered = "", set(), set()
+    pool.last_error, pool.suspects, pool.delivered, pool.unstarted = "", set(), set(), []
+    spent = {"ready": True, "restarts": 3}          # mid-job, no restart left (none spawned here)
     many = _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:0", held={i: rows[i] for i in (0, 1, 2)},
-                   error="cuda:0: DeviceFailed: boom", in_flight=[1, 2])
+                   error="cuda:0: DeviceFailed: boom", in_flight=[1, 2], **spent)
     alone = _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:1", held={4: rows[4]},
-                    error="cuda:1: DeviceFailed: boom", in_flight=[4], alone=4)
+                    error="cuda:1: DeviceFailed: boom", in_flight=[4], alone=4, **spent)
     pool.workers = [many, alone, _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:2")]
     redo, out = [], []
     pool._bury(many, redo, out)
