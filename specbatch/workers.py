@@ -29,8 +29,9 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,11 @@ from .recipe import Recipe
 POLL_S = 0.005
 CHUNK = 8              # rows per turn of the dispatch
 MAX_RESTARTS = 3       # new workers started in the place of one that died mid-job (as Ray's max_restarts)
+# A worker holding rows whose engine makes no forward in this long is hung (a wedged device call, a
+# stopped process): killed, its rows run elsewhere and a new worker starts in its place. Its engine
+# says it moves (a "beat") every HUNG_S / 8 while its forward count grows; far longer than any step.
+HUNG_ENV = "SPECBATCH_WORKER_HUNG_S"
+HUNG_S = float(os.environ.get(HUNG_ENV) or 600.0)
 
 
 class WorkerError(RuntimeError):
@@ -106,6 +112,12 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
     if the worker dies mid-message the parent reads EOF, never a half message)."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the parent decides when to stop
+    lock = threading.Lock()
+
+    def send(message: tuple) -> None:      # (the beat thread sends too: one message at a time on the pipe)
+        with lock:
+            outbox.send(message)
+
     try:
         import torch
 
@@ -121,9 +133,10 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
             llm = LLM(recipe=spec.recipe, device=spec.device, eager=spec.eager, bucket=spec.bucket,
                       enable_prefix_caching=spec.prefix_caching, logprobs_mode=spec.logprobs_mode)
         eng = llm.engine
-        outbox.send(("ready", wid, {"device": str(eng.device), "max_model_len": eng.max_len,
-                                   "capture_s": eng.capture_seconds, "load_s": time.perf_counter() - t0,
-                                   "slots": eng.num_slots}))
+        send(("ready", wid, {"device": str(eng.device), "max_model_len": eng.max_len,
+                             "capture_s": eng.capture_seconds, "load_s": time.perf_counter() - t0,
+                             "slots": eng.num_slots}))
+        threading.Thread(target=_beat, args=(wid, eng, send), daemon=True).start()
         ended = False
 
         def feed() -> Iterator[Any]:
@@ -153,27 +166,42 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
         for rec in llm.stream(feed(), vouch=False):
             if isinstance(rec, FailedAlone):
                 strikes.failed(None, rec.error)
-                outbox.send(("failed_alone", wid, rec.record))
+                send(("failed_alone", wid, rec.record))
             elif rec is not IDLE:
                 if rec["error"] is None:
                     strikes.finished()
-                outbox.send(("rec", wid, rec))
+                send(("rec", wid, rec))
         from .stats import peak_memory
 
-        outbox.send(("done", wid, {"device": str(eng.device), "target_forwards": eng.target_forwards,
-                                  "peak_memory_bytes": peak_memory(eng.device),
-                                  "tokens_emitted": eng.tokens_emitted, "capture_s": eng.capture_seconds,
-                                  "waited_for_pages": eng.waited, "verify_widths": dict(eng.cycle.policy.used),
-                                  **eng.pool_facts(), **eng.failure_counts.facts()}))
+        send(("done", wid, {"device": str(eng.device), "target_forwards": eng.target_forwards,
+                            "peak_memory_bytes": peak_memory(eng.device),
+                            "tokens_emitted": eng.tokens_emitted, "capture_s": eng.capture_seconds,
+                            "waited_for_pages": eng.waited, "verify_widths": dict(eng.cycle.policy.used),
+                            **eng.pool_facts(), **eng.failure_counts.facts()}))
     except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
         text = " ".join(str(e).split()) or type(e).__name__
         try:
             if hasattr(e, "items") and hasattr(e, "cause"):     # engine.failures.DeviceFailed
-                outbox.send(("in_flight", wid, [item.row for item in e.items]))
-            outbox.send(("error", wid, f"{spec.device}: {type(e).__name__}: {text}"))
+                send(("in_flight", wid, [item.row for item in e.items]))
+            send(("error", wid, f"{spec.device}: {type(e).__name__}: {text}"))
         except OSError:
             pass
         sys.exit(1)
+
+
+def _beat(wid: int, eng: Any, send: Callable[[tuple], None]) -> None:
+    """Say the engine moves, every HUNG_S / 8 while its forward count grows (the parent's watch for
+    a hung worker; a stalled main thread stalls the count, not this thread)."""
+    last = -1
+    while True:
+        time.sleep(HUNG_S / 8)
+        now = eng.target_forwards
+        if now != last:
+            try:
+                send(("beat", wid, None))
+            except OSError:
+                return
+            last = now
 
 
 @dataclass
@@ -197,6 +225,7 @@ class _Worker:
     alone: int | None = None         # the one row it was given to run alone (a suspect)
     draining: bool = False           # takes no rows but suspects, one at a time, once empty
     unvouched: list[tuple[Any, dict]] = field(default_factory=list)   # (row given, record): failed alone in it
+    heard_at: float = 0.0            # time.monotonic() it last said anything, or was given rows empty-handed
 
 
 class WorkerPool:
@@ -269,6 +298,8 @@ class WorkerPool:
                     if len(w.held) >= w.cap:
                         break
                     turn = []
+                    if not w.held:                  # its silence counts from now (HUNG_S)
+                        w.heard_at = time.monotonic()
                     while len(turn) < CHUNK and len(w.held) < w.cap:
                         if redo:
                             item = redo.pop(0)
@@ -327,6 +358,7 @@ class WorkerPool:
         if drainer is not None and alone and not drainer.held:
             item = alone.pop(0)
             drainer.alone = item.row
+            drainer.heard_at = time.monotonic()     # (empty-handed until now: its silence counts from here)
             drainer.held[item.row] = item
             drainer.inbox.put([item])
 
@@ -347,9 +379,16 @@ class WorkerPool:
                 except (EOFError, OSError):
                     self._bury(w, redo, out)
                     break
+                w.heard_at = time.monotonic()
                 self._heard(w, kind, payload, out)
+        now = time.monotonic()
         for w in list(self.workers):          # (a burial may add a worker)
             if not w.dead and not w.done and not w.proc.is_alive() and not w.reader.poll():
+                self._bury(w, redo, out)
+            elif w.ready and not w.dead and not w.done and w.held and now - w.heard_at > HUNG_S:
+                w.error = f"{w.device}: its engine made no progress in {HUNG_S:.0f} s (hung: killed)"
+                w.proc.kill()
+                w.proc.join(timeout=5)
                 self._bury(w, redo, out)
         return redo
 

@@ -4,6 +4,7 @@ nothing (its rows are redone); the parent SIGKILLed takes its workers with it an
 resumes to the same output."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -123,6 +124,30 @@ def test_a_worker_killed_mid_job_loses_nothing(job):
     _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     assert "died" in err and "go to the other workers (a new worker starts on cpu: restart 1 of 3)" in err
+    _same(_rows(out), job["ref"])
+
+
+def test_a_hung_worker_is_killed_and_its_rows_run_elsewhere(job):
+    """A worker whose engine stops moving (a wedged device call; here a stopped process) while it
+    holds rows is killed once it has said nothing for the hung limit, and its rows run on the others
+    and on its replacement: the job ends with the uninterrupted run's rows (it stalled forever)."""
+    out = job["dir"] / "hung.jsonl"
+    cmd = _cmd(job["inp"], out, "--workers", "2", "--progress-every", "1000")
+    p = subprocess.Popen(cmd, env={**_env(), "SPECBATCH_WORKER_HUNG_S": "4"}, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not p.stderr.readline().startswith("started:"):
+        pass
+    kids = _children(p.pid)
+    assert len(kids) == 2, kids
+    os.kill(kids[0], signal.SIGSTOP)
+    try:
+        _, err = p.communicate(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(kids[0], signal.SIGKILL)
+    assert p.returncode == 0, err
+    assert "its engine made no progress in 4 s (hung: killed)" in err and "a new worker starts on cpu" in err
     _same(_rows(out), job["ref"])
 
 
