@@ -345,7 +345,8 @@ class _Runner:
                         not self.pool.eager, capture_s=self.capture_s, workers=per,
                         tokens_per_target_forward=tokens / max(forwards, 1),
                         **{k: sum(w.get(k, 0) for w in per) for k in summed},
-                        kv_rows=min((w.get("kv_rows", 0) for w in per), default=0),
+                        kv_rows=min((w["kv_rows"] for w in per if "kv_rows" in w), default=0),
+                        workers_lost=sum(w["died"] for w in per),
                         peak_memory_bytes=max((w.get("peak_memory_bytes", 0) for w in per), default=0),
                         verify_widths=dict(sorted(widths.items())))
         eng = self.llm.engine

@@ -197,6 +197,9 @@ def print_summary(err: Console, s: dict[str, Any]) -> None:
         rows.append(("preempted", f"{s['preempted']} requests gave their KV pages back when the pool ran short "
                                   f"({s['preemptions']} times) and resumed by recompute "
                                   f"({s['recomputed_tokens']:,} tokens prefilled again)"))
+    if s.get("workers_lost"):                         # died or hung mid-job (workers.py): their rows ran elsewhere
+        rows.append(("workers lost", f"{s['workers_lost']} died or hung (their unfinished rows ran on the others; "
+                                     "their counts end at their last report)"))
     if s.get("engine_failures"):                      # failed steps survived (engine/failures.py)
         rows.append(("engine failures", f"{s['engine_failures']} survived: {s['rows_rerun']} rows in flight rerun "
                                         f"apart, {s['rows_failed_alone']} failed alone (error rows)"))

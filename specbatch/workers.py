@@ -171,13 +171,7 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
                 if rec["error"] is None:
                     strikes.finished()
                 send(("rec", wid, rec))
-        from .stats import peak_memory
-
-        send(("done", wid, {"device": str(eng.device), "target_forwards": eng.target_forwards,
-                            "peak_memory_bytes": peak_memory(eng.device),
-                            "tokens_emitted": eng.tokens_emitted, "capture_s": eng.capture_seconds,
-                            "waited_for_pages": eng.waited, "verify_widths": dict(eng.cycle.policy.used),
-                            **eng.pool_facts(), **eng.failure_counts.facts()}))
+        send(("done", wid, _counts(eng)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
         text = " ".join(str(e).split()) or type(e).__name__
         try:
@@ -189,16 +183,31 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
         sys.exit(1)
 
 
+def _counts(eng: Any) -> dict[str, Any]:
+    """What the engine did so far: the summary adds the workers' up."""
+    from .stats import peak_memory
+
+    return {"device": str(eng.device), "target_forwards": eng.target_forwards,
+            "peak_memory_bytes": peak_memory(eng.device), "tokens_emitted": eng.tokens_emitted,
+            "capture_s": eng.capture_seconds, "waited_for_pages": eng.waited,
+            "verify_widths": dict(eng.cycle.policy.used), **eng.pool_facts(), **eng.failure_counts.facts()}
+
+
 def _beat(wid: int, eng: Any, send: Callable[[tuple], None]) -> None:
     """Say the engine moves, every HUNG_S / 8 while its forward count grows (the parent's watch for
-    a hung worker; a stalled main thread stalls the count, not this thread)."""
+    a hung worker; a stalled main thread stalls the count, not this thread), with its counts so far
+    (a worker that dies takes only what it did since its last beat out of the summary)."""
     last = -1
     while True:
         time.sleep(HUNG_S / 8)
         now = eng.target_forwards
         if now != last:
             try:
-                send(("beat", wid, None))
+                counts = _counts(eng)
+            except RuntimeError:         # (a dict the engine was changing: the next beat's counts)
+                counts = None
+            try:
+                send(("beat", wid, counts))
             except OSError:
                 return
             last = now
@@ -414,6 +423,8 @@ class WorkerPool:
                 return
             vouched = self._release(w) if payload["error"] is None else []
             out.extend(self._deliver(w, vouched + [payload]))
+        elif kind == "beat":
+            w.stats.update(payload or {})
         elif kind == "done":
             w.done = True
             w.stats.update(payload)

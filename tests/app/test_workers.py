@@ -148,6 +148,7 @@ def test_a_hung_worker_is_killed_and_its_rows_run_elsewhere(job):
             os.kill(kids[0], signal.SIGKILL)
     assert p.returncode == 0, err
     assert "its engine made no progress in 4 s (hung: killed)" in err and "a new worker starts on cpu" in err
+    assert "1 died or hung (their unfinished rows ran on the others" in err and "KV pool" in err    # the summary
     _same(_rows(out), job["ref"])
 
 
