@@ -85,7 +85,8 @@ def to_openai_line(rec: dict[str, Any], model: str, digest: bytes | None = None)
                                                       else rec.get("stop_reason")),
                                       "logprobs": _openai_logprobs(c.get("logprobs"), chat)}
             if chat:
-                choice["message"] = {"role": "assistant", "content": c.get("completion")}
+                # (tool_calls: vLLM's ChatMessage always has the list; no tool parser here, so empty)
+                choice["message"] = {"role": "assistant", "content": c.get("completion"), "tool_calls": []}
             else:
                 choice["text"] = c.get("completion")
                 if prompt_lps is not None:

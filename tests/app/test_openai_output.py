@@ -3,7 +3,7 @@ published format's field names (as an OpenAI client would parse them), not from 
 from __future__ import annotations
 
 import json
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import pytest
 from pydantic import BaseModel, ConfigDict
@@ -30,6 +30,7 @@ class Usage(_Open):
 class Message(_Open):
     role: Literal["assistant"]
     content: Optional[str]
+    tool_calls: list[Any]          # vLLM's ChatMessage always has the list (code reading msg["tool_calls"])
 
 
 class ChatChoice(_Open):
