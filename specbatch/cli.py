@@ -333,7 +333,8 @@ def _report(summary: dict, quiet: bool, stats_json: str | None) -> None:
     if rows is None or errors is None:
         rows, errors = summary.get("requests"), summary.get("errors")
     if rows and errors == rows:
-        _fail(f"every row failed ({errors} rows); see the error column of {summary['output']}", EXIT_FAILED)
+        _fail(f"every row failed ({errors} rows); {summary['output']} holds each one's error (its error column, or "
+              "each OpenAI result line's error)", EXIT_FAILED)
 
 
 def _stopped_stats(e: BaseException, stats_json: str | None, how: str) -> None:
