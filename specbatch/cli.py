@@ -173,7 +173,7 @@ def run(
     load_format: Optional[str] = typer.Option(None, hidden=True),
     generation_config: Optional[str] = typer.Option(None, hidden=True),
     max_logprobs: Optional[int] = typer.Option(None, hidden=True),
-    chat_template: Optional[str] = typer.Option(None, hidden=True),
+    chat_template: Optional[str] = typer.Option(None, help="A chat template instead of the model's, for chat rows: a file's path or the template's text (vLLM's --chat-template; a resume keeps the same)."),
     served_model_name: Optional[str] = typer.Option(None, hidden=True),
     response_role: Optional[str] = typer.Option(None, hidden=True),
     reasoning_parser: Optional[str] = typer.Option(None, hidden=True),
@@ -210,7 +210,7 @@ def run(
                 kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=max_num_batched_tokens, swap_space=swap_space,
                 block_size=block_size, tokenizer=tokenizer, tokenizer_mode=tokenizer_mode, revision=revision,
                 tokenizer_revision=tokenizer_revision, load_format=load_format, generation_config=generation_config,
-                max_logprobs=max_logprobs, chat_template=chat_template, served_model_name=served_model_name,
+                max_logprobs=max_logprobs, served_model_name=served_model_name,
                 response_role=response_role, reasoning_parser=reasoning_parser,
                 enable_prompt_tokens_details=enable_prompt_tokens_details, output_tmp_dir=output_tmp_dir,
                 enable_metrics=enable_metrics, port=port, url=url, max_log_len=max_log_len,
@@ -221,6 +221,13 @@ def run(
         except ValueError as e:
             _fail(f"--speculative-config: expected a JSON object, as vLLM's ({e})")
     spec: dict[str, Any] = {}
+    if chat_template is not None:        # a file or the template's text, as vllm run-batch takes it
+        from .prompts import load_chat_template
+
+        try:
+            chat_template = load_chat_template(chat_template, "--chat-template")
+        except ValueError as e:
+            _fail(str(e))
     try:
         taken = engine_args({k: v for k, v in vllm.items() if v is not None}, spell=_flag, model=model)
         if "speculative" in taken:        # the recipe doing what vLLM's speculative config asks
@@ -268,7 +275,8 @@ def run(
         keep_columns=[c.strip() for c in keep_columns.split(",") if c.strip()] if keep_columns else (),
         save_token_ids=save_token_ids, fail_fast=fail_fast, overwrite=overwrite, device=device,
         bucket_window=bucket, eager=eager, output_format=output_format, gpus=gpus, workers=workers,
-        prefix_caching=prefix_caching, logprobs_mode=logprobs_mode, served_model_name=served_model_name)
+        prefix_caching=prefix_caching, logprobs_mode=logprobs_mode, served_model_name=served_model_name,
+        chat_template=chat_template)
     view = ProgressView(err, quiet=quiet, every=progress_every)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:

@@ -54,8 +54,6 @@ TAKEN: dict[str, tuple[Callable[[Any], bool], str]] = {
                                                          "gives unset sampling fields (set them in rows or flags)"),
     "max_logprobs": (lambda v: v in (None, 20), "not supported: rows may ask for up to 20 logprobs a token "
                                                "(vLLM's default); expected 20"),
-    "chat_template": (lambda v: v is None, "not supported yet: the model directory's template is used (put yours in "
-                                           "a chat_template.jinja file there, which the tokenizer reads)"),
     "served_model_name": (lambda v: v is None or isinstance(v, str) or all(isinstance(n, str) for n in v),
                           "expected a name"),
     # vllm run-batch's own flags

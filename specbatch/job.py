@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import os
 import re
@@ -49,6 +50,7 @@ class JobOptions:
     prefix_caching: bool = True          # share the KV pages of prompts that begin alike
     logprobs_mode: str = DEFAULT_LOGPROBS_MODE  # what logprobs hold: vLLM's --logprobs-mode (engine/logprobs.py)
     served_model_name: str | None = None  # the model OpenAI responses name (vLLM's --served-model-name)
+    chat_template: str | None = None     # a chat template's text instead of the model's (vLLM's --chat-template)
 
 
 # A job commits a part of its finished rows at most once a second (and at least every 30 s):
@@ -88,6 +90,9 @@ def fingerprint(recipe: Recipe, model: Any, draft: str | None, opts: JobOptions,
         "keep_columns": list(opts.keep_columns), "save_token_ids": opts.save_token_ids,
         "output_format": opts.output_format, "logprobs_mode": opts.logprobs_mode, "openai_lines": OPENAI_LINES,
         "ray_fields": RAY_FIELDS,
+        # (only when given: an output begun without one resumes as before)
+        **({"chat_template": hashlib.blake2b(opts.chat_template.encode(), digest_size=8).hexdigest()}
+           if opts.chat_template is not None else {}),
     }
 
 
@@ -288,7 +293,8 @@ class _Runner:
         # runs); --workers 1 (the default) runs the engine in this process.
         if len(devices) > 1 or opts.gpus is not None:
             self.pool = WorkerPool(recipe, devices, eager=opts.eager, bucket=opts.bucket_window,
-                                   prefix_caching=opts.prefix_caching, logprobs_mode=opts.logprobs_mode)
+                                   prefix_caching=opts.prefix_caching, logprobs_mode=opts.logprobs_mode,
+                                   chat_template=opts.chat_template)
             try:
                 self.pool.wait_ready()
             except WorkerError as e:         # e.g. every engine refused the settings: one line, exit 2
@@ -314,7 +320,7 @@ class _Runner:
 
             self.llm = LLM(recipe=recipe, device=opts.device, eager=opts.eager,
                            bucket=opts.bucket_window, enable_prefix_caching=opts.prefix_caching,
-                           logprobs_mode=opts.logprobs_mode)
+                           logprobs_mode=opts.logprobs_mode, chat_template=opts.chat_template)
             eng = self.llm.engine
             self.device, self.max_len, self.capture_s = str(eng.device), eng.max_len, eng.capture_seconds
             self.model_defaults = eng.model_defaults

@@ -17,7 +17,7 @@ from .chat_template import content_as_parts
 from .data import RowError, RowRequest, parse_row
 from .engine_args import engine_args
 from .params import DEFAULT_LOGPROBS_MODE, FALLBACK, MODEL_DEFAULT_KEYS, SamplingParams
-from .prompts import PromptError, chat_template_of, encode_row, render_chat
+from .prompts import PromptError, chat_template_of, encode_row, load_chat_template, render_chat
 from .recipe import Recipe, RecipeError, load_recipe
 from .request_output import CompletionOutput, Logprob, outputs, prompt_logprobs
 from .resolve import describe_draft, resolve_model, spec_config
@@ -217,7 +217,7 @@ def _refuse_unsupported(params: dict) -> None:
 # vLLM's LLM.generate / chat arguments specbatch has nothing for: their defaults ask for nothing.
 _VLLM_ARGUMENTS = {
     "lora_request": "LoRA adapters", "priority": "request priorities", "tokenization_kwargs": "tokenization options",
-    "chat_template": "a chat template other than the model's", "tools": "tool definitions for the template",
+    "tools": "tool definitions for the template",
     "mm_processor_kwargs": "multimodal inputs",
 }
 
@@ -255,7 +255,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, recipe: str | Recipe = "vanilla", *,
                  draft: str | Path | None = None, device: str | None = None, eager: bool = False,
                  bucket: int = 0, enable_prefix_caching: bool = True, logprobs_mode: str = DEFAULT_LOGPROBS_MODE,
-                 **overrides: Any):
+                 chat_template: str | Path | None = None, **overrides: Any):
         from .engine import Engine, EngineOptions      # torch is imported here, not at package import
 
         overrides = engine_args(overrides, eager, model=model)
@@ -279,6 +279,8 @@ class LLM:
             gpu_memory_utilization=r.gpu_memory_utilization,
             bucket_window=bucket, spec=spec, graphs=not eager, prefix_caching=enable_prefix_caching,
             logprobs_mode=logprobs_mode))
+        if chat_template is not None:        # a file or the template's text (vLLM's --chat-template)
+            self.engine.tokenizer.chat_template = load_chat_template(chat_template, "LLM(chat_template=...)")
         self.calls = 0          # generate() calls so far: each later one draws fresh samples (_records)
         self._requests = 0      # prompts so far: their request ids (vLLM's counter)
         # what generate() says once about its prompts, once for this LLM (an eval loop calls it often)
@@ -438,11 +440,15 @@ class LLM:
              chat_template_kwargs: Mapping[str, Any] | None = None, **vllm: Any) -> list[Completion]:
         """vLLM's LLM.chat (its arguments in its order): one conversation (a list of {role, content}
         messages) or a list of them, each rendered by the model's chat template with these options
-        (as a row's fields of the same names), then `generate`. lora_request, chat_template, tools
-        and mm_processor_kwargs are taken at their defaults only."""
-        _refuse_vllm_arguments("chat", {"lora_request": lora_request, "chat_template": chat_template,
+        (as a row's fields of the same names), then `generate`; `chat_template`: this call's template
+        instead of the model's (its text, or a file's path). lora_request, tools and
+        mm_processor_kwargs are taken at their defaults only."""
+        tokenizer = self.engine.tokenizer
+        template = chat_template_of(tokenizer) if chat_template is None else \
+            load_chat_template(chat_template, "chat(chat_template=...)")
+        _refuse_vllm_arguments("chat", {"lora_request": lora_request,
                                         "chat_template_content_format": chat_template_content_format,
-                                        "tools": tools, **vllm}, chat_template_of(self.engine.tokenizer))
+                                        "tools": tools, **vllm}, template)
         if continue_final_message and add_generation_prompt:       # the caller's, as vLLM raises it
             raise ValueError("chat(continue_final_message=True) needs add_generation_prompt=False: the final "
                              "message is continued, not followed by a new turn")
@@ -455,7 +461,19 @@ class LLM:
                 raise TypeError(f"messages[{i}]: expected a conversation (a list of {{role, content}} messages), "
                                 f"got {type(conv).__name__}")
             rows.append({"messages": [dict(m) for m in conv], **options})
-        return self.generate(rows, sampling_params, use_tqdm) if rows else []
+        if not rows:
+            return []
+        if chat_template is None:
+            return self.generate(rows, sampling_params, use_tqdm)
+        own = tokenizer.chat_template
+        tokenizer.chat_template = template         # rendered within the call: the rows, and each prompt made
+        try:                                       # now, not when first read (Completion.prompt)
+            out = self.generate(rows, sampling_params, use_tqdm)
+            for c in out:
+                c._prompt()
+            return out
+        finally:
+            tokenizer.chat_template = own
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: a new SamplingParams holding what a call with none would run with, for a script

@@ -90,6 +90,21 @@ def _encode(tokenizer: Any, text: str, where: str, limit: int | None, **kw: Any)
     return list(tokenizer(text, **kw)["input_ids"])
 
 
+def load_chat_template(value: str | Path, name: str = "chat_template") -> str:
+    """A chat template given as vLLM's --chat-template takes it: a file's path (its text), or the
+    template's own text (anything holding '{', '}' or a newline); a ValueError naming `name` else."""
+    text = str(value)
+    try:
+        if Path(text).expanduser().is_file():
+            return Path(text).expanduser().read_text(encoding="utf-8")
+    except (OSError, ValueError) as e:           # (unreadable, not UTF-8, a name too long to be a path)
+        if not any(c in text for c in "{}\n"):
+            raise ValueError(f"{name} {text}: cannot read it ({e})") from None
+    if any(c in text for c in "{}\n"):
+        return text
+    raise ValueError(f"{name} {text}: no such file (a chat template is a file's path or the template's own text)")
+
+
 def chat_template_of(tokenizer: Any) -> str | None:
     """The tokenizer's chat template text (its default one where it holds several), or None."""
     if not getattr(tokenizer, "chat_template", None):

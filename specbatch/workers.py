@@ -61,6 +61,7 @@ class WorkerSpec:
     threads: int | None = None       # CPU: torch threads of this worker
     prefix_caching: bool = True
     logprobs_mode: str = DEFAULT_LOGPROBS_MODE
+    chat_template: str | None = None         # the template's text instead of the model's
 
 
 def devices_for(gpus: str | None, workers: int | None, device: str | None) -> list[str]:
@@ -131,7 +132,8 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
         # what loading says about the model and settings (the same in every worker) is said once, by worker 0
         with contextlib.redirect_stderr(io.StringIO()) if wid else contextlib.nullcontext():
             llm = LLM(recipe=spec.recipe, device=spec.device, eager=spec.eager, bucket=spec.bucket,
-                      enable_prefix_caching=spec.prefix_caching, logprobs_mode=spec.logprobs_mode)
+                      enable_prefix_caching=spec.prefix_caching, logprobs_mode=spec.logprobs_mode,
+                      chat_template=spec.chat_template)
         eng = llm.engine
         send(("ready", wid, {"device": str(eng.device), "max_model_len": eng.max_len,
                              "capture_s": eng.capture_seconds, "load_s": time.perf_counter() - t0,
@@ -242,13 +244,15 @@ class WorkerPool:
     completion order, as `Engine.generate` does in process."""
 
     def __init__(self, recipe: Recipe, devices: list[str], *, eager: bool = False, bucket: int = 0,
-                 prefix_caching: bool = True, logprobs_mode: str = DEFAULT_LOGPROBS_MODE):
+                 prefix_caching: bool = True, logprobs_mode: str = DEFAULT_LOGPROBS_MODE,
+                 chat_template: str | None = None):
         self.ctx = mp.get_context("spawn")
         threads = None
         if all(d == "cpu" for d in devices):
             threads = max(1, (os.cpu_count() or 1) // len(devices))
         self.specs = [WorkerSpec(recipe=recipe, device=dev, eager=eager, bucket=bucket, threads=threads,
-                                 prefix_caching=prefix_caching, logprobs_mode=logprobs_mode) for dev in devices]
+                                 prefix_caching=prefix_caching, logprobs_mode=logprobs_mode,
+                                 chat_template=chat_template) for dev in devices]
         self.workers: list[_Worker] = [self._spawn(wid) for wid in range(len(devices))]
         self.delivered: set[int] = set()
         # rows in flight when a worker's device failed (and those an earlier run noted): each runs

@@ -402,8 +402,8 @@ def test_a_vllm_run_batch_command_line_runs(tiny_model, tmp_path):
                             (["--response-role", "user"], "--response-role user: not supported: chat results' role"),
                             (["--reasoning-parser", "qwen3"], "--reasoning-parser qwen3: not supported: no reasoning "
                                                               "parser"),
-                            (["--chat-template", "t.jinja"], "--chat-template t.jinja: not supported yet: the model "
-                                                             "directory's template is used"),
+                            (["--chat-template", "t.jinja"], "--chat-template t.jinja: no such file (a chat template "
+                                                             "is a file's path or the template's own text)"),
                             (["--speculative-config", "{method: eagle3}"], "--speculative-config: expected a JSON "
                                                                            "object, as vLLM's"),
                             (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
