@@ -131,7 +131,7 @@ def run(
     n: Optional[int] = typer.Option(None, "--n", help="Default completions per row."),
     include_stop_str_in_output: Optional[bool] = typer.Option(None, "--include-stop-str-in-output/--no-include-stop-str-in-output", help="Keep the matched stop string (or stop token) in the text (--no-...: leave it out, over a recipe's true)."),
     skip_special_tokens: Optional[bool] = typer.Option(None, "--skip-special-tokens/--keep-special-tokens", help="Skip special tokens in the text (default) or keep them."),
-    dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 | float16."),
+    dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 | float16 (vLLM's half and float too)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     gpus: Optional[str] = typer.Option(None, help="Every GPU of this host: all, a count, or ids like 0,1,3 (one engine process each, fed from one work queue)."),
     workers: Optional[int] = typer.Option(None, min=1, help="Engine processes on --device (CPU by default); 1 = in this process."),
@@ -229,7 +229,8 @@ def run(
         except ValueError as e:
             _fail(str(e))
     try:
-        taken = engine_args({k: v for k, v in vllm.items() if v is not None}, spell=_flag, model=model)
+        taken = engine_args({k: v for k, v in vllm.items() if v is not None}, model=model,
+                            spell=lambda k, v: "--speculative-config" if k == "speculative_config" else _flag(k, v))
         if "speculative" in taken:        # the recipe doing what vLLM's speculative config asks
             recipe, spec = speculative_base(recipe or "vanilla", draft, taken["speculative"], "--speculative-config")
             draft = spec.pop("draft")
@@ -341,8 +342,9 @@ def _report(summary: dict, quiet: bool, stats_json: str | None) -> None:
     if rows is None or errors is None:
         rows, errors = summary.get("requests"), summary.get("errors")
     if rows and errors == rows:
-        _fail(f"every row failed ({errors} rows); {summary['output']} holds each one's error (its error column, or "
-              "each OpenAI result line's error)", EXIT_FAILED)
+        where = ("the lines on stdout hold" if summary["output"] == "-" else f"{summary['output']} holds")
+        _fail(f"every row failed ({errors} rows); {where} each one's error (its error column, or each OpenAI "
+              "result line's error)", EXIT_FAILED)
 
 
 def _stopped_stats(e: BaseException, stats_json: str | None, how: str) -> None:

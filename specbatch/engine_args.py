@@ -54,8 +54,9 @@ TAKEN: dict[str, tuple[Callable[[Any], bool], str]] = {
                                                          "gives unset sampling fields (set them in rows or flags)"),
     "max_logprobs": (lambda v: v in (None, 20), "not supported: rows may ask for up to 20 logprobs a token "
                                                "(vLLM's default); expected 20"),
-    "served_model_name": (lambda v: v is None or isinstance(v, str) or all(isinstance(n, str) for n in v),
-                          "expected a name"),
+    "served_model_name": (lambda v: v is None or (isinstance(v, str) and v.strip() != "") or (
+        isinstance(v, (list, tuple)) and bool(v) and all(isinstance(n, str) and n.strip() for n in v)),
+                          "expected a non-empty name (or a list of them)"),
     # vllm run-batch's own flags
     "response_role": (lambda v: v in (None, "assistant"), "not supported: chat results' role is 'assistant'"),
     "reasoning_parser": (lambda v: v in (None, ""), "not supported: no reasoning parser: a reasoning model's "

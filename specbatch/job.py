@@ -220,9 +220,11 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     spec = spec_config(recipe)
     model_dir = resolve_model(recipe.model)
     _check_run_logit_bias(recipe, model_dir)
-    from .workers import devices_for
+    from .workers import devices_for, hung_limit
 
     devices = devices_for(opts.gpus, opts.workers, opts.device)   # a bad --gpus / --workers fails before any output
+    if len(devices) > 1 or opts.gpus is not None:                 # (_Runner's choice: workers)
+        hung_limit()
     output = opts.output or default_output(input_path)
     _check_paths(input_path, output)
     source = open_rows(input_path, prompt_column=opts.prompt_column, id_column=opts.id_column,
@@ -352,7 +354,7 @@ class _Runner:
                         tokens_per_target_forward=tokens / max(forwards, 1),
                         **{k: sum(w.get(k, 0) for w in per) for k in summed},
                         kv_rows=min((w["kv_rows"] for w in per if "kv_rows" in w), default=0),
-                        workers_lost=sum(w["died"] for w in per),
+                        workers_lost=sum(w["lost"] for w in per),
                         peak_memory_bytes=max((w.get("peak_memory_bytes", 0) for w in per), default=0),
                         verify_widths=dict(sorted(widths.items())))
         eng = self.llm.engine

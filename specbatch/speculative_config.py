@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .recipe import Recipe, load_recipe
+
 _METHODS = "'eagle3' (an EAGLE3 head in 'model') or 'mtp' (the target's multi-token-prediction layers)"
 _RECIPES = "or choose a recipe (specbatch recipes)"
 
@@ -87,15 +89,23 @@ def speculative_recipe(config: Any, name: str = "speculative_config", target: st
     return recipe, {**steps, "draft": draft}
 
 
-def speculative_base(recipe: Any, draft: str | Path | None, speculative: tuple[str, dict[str, Any]],
-                     name: str = "speculative_config") -> tuple[str, dict[str, Any]]:
+def speculative_base(recipe: str | Recipe, draft: str | Path | None, speculative: tuple[str, dict[str, Any]],
+                     name: str = "speculative_config") -> tuple[str | Recipe, dict[str, Any]]:
     """The recipe a speculative_config (speculative_recipe's reading) runs, with its overrides
-    (draft included), where `recipe` is the caller's (left at vanilla: a speculative_config with
-    another recipe is an error, as is a draft that disagrees with its 'model')."""
+    (draft included), where `recipe` is the caller's, left at vanilla: its name, or a vanilla Recipe
+    whose own settings (context, dtype, sampling defaults) are kept, the algorithm taken from the
+    chosen recipe. Another recipe beside it is an error, as is a draft that disagrees with its 'model'."""
     chosen, overrides = speculative
-    if (recipe if isinstance(recipe, str) else getattr(recipe, "name", None)) != "vanilla":
-        shown = recipe if isinstance(recipe, str) else getattr(recipe, "name", recipe)
+    algorithm = recipe if isinstance(recipe, str) else recipe.algorithm
+    if algorithm != "vanilla":
+        shown = recipe if isinstance(recipe, str) else recipe.name
         raise ValueError(f"{name} and recipe {shown!r} both choose the algorithm: give one")
     if draft is not None and overrides["draft"] is not None and not _same_dir(draft, overrides["draft"]):
         raise ValueError(f"{name}'s model {overrides['draft']!r} and draft {str(draft)!r} disagree: give one")
-    return chosen, {**overrides, "draft": overrides["draft"] if overrides["draft"] is not None else draft}
+    overrides = {**overrides, "draft": overrides["draft"] if overrides["draft"] is not None else draft}
+    if isinstance(recipe, str):
+        return chosen, overrides
+    base = load_recipe(chosen)
+    steps = {k: overrides[k] for k in ("num_steps", "topk", "num_draft_tokens")}
+    return recipe.with_overrides(name=base.name, description=base.description, algorithm=base.algorithm,
+                                 drafter=base.drafter, **steps), overrides

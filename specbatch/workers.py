@@ -11,11 +11,12 @@ worker never holds rows another could run. A worker that dies (killed, out of me
 nothing committed; the rows it held are handed to the others, and a new worker starts on its
 device (MAX_RESTARTS times in a worker's place, a replacement that dies while loading counted; a job
 fails only when no worker is left, after committing what finished). A stop (Ctrl-C, SIGTERM) tells
-the workers to end and leaves the waiting for them until the finished rows are committed. A worker whose device failed (engine.failures.DeviceFailed)
-names the rows it had in flight: each then runs alone on one worker, and one that brings a device
-down alone is written as its error. A row that failed alone in a worker's engine is held here
-until that engine finishes a row after it; STRIKES of them in a row end the worker (its engine
-is at fault, not the rows) and they run elsewhere, as its other rows do. Workers die with the
+the workers to end and leaves the waiting for them until the finished rows are committed. A worker
+whose device failed (engine.failures.DeviceFailed), or that hung (no progress in hung_limit()
+seconds: killed), names the rows it had in flight: each then runs alone on one worker, and one
+that brings a device down (or hangs) alone is written as its error. A row that failed alone in a
+worker's engine is held here until that engine finishes a row after it; STRIKES of them in a row
+end the worker (its engine is at fault, not the rows) and they run elsewhere, as its other rows do. Workers die with the
 parent (PR_SET_PDEATHSIG, and a watch on the parent's pid), so a killed parent leaves no orphan
 engines; the rerun resumes.
 """
@@ -45,7 +46,21 @@ MAX_RESTARTS = 3       # new workers started in the place of one that died mid-j
 # stopped process): killed, its rows run elsewhere and a new worker starts in its place. Its engine
 # says it moves (a "beat") every HUNG_S / 8 while its forward count grows; far longer than any step.
 HUNG_ENV = "SPECBATCH_WORKER_HUNG_S"
-HUNG_S = float(os.environ.get(HUNG_ENV) or 600.0)
+HUNG_S = 600.0
+
+
+def hung_limit() -> float:
+    """HUNG_S, or the environment's HUNG_ENV (seconds, >= 1); a ValueError naming it otherwise."""
+    raw = os.environ.get(HUNG_ENV)
+    if not raw:
+        return HUNG_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1:
+        raise ValueError(f"{HUNG_ENV}={raw}: expected the seconds a worker may make no progress, a number >= 1")
+    return value
 
 
 class WorkerError(RuntimeError):
@@ -62,6 +77,7 @@ class WorkerSpec:
     prefix_caching: bool = True
     logprobs_mode: str = DEFAULT_LOGPROBS_MODE
     chat_template: str | None = None         # the template's text instead of the model's
+    hung_s: float = HUNG_S                   # beats come every hung_s / 8 (the parent's watch)
 
 
 def devices_for(gpus: str | None, workers: int | None, device: str | None) -> list[str]:
@@ -138,7 +154,7 @@ def _worker(wid: int, spec: WorkerSpec, parent: int, inbox: Any, outbox: Any) ->
         send(("ready", wid, {"device": str(eng.device), "max_model_len": eng.max_len,
                              "capture_s": eng.capture_seconds, "load_s": time.perf_counter() - t0,
                              "slots": eng.num_slots}))
-        threading.Thread(target=_beat, args=(wid, eng, send), daemon=True).start()
+        threading.Thread(target=_beat, args=(wid, eng, send, spec.hung_s / 8), daemon=True).start()
         ended = False
 
         def feed() -> Iterator[Any]:
@@ -195,18 +211,18 @@ def _counts(eng: Any) -> dict[str, Any]:
             "verify_widths": dict(eng.cycle.policy.used), **eng.pool_facts(), **eng.failure_counts.facts()}
 
 
-def _beat(wid: int, eng: Any, send: Callable[[tuple], None]) -> None:
-    """Say the engine moves, every HUNG_S / 8 while its forward count grows (the parent's watch for
+def _beat(wid: int, eng: Any, send: Callable[[tuple], None], every: float) -> None:
+    """Say the engine moves, `every` seconds while its forward count grows (the parent's watch for
     a hung worker; a stalled main thread stalls the count, not this thread), with its counts so far
     (a worker that dies takes only what it did since its last beat out of the summary)."""
     last = -1
     while True:
-        time.sleep(HUNG_S / 8)
+        time.sleep(every)
         now = eng.target_forwards
         if now != last:
             try:
                 counts = _counts(eng)
-            except RuntimeError:         # (a dict the engine was changing: the next beat's counts)
+            except Exception:  # noqa: BLE001 - (a dict the engine was changing...): the beat goes, the counts next time
                 counts = None
             try:
                 send(("beat", wid, counts))
@@ -250,9 +266,10 @@ class WorkerPool:
         threads = None
         if all(d == "cpu" for d in devices):
             threads = max(1, (os.cpu_count() or 1) // len(devices))
+        self.hung_s = hung_limit()
         self.specs = [WorkerSpec(recipe=recipe, device=dev, eager=eager, bucket=bucket, threads=threads,
                                  prefix_caching=prefix_caching, logprobs_mode=logprobs_mode,
-                                 chat_template=chat_template) for dev in devices]
+                                 chat_template=chat_template, hung_s=self.hung_s) for dev in devices]
         self.workers: list[_Worker] = [self._spawn(wid) for wid in range(len(devices))]
         self.delivered: set[int] = set()
         # rows in flight when a worker's device failed (and those an earlier run noted): each runs
@@ -286,7 +303,9 @@ class WorkerPool:
             print(f"warning: {failed}; the job runs on the others", file=sys.stderr)
 
     def per_worker(self) -> list[dict[str, Any]]:
-        return [{"device": w.device, "records": w.records, "died": w.dead, **w.stats} for w in self.workers]
+        # lost: died or hung once started (a replacement dying while loading too), not one failing at the start
+        return [{"device": w.device, "records": w.records, "died": w.dead,
+                 "lost": w.dead and (w.ready or w.restarts > 0), **w.stats} for w in self.workers]
 
     # ---- the stream ------------------------------------------------------------------------------
 
@@ -296,6 +315,7 @@ class WorkerPool:
         redo: list[Any] = []               # rows a dead worker held
         alone: list[Any] = []              # suspects, to run one at a time
         out: list[dict[str, Any]] = []
+        stopping = False
         try:
             while True:
                 live = [w for w in self.workers if w.ready and not w.dead and not w.ended]
@@ -348,13 +368,16 @@ class WorkerPool:
                 out.clear()
                 redo.extend(self._drain(out))
                 yield from out
-        finally:
+        except BaseException as e:
             # a stop (Ctrl-C, SIGTERM) or a failure passing through: the workers are told to end and
             # not waited for (a hung one would hold it up to 15 s), so that the caller commits the
-            # finished rows first and then close()s; the end of the rows, or the consumer letting go: closed
-            if sys.exc_info()[0] not in (None, GeneratorExit):
+            # finished rows first and then close()s; the consumer letting go (GeneratorExit): closed
+            if not isinstance(e, GeneratorExit):
+                stopping = True
                 self.stop()
-            else:
+            raise
+        finally:
+            if not stopping:
                 self.close()
 
     def _run_alone(self, live: list[_Worker], alone: list[Any]) -> None:
@@ -398,10 +421,13 @@ class WorkerPool:
         for w in list(self.workers):          # (a burial may add a worker)
             if not w.dead and not w.done and not w.proc.is_alive() and not w.reader.poll():
                 self._bury(w, redo, out)
-            elif w.ready and not w.dead and not w.done and w.held and now - w.heard_at > HUNG_S:
-                w.error = f"{w.device}: its engine made no progress in {HUNG_S:.0f} s (hung: killed)"
+            elif (w.ready and not w.dead and not w.done and w.held and now - w.heard_at > self.hung_s
+                  and not w.reader.poll()):
+                w.error = f"{w.device}: its engine made no progress in {self.hung_s:.0f} s (hung: killed)"
                 w.proc.kill()
                 w.proc.join(timeout=5)
+                # its rows run alone elsewhere, as a failed device's in flight: one that hangs alone is its error
+                w.in_flight = list(w.held)
                 self._bury(w, redo, out)
         return redo
 

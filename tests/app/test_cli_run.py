@@ -368,6 +368,23 @@ def test_an_input_unreadable_midway_keeps_the_finished_rows_and_says_so(tiny_mod
     assert rows and set(rows) <= set(range(N))          # (rows in flight when the read failed run again)
 
 
+def test_a_vllm_speculative_config_runs_the_recipe_doing_the_same(target_dir, eagle3_dir, tmp_path):
+    """`--speculative-config '{"method": "eagle3", "model": HEAD, "num_speculative_tokens": 2}'`
+    (vllm run-batch's way to speculate) is `--recipe eagle3_topk1 --draft HEAD` with S = 2."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p, "max_tokens": 6}) + "\n" for p in PROMPTS[:3]))
+    config = json.dumps({"method": "eagle3", "model": str(eagle3_dir), "num_speculative_tokens": 2})
+    base = ("--model", target_dir, "--device", "cpu", "--ignore-eos")
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    ok("run", src, "-o", a, "--speculative-config", config, "--stats-json", tmp_path / "a.json", "-q", *base)
+    ok("run", src, "-o", b, "-r", "eagle3_topk1", "--draft", eagle3_dir, "-q", *base)
+    stats = json.loads((tmp_path / "a.json").read_text())
+    assert stats["recipe"] == "eagle3_topk1" and stats["draft_tokens"] > 0
+    got = [json.loads(x) for x in a.read_text().splitlines()]
+    assert [g["completion"] for g in got] == [json.loads(x)["completion"] for x in b.read_text().splitlines()]
+    assert max(len(g["spec"]["accept_histogram"]) for g in got) == 3            # S = 2: 0, 1 or 2 accepted
+
+
 def test_a_vllm_run_batch_command_line_runs(tiny_model, tmp_path):
     """`vllm run-batch -i IN -o OUT --model M` with its engine flags runs as written: -i and
     --output-file name the files, --max-num-seqs and --enforce-eager are ours under vLLM's names,
@@ -407,8 +424,7 @@ def test_a_vllm_run_batch_command_line_runs(tiny_model, tmp_path):
                             (["--speculative-config", "{method: eagle3}"], "--speculative-config: expected a JSON "
                                                                            "object, as vLLM's"),
                             (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
-                             "--speculative-config {'method': 'ngram', 'num_speculative_tokens': 2}: method 'ngram' "
-                             "is not supported"),
+                             "--speculative-config: method 'ngram' is not supported"),
                             (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', "-r",
                               "eagle3_tree"], "--speculative-config and recipe 'eagle3_tree' both choose the "
                                               "algorithm: give one")):

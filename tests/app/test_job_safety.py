@@ -229,10 +229,16 @@ def test_a_second_ctrl_c_does_not_cut_the_commit_and_the_count_has_earlier_runs_
 
     monkeypatch.setattr(ProgressView, "update", update)
     monkeypatch.setattr(OutputWriter, "commit", commit)
-    line = one_line_cli_error(cli("run", inp, "-o", out, *base), 130)
+    # Ctrl-C as a terminal delivers it (a shell's background job, CI's, starts with SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        line = one_line_cli_error(cli("run", inp, "-o", out, *base), 130)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler      # (held for the commit only)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     held = sorted(r for p in (tmp_path / "o.parquet.parts").glob("part-*") for r in pq.read_table(p)["row"].to_pylist())
-    assert len(held) == 5 and line == f"error: interrupted; 5 finished rows are committed, rerun the same command to resume"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler       # (held for the commit only)
+    assert len(held) == 5
+    assert line == "error: interrupted; 5 finished rows are committed, rerun the same command to resume"
     monkeypatch.undo()
     ok("run", inp, "-o", out, *base)
     assert len(read(out)) == len(ROWS)
@@ -329,7 +335,9 @@ def test_a_job_where_every_row_failed_exits_non_zero(tmp_path, base):
     inp = write(tmp_path / "bad.jsonl", [{"prompt": ""}, {"prompt": 5}])
     out = tmp_path / "bad.parquet"
     line = one_line_cli_error(cli("run", inp, "-o", out, *base), EXIT_FAILED)
-    assert "every row failed (2 rows)" in line
+    assert "every row failed (2 rows)" in line and f"{out} holds each one's error" in line
+    line = one_line_cli_error(cli("run", inp, "-o", "-", *base), EXIT_FAILED)
+    assert "every row failed (2 rows); the lines on stdout hold each one's error" in line
     assert [r["error"] is not None for r in read(out)] == [True, True]
     # a rerun whose new rows all fail, over an output of good rows: not every row failed
     good = tmp_path / "good.jsonl"

@@ -485,6 +485,16 @@ def test_vllms_speculative_config_runs_the_recipe_doing_the_same(target_dir, eag
         LLM(target_dir, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="and recipe 'eagle3_tree' both choose the algorithm: give one"):
         LLM(target_dir, "eagle3_tree", device="cpu", speculative_config=config)
+    # a vanilla Recipe of the caller's keeps its own settings; the algorithm comes from the config
+    from specbatch.recipe import load_recipe
+
+    mine = load_recipe("vanilla").with_overrides(max_model_len=256, temperature=0.5, dtype="float32")
+    r = LLM(target_dir, mine, device="cpu", speculative_config=config).recipe
+    assert (r.name, r.algorithm, r.num_steps, r.max_model_len, r.dtype, r.sampling.temperature, r.draft) == \
+        ("eagle3_topk1", "eagle3", 2, 256, "float32", 0.5, str(eagle3_dir))
+    for name in (5, "", [" "]):
+        with pytest.raises(ValueError, match=r"served_model_name=.*: expected a non-empty name"):
+            LLM(target_dir, device="cpu", served_model_name=name)
 
 
 def test_a_completion_reads_as_vllms_request_output(llm):

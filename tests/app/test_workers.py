@@ -152,6 +152,85 @@ def test_a_hung_worker_is_killed_and_its_rows_run_elsewhere(job):
     _same(_rows(out), job["ref"])
 
 
+class Alive(Proc):
+    """A live worker process's stand-in: alive until killed."""
+
+    def __init__(self):
+        super().__init__(-9)
+        self.killed = False
+
+    def is_alive(self):
+        return not self.killed
+
+    def kill(self):
+        self.killed = True
+
+
+def test_a_hung_workers_rows_run_alone_and_one_hanging_alone_is_its_error(capsys):
+    """The watch kills a worker silent past the limit while holding rows; its rows become suspects
+    (each runs alone, as a failed device's in flight), and one that hangs running alone is written as
+    its error, not redone: a row that wedges every engine does not take the job down."""
+    import multiprocessing as mp
+
+    from specbatch.data import RowRequest
+    from specbatch.workers import WorkerPool, _Worker
+
+    ends = []                                    # the workers' ends of their pipes, kept open (silent, alive)
+
+    def pipe():
+        reader, writer = mp.Pipe(False)
+        ends.append(writer)
+        return reader
+
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.last_error, pool.suspects, pool.delivered, pool.unstarted, pool.hung_s = "", set(), set(), [], 5.0
+    pool._spawn = lambda wid, restarts=0: _Worker(proc=Alive(), inbox=Inbox(), reader=pipe(), device="cpu",
+                                                  wid=wid, restarts=restarts)
+    rows = {i: RowRequest(row=i, id=f"q{i}", prompt="x", where=f"in.jsonl:{i + 1}") for i in (3, 7)}
+    long_ago = time.monotonic() - 10
+    quiet = _Worker(proc=Alive(), inbox=Inbox(), reader=pipe(), device="cpu", ready=True,
+                    held={3: rows[3]}, heard_at=time.monotonic())         # silent, but not for long: left alone
+    hung = _Worker(proc=Alive(), inbox=Inbox(), reader=pipe(), device="cpu", wid=1, ready=True,
+                   held=dict(rows), heard_at=long_ago)
+    pool.workers = [quiet, hung]
+    redo = pool._drain([])
+    assert not quiet.dead and hung.dead and hung.proc.killed
+    assert pool.suspects == {3, 7} and sorted(r.row for r in redo) == [3, 7]
+    assert "its engine made no progress in 5 s (hung: killed)" in capsys.readouterr().err
+    alone = _Worker(proc=Alive(), inbox=Inbox(), reader=pipe(), device="cpu", wid=2, ready=True,
+                    held={7: rows[7]}, alone=7, heard_at=long_ago)
+    pool.workers, out = [alone], []
+    assert pool._drain(out) == [] and [r["row"] for r in out] == [7]
+    assert "in.jsonl:8: " in out[0]["error"] and "no progress in 5 s" in out[0]["error"] and 7 not in pool.suspects
+
+
+@pytest.mark.parametrize("value, ok", [(None, 600.0), ("4", 4.0), ("10m", None), ("0", None), ("-3", None),
+                                       ("nan", None)])
+def test_the_hung_limit_is_seconds_of_at_least_one(monkeypatch, value, ok):
+    from specbatch.workers import HUNG_ENV, hung_limit
+
+    if value is None:
+        monkeypatch.delenv(HUNG_ENV, raising=False)
+    else:
+        monkeypatch.setenv(HUNG_ENV, value)
+    if ok is not None:
+        assert hung_limit() == ok
+    else:
+        with pytest.raises(ValueError, match=rf"^{HUNG_ENV}={value}: expected the seconds a worker may make no "):
+            hung_limit()
+
+
+def test_workers_lost_are_those_that_died_once_started():
+    from specbatch.workers import WorkerPool, _Worker
+
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.workers = [_Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:0", dead=True),        # at start
+                    _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:1", dead=True, ready=True),
+                    _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:1", dead=True, restarts=1),
+                    _Worker(proc=Proc(), inbox=Inbox(), reader=None, device="cuda:1", ready=True)]
+    assert [w["lost"] for w in pool.per_worker()] == [False, True, True, False]
+
+
 def test_a_replaced_worker_takes_rows_and_restarts_are_bounded(capsys):
     """A worker that dies mid-job is replaced on its device (its replacement counted), up to
     MAX_RESTARTS, and so is a replacement that dies while loading; one that dies at the job's start
