@@ -534,13 +534,13 @@ def bench(
         opts = BenchOptions(
             recipes=tuple(recipe) if recipe else DEFAULT_RECIPES, model=model, draft=draft,
             random_weights=random_weights,
-            batch_sizes=parse_list(batch_sizes, int, "--batch-sizes") if batch_sizes else None,
+            batch_sizes=parse_list(batch_sizes, int, "--batch-sizes") if batch_sizes is not None else None,
             prompt_len=prompt_len, prompts=prompts, max_tokens=max_tokens, dtype=dtype, device=device,
             graphs=not eager, separate_graphs=separate_graphs, hf=not no_hf, hf_max_batch=hf_max_batch, max_model_len=max_model_len,
             fixed_width=fixed_width, arrival_order_too=arrival_order_too, every_size_too=every_size_too,
             reserve_too=reserve_too,
             simulate_acceptance=parse_list(simulate_acceptance, float, "--simulate-acceptance")
-            if simulate_acceptance else None)
+            if simulate_acceptance is not None else None)
         if job:
             from .bench.job import job_markdown, parse_sampling, run_job_bench
 

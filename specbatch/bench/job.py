@@ -22,7 +22,7 @@ import os
 import statistics
 import time
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -32,7 +32,8 @@ from ..engine import Engine, EngineOptions, resolve_device
 from ..recipe import SamplingDefaults, load_recipe
 from ..records import emitted_tokens
 from .floor import copy_bandwidth, kv_bytes, weight_bytes
-from .sources import (BenchError, BenchOptions, Source, acceptance_label, build_engine, check_options,
+from .report import CPU_FLOOR_NOTE
+from .sources import (BenchError, BenchOptions, Source, acceptance_label, build_engine, check_options, check_recipes,
                       depth_note, failure_message, free_memory, load_source, recipe_spec, recipes_model,
                       row_token_ids)
 
@@ -54,6 +55,11 @@ class JobMix:
     # every row's sampling fields (--sampling; a prompts file's rows keep their own): {} greedy
     sampling: dict[str, Any] = field(default_factory=dict)
 
+
+# The generated mix's flags (JobMix fields) that a --prompts file's rows decide themselves.
+_MIX_FLAGS = (("--prompt-median", "prompt_median"), ("--prompt-sigma", "prompt_sigma"), ("--prompt-max", "prompt_max"),
+              ("--output-sigma", "output_sigma"), ("--output-max", "output_max"),
+              ("--shared-prefix", "shared_prefix"), ("--max-tokens-factor", "max_tokens_factor"))
 
 # Row fields that end a row or set its length: the mix's lengths decide those (EOS ignored).
 LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "ignore_eos", "stop", "stop_token_ids")
@@ -99,8 +105,10 @@ def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> JobRows:
     """The job's rows: token-id prompts (random ids, or held-out text of the demo/model) with
     per-row max_tokens; or a --prompts file."""
     if opts.prompts:
-        if mix.max_tokens_factor != 1:
-            raise BenchError("--max-tokens-factor applies to the generated mix, not --prompts (rows set their own)")
+        generated = [flag for flag, field_ in _MIX_FLAGS if getattr(mix, field_) != getattr(JobMix(), field_)]
+        if generated:
+            raise BenchError(f"{', '.join(generated)}: the generated mix's, not --prompts' (rows set their own "
+                             "prompts and lengths; --output-median is the max_tokens of rows that set none)")
         rows = JobRows()
         for item in open_rows(opts.prompts):
             if isinstance(item, RowError):
@@ -148,7 +156,7 @@ def _lengths(out: int, mix: JobMix, src: Source) -> dict[str, Any]:
             "logit_bias": {str(eos[0]): 100.0}}
 
 
-def output_tokens(row: RowRequest) -> int:
+def _output_tokens(row: RowRequest) -> int:
     """The tokens a bench row generates: its max_tokens, or where it ends by EOS (_lengths) one
     past its min_tokens."""
     o = row.overrides
@@ -207,7 +215,7 @@ def _weights(model) -> tuple[int, float]:
 
 
 def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float, rate: float,
-              pool_rows: int | None = None) -> dict[str, float]:
+              pool_rows: int | None = None, lengths: dict[int, float] | None = None) -> dict[str, float]:
     """Seconds the job cannot beat with plain decoding at `slots` sequences in flight (prefill:
     each distinct prompt prefix once).
 
@@ -221,8 +229,15 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
 
     Prefill FLOPs are 2 x the non-embedding parameters, lm_head included, per distinct prompt
     token (issue 13's definition); the prefill runs lm_head at each prompt's last position only,
-    so that term is above the FLOPs actually needed by lm_head's share (~7% at Llama-3.1-8B shapes)."""
+    so that term is above the FLOPs actually needed by lm_head's share (~7% at Llama-3.1-8B shapes).
+
+    `lengths`: the tokens each row's sequences generated (row -> per sequence), where the run knows
+    them (a --prompts row ending by its stop strings or EOS), else output_tokens' reading of its fields."""
     model = src.model
+
+    def output_tokens(r: RowRequest) -> float:
+        return lengths[r.row] if lengths and r.row in lengths else _output_tokens(r)
+
     dtype = model.lm_head.weight.dtype
     w_bytes, params = _weights(model)
     prompt = sum(len(r.prompt_token_ids) for r in rows)
@@ -243,7 +258,7 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
                 + sum(max(output_tokens(r) - 1, 0) * u for r, u in zip(rows, own)))
         kv_steps = math.ceil(held / pool_rows)
     spread = max(math.ceil(out_tokens / slots), kv_steps)
-    steps = max(spread, max(outputs, default=0))
+    steps = max(spread, math.ceil(max(outputs, default=0)))
     # each output token reads its whole context once: sum over t < o of (p + t)
     ctx_bytes = kv_bytes(model.cfg, dtype, sum(o * len(r.prompt_token_ids) + o * (o - 1) / 2 for r, o in seqs))
     flops_s = 2 * params * out_tokens / rate
@@ -265,6 +280,7 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
         raise BenchError("--every-size-too compares CUDA graph sizes: it needs a CUDA device and no --eager")
     check_options(opts)
     recipes = [load_recipe(r) for r in opts.recipes]
+    check_recipes(recipes, log)
     if mix.max_tokens_factor > 1 and opts.simulate_acceptance and any(r.drafter is not None for r in recipes):
         # rows end by the target's EOS; the simulated walk accepts drafts the target did not choose
         raise BenchError("--max-tokens-factor ends rows by the target's EOS, which --simulate-acceptance's "
@@ -285,7 +301,9 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
     meta = {"mode": "job", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "model": src.name, "model_source": src.kind,
             "dtype": str(src.model.lm_head.weight.dtype).removeprefix("torch."),
-            "requests": len(rows), "mix": {**vars(mix), "prompts": opts.prompts,
+            "requests": len(rows), "prompt_source": opts.prompts or (
+                "random ids" if src.kind == "random" else "held-out Python stdlib text"),
+            "mix": {**vars(mix), "prompts": opts.prompts,
                                            "rows_without_max_tokens": rows.defaulted if opts.prompts else None},
             "copy_bandwidth_bytes_per_s": bandwidth,
             "matmul_flops_per_s": rate, "acceptance": acceptance_label(opts.simulate_acceptance),
@@ -304,7 +322,9 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
             deep = depth_note(sim, engine.drafter.max_depth) if sim else None
             if deep:
                 log(f"note: {recipe.name}: {deep}")
-            list(engine.generate(rows[:8], SamplingDefaults(max_tokens=4, ignore_eos=True, temperature=0.0, repetition_penalty=1.0)))     # warm-up
+            # warm-up: the first rows, short whatever max_tokens they ask (a --prompts row's own wins over defaults)
+            warm = [replace(r, overrides={**r.overrides, "max_tokens": 4, "min_tokens": 0, "n": 1}) for r in rows[:8]]
+            list(engine.generate(warm, SamplingDefaults(ignore_eos=True, temperature=0.0, repetition_penalty=1.0)))
             # one engine: input order (--arrival-order-too), as runs do, replaying every size (--every-size-too)
             # and admission reserving every row's max_tokens (--reserve-too)
             runs = ([(False, True, False)] * opts.arrival_order_too + [(True, True, False)] +
@@ -378,7 +398,9 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
     if errors:
         raise BenchError(f"{len(errors)} rows failed, first: {errors[0]}")
     out = sum(r["completion_tokens"] for r in recs)
-    floor = job_floor(src, rows, engine.num_slots, bandwidth, rate, engine.pages.usable * engine.page_size)
+    # each row's sequences as they ended (a greedy row's n choices are one decode, copied)
+    lengths = {r["row"]: r["completion_tokens"] / max(len(r.get("choices") or ()), 1) for r in recs}
+    floor = job_floor(src, rows, engine.num_slots, bandwidth, rate, engine.pages.usable * engine.page_size, lengths)
     steps = sum(r["spec"]["verify_steps"] - 1 for r in recs)
     emitted = sum(emitted_tokens(r["spec"]) for r in recs)
     return {
@@ -459,9 +481,10 @@ def job_markdown(result: dict[str, Any]) -> str:
         lengths = (f"prompts and max_tokens from {mix['prompts']}"
                    + (f" ({unset} row{'s' if unset != 1 else ''} without max_tokens: --output-median "
                       f"{mix['output_median']})" if unset else "")
-                   + " (EOS ignored)")
+                   + " (EOS ignored unless a row sets ignore_eos false; its stops apply)")
     else:
-        lengths = (f"prompts lognormal median {mix['prompt_median']} sigma {mix['prompt_sigma']} max "
+        lengths = (f"prompts ({meta.get('prompt_source', 'generated')}) lognormal median {mix['prompt_median']} "
+                   f"sigma {mix['prompt_sigma']} max "
                    f"{mix['prompt_max']} · outputs median {mix['output_median']} sigma {mix['output_sigma']} max "
                    f"{mix['output_max']} ({ending})")
     lines = [f"# specbatch bench --job: {meta['model']} on {meta['device']}, {meta['acceptance']}", "",
@@ -495,4 +518,6 @@ def job_markdown(result: dict[str, Any]) -> str:
               "of the wall time. Accept len: tokens emitted per target forward of a row, its prefill "
               "counted as one (as `specbatch run`'s mean accept length; the batch sweep's counts decode "
               "cycles only, so it reads higher for the same drafts)."]
+    if meta["device"] == "cpu":
+        lines += ["", CPU_FLOOR_NOTE]
     return "\n".join(lines) + "\n"

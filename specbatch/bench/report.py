@@ -56,11 +56,21 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", f"**{len(failed)} point(s) failed** (no figures; the sweep went on with the next):", ""]
         lines += [f"- {p['recipe']}, batch {p['batch_size']}: {' '.join(str(p.get('error')).split())}"
                   for p in failed]
-    lines += ["", "tok/s: output tokens per second of the decode phase (cycles with every row active). "
+    lines += ["", "tok/s: output tokens per second of the decode phase (cycles with every row active; a "
+              "speculative run's rows finish unevenly, and its tail of part-full cycles is left out). "
+              "End-to-end vs vanilla: output tokens over the whole decode phase, tails included. "
               "Step ms: median cycle wall time; host = wall - (draft + verify + extend). Floor: the bytes "
               "a cycle must read (weights, embeddings excluded, plus the KV of the committed tokens; "
               "EAGLE3 heads S times) over the measured copy bandwidth; % of floor = floor / step."]
+    if str(meta.get("device", "")).startswith("cpu"):
+        lines += ["", CPU_FLOOR_NOTE]
     return "\n".join(lines) + "\n"
+
+
+# (both modes' reports)
+CPU_FLOOR_NOTE = ("On a CPU the floor is an estimate, not a bound: the copy bandwidth and matmul rate are measured "
+                  "each run and vary with load and threads, and weights that fit the cache read faster than the "
+                  "measured copy; compare its fractions within one run only.")
 
 
 def table(result: dict[str, Any], short: bool = False) -> tuple[list[str], list[list[str]]]:
@@ -71,7 +81,8 @@ def table(result: dict[str, Any], short: bool = False) -> tuple[list[str], list[
         accept = "accept (simulated)" if meta["simulated"] else "accept"
     else:
         accept = f"accept length ({meta['acceptance']})"
-    head = ["recipe", "batch", "tok/s", "vs vanilla" if short else "speedup vs vanilla", accept,
+    head = ["recipe", "batch", "tok/s", "vs vanilla" if short else "speedup vs vanilla",
+            "e2e vs vanilla" if short else "end-to-end vs vanilla", accept,
             "draft ms", "verify ms", "extend ms", "host ms", "step ms", "floor ms", "% of floor",
             "peak GiB", "capture s"]
     rows = []
@@ -85,7 +96,7 @@ def table(result: dict[str, Any], short: bool = False) -> tuple[list[str], list[
         rows.append([
             p["recipe"], str(p["batch_size"]),
             _f(rate, ".1f") if rate is not None else p.get("error", "-"),
-            _f(p.get("speedup_vs_vanilla"), ".2f", "x"),
+            _f(p.get("speedup_vs_vanilla"), ".2f", "x"), _f(p.get("e2e_speedup_vs_vanilla"), ".2f", "x"),
             "-" if peer else _f(p["accept_length"], ".2f"),
             *(["-"] * 6 if peer else [_f(p[k], ".2f") for k in ("draft_ms", "verify_ms", "extend_ms",
                                                                "host_ms", "step_ms", "floor_ms")]),

@@ -4,6 +4,7 @@ sweep (sweep.py) and the whole-job mode (job.py)."""
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,26 @@ def check_options(opts: BenchOptions) -> None:
         raise BenchError(f"--simulate-acceptance {','.join(map(str, sim))}: probabilities must be in [0, 1]")
 
 
+def check_recipes(recipes: list[Any], log: Callable[[str], None]) -> None:
+    """Each recipe once (a second copy was compared with itself, the baseline the last one), and a
+    word for a recipe whose `sampling:` block the bench does not apply (its rows run greedy, with the
+    mix's lengths; --sampling sets sampling fields for every recipe)."""
+    from ..recipe import load_recipe
+
+    names = [r.name for r in recipes]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise BenchError(f"--recipe {twice}: given twice; each recipe runs once (a recipe file of the same "
+                         "name needs a name of its own)")
+    unset = load_recipe("vanilla").sampling.to_dict()
+    for r in recipes:
+        own = {k: v for k, v in r.sampling.to_dict().items() if v != unset[k]}
+        if own:
+            log(f"warning: {r.name}: its sampling ({', '.join(f'{k} {v}' for k, v in own.items())}) is not "
+                "applied: bench rows run greedy with the mix's lengths (--sampling sets sampling fields "
+                "for every recipe)")
+
+
 def recipes_model(opts: BenchOptions, recipes: list[Any]) -> BenchOptions:
     """Without --model (or --random-weights), the target is the recipes' own `model:`, and with
     --dtype auto their `dtype:`, as in `specbatch run`; every recipe runs on the one target, so
@@ -206,7 +227,7 @@ def row_token_ids(opts: BenchOptions, src: Source, row: RowRequest) -> list[int]
         raise BenchError(str(e)) from None
 
 
-def bench_prompts(opts: BenchOptions, src: Source, n: int) -> list[list[int]]:
+def bench_prompts(opts: BenchOptions, src: Source, n: int, log: Callable[[str], None] = print) -> list[list[int]]:
     """n prompts (token ids), the same for every recipe and batch size."""
     vocab = src.model.cfg.vocab_size
     if opts.prompts:
@@ -219,7 +240,10 @@ def bench_prompts(opts: BenchOptions, src: Source, n: int) -> list[list[int]]:
                 break
         if not ids:
             raise BenchError(f"{opts.prompts}: no rows")
-        return [ids[i % len(ids)] for i in range(n)]          # fewer rows than the largest batch: reused
+        if len(ids) < n:
+            log(f"note: {opts.prompts} holds {len(ids)} rows, fewer than the largest batch ({n}): its prompts are "
+                "reused (prefix caching shares the repeats)")
+        return [ids[i % len(ids)] for i in range(n)]
     if src.kind == "random":
         g = torch.Generator().manual_seed(opts.seed)
         return torch.randint(0, vocab, (n, opts.prompt_len), generator=g).tolist()

@@ -25,8 +25,8 @@ from ..stats import RunStats
 from .floor import copy_bandwidth, draft_bytes, kv_bytes, step_floor_ms, weight_bytes
 from .hf_peer import PEER_NAME, hf_model, hf_tokens_per_s
 from .sources import (BenchError, BenchOptions, Source, acceptance_label, bench_prompts,
-                      build_engine, check_options, depth_note, device_name, failure_message, free_memory, load_source,
-                      recipe_spec, recipes_model)
+                      build_engine, check_options, check_recipes, depth_note, device_name, failure_message,
+                      free_memory, load_source, recipe_spec, recipes_model)
 
 GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CPU_BATCH_SIZES = (1, 2, 4, 8)
@@ -41,6 +41,7 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
     device = resolve_device(opts.device)
     sizes = sorted(set(opts.batch_sizes or (GPU_BATCH_SIZES if device.type == "cuda" else CPU_BATCH_SIZES)))
     recipes = [load_recipe(r) for r in opts.recipes]
+    check_recipes(recipes, log)
     opts = recipes_model(opts, recipes)
     for r in recipes:
         try:
@@ -54,13 +55,16 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
         log("warning: random drafts are never accepted, so the accept length of "
             f"{', '.join(r.name for r in spec_recipes)} will be ~1; pass --simulate-acceptance P1,P2,... "
             "to time them under a chosen acceptance profile")
-    prompts = bench_prompts(opts, src, sizes[-1])
+    prompts = bench_prompts(opts, src, sizes[-1], log)
     max_len = opts.max_model_len or max(map(len, prompts)) + opts.max_tokens
     limit = src.model.cfg.max_position_embeddings
     if max_len > limit:
         raise BenchError(f"prompts of up to {max(map(len, prompts))} tokens + --max-tokens {opts.max_tokens} "
                          f"exceed the model's max_position_embeddings ({limit}): lower --prompt-len or --max-tokens")
     specs = [recipe_spec(r, opts, src, device) for r in recipes]        # a missing --draft fails before any run
+    if opts.separate_graphs and not (opts.graphs and device.type == "cuda"):
+        raise BenchError("--separate-graphs compares fused and separate CUDA graphs: it needs a CUDA device and "
+                         "no --eager")
     log(f"measuring copy bandwidth on {device} ...")
     bandwidth = copy_bandwidth(device)
     free_memory(device)
@@ -308,9 +312,10 @@ def _speedups(points: list[dict[str, Any]]) -> None:
     """speedup_vs_vanilla: tokens/s over plain decoding's (ours: the first recipe of algorithm
     vanilla, whatever its name) at the same batch size."""
     plain = next((p["recipe"] for p in points if p["algorithm"] == "vanilla" and not p["peer"]), None)
-    base = {p["batch_size"]: p["tokens_per_s"] for p in points if p["recipe"] == plain and not p["peer"]}
+    base = {p["batch_size"]: p for p in points if p["recipe"] == plain and not p["peer"] and not p.get("failed")}
     for p in points:
-        ref, rate = base.get(p["batch_size"]), p.get("tokens_per_s")
-        p["speedup_vs_vanilla"] = rate / ref if ref and rate is not None else None
+        ref = base.get(p["batch_size"], {})
+        for key, rate in (("speedup_vs_vanilla", "tokens_per_s"), ("e2e_speedup_vs_vanilla", "e2e_tokens_per_s")):
+            p[key] = p[rate] / ref[rate] if ref.get(rate) and p.get(rate) is not None else None
 
 

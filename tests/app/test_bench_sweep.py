@@ -51,11 +51,15 @@ def test_bench_cli_writes_labelled_reports(tiny_config, tmp_path):
         assert p["acceptance_per_position"] == [1.0, 1.0, 1.0]
         assert p["simulated_acceptance"] == [1.0, 1.0, 1.0]
         assert p["speedup_vs_vanilla"] is not None
+        # beside the steady windows' ratio, the whole decode phase's (a speculative run's uneven tail in it)
+        assert p["e2e_speedup_vs_vanilla"] == pytest.approx(p["e2e_tokens_per_s"] / ours[p["batch_size"] - 1][
+            "e2e_tokens_per_s"])
     assert [p["accept_length"] for p in ours[:2]] == [1.0, 1.0]
     assert [p["batch_size"] for p in res["points"] if p["recipe"] == PEER_NAME] == [1, 2]
     md = (out / "bench.md").read_text()
     assert md.splitlines()[0].startswith("# ") and "simulated acceptance 1/1/1" in md.splitlines()[0]
-    assert "| accept length (simulated acceptance 1/1/1) |" in md
+    assert "| speedup vs vanilla | end-to-end vs vanilla | accept length (simulated acceptance 1/1/1) |" in md
+    assert "On a CPU the floor is an estimate, not a bound" in md
     assert md.count("| eagle3_topk1 |") == 2 and md.count(f"| {PEER_NAME} |") == 2
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "bench.png").stat().st_size > 0
@@ -87,6 +91,10 @@ def test_random_drafts_without_simulation_warn(tiny_config):
     (["--random-weights", "llama-3.1-8b", "--model", "somewhere"], "--random-weights"),
     (["-r", "no_such_recipe"], "no_such_recipe"),
     (["-r", "vanilla", "--draft", "/nowhere"], "--draft /nowhere: none of the recipes (vanilla) uses a draft model"),
+    (["--batch-sizes", ""], "--batch-sizes: no values given"),
+    (["-r", "vanilla", "-r", "eagle3_topk1", "-r", "vanilla"], "--recipe vanilla: given twice; each recipe runs once"),
+    (["-r", "vanilla", "--batch-sizes", "1", "--max-tokens", "4", "--prompt-len", "8", "--separate-graphs"],
+     "--separate-graphs compares fused and separate CUDA graphs: it needs a CUDA device"),
 ])
 def test_bench_usage_errors(args, says, tmp_path):
     r = CliRunner().invoke(app, ["bench", "--device", "cpu", "--out", str(tmp_path), *args])
@@ -467,12 +475,14 @@ def test_max_tokens_factor_with_simulated_acceptance_is_refused_for_drafting_rec
     assert p["output_tokens"] == p["floor_output_tokens"]
 
 
-def test_job_mode_prompts_rows_that_do_not_ignore_eos_keep_max_tokens_in_the_floor(tiny_config, tmp_path):
-    """A --prompts row's own `ignore_eos: false` (with or without min_tokens) is not the mix's
-    --max-tokens-factor ending: the floor counts its max_tokens, as before, where it failed the
-    recipe with KeyError: 'min_tokens' (or counted min_tokens + 1)."""
+def test_job_mode_prompts_rows_that_end_their_own_way_count_what_they_generated_in_the_floor(tiny_config, tmp_path):
+    """A --prompts row's own `ignore_eos: false` (with or without min_tokens) or stop ids is not the
+    mix's --max-tokens-factor ending (it failed the recipe with KeyError: 'min_tokens'): the floor
+    counts the tokens each row generated (it charged a row ending at its first token all of its
+    max_tokens)."""
     prompts = tmp_path / "p.jsonl"
-    extras = [{"ignore_eos": False}, {}, {"ignore_eos": False, "min_tokens": 2}, {}]
+    stop_all = {"stop_token_ids": list(range(json.loads(tiny_config.read_text())["vocab_size"]))}
+    extras = [{"ignore_eos": False}, stop_all, {"ignore_eos": False, "min_tokens": 2}, {}]
     prompts.write_text("".join(json.dumps({"prompt_token_ids": [5, 6, 7, 8 + i], "max_tokens": 8, **e}) + "\n"
                                for i, e in enumerate(extras)))
     out = tmp_path / "job"
@@ -482,7 +492,28 @@ def test_job_mode_prompts_rows_that_do_not_ignore_eos_keep_max_tokens_in_the_flo
     assert r.exit_code == 0, r.output
     p = json.loads((out / "job.json").read_text())["points"][0]
     assert not p.get("failed"), p.get("error")
-    assert p["floor_output_tokens"] == 4 * 8
+    assert p["floor_output_tokens"] == p["output_tokens"] <= 3 * 8 + 1
+    assert "EOS ignored unless a row sets ignore_eos false; its stops apply" in (out / "job.md").read_text()
+
+
+def test_job_mode_prompts_refuse_the_generated_mixs_flags_and_say_an_unapplied_recipe_sampling(tiny_config,
+                                                                                              tmp_path):
+    """With --prompts the rows set their prompts and lengths: the generated mix's flags are refused
+    naming the first (they were recorded as if applied); a recipe whose sampling block the bench
+    does not apply is said."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7], "max_tokens": 3}) + "\n")
+    base = ["bench", "--job", "--random-weights", str(tiny_config), "--prompts", str(prompts), "--requests", "1",
+            "--slots", "1", "--device", "cpu", "--eager", "--out", str(tmp_path / "job")]
+    r = CliRunner().invoke(app, [*base, "-r", "vanilla", "--shared-prefix", "100", "--output-max", "4"])
+    assert r.exit_code == EXIT_USAGE and "error: --output-max, --shared-prefix: the generated mix's, not " \
+                                          "--prompts'" in " ".join(r.stderr.split()), r.output
+    sampled = tmp_path / "sampled.yaml"
+    sampled.write_text("algorithm: vanilla\nname: sampled\nsampling:\n  temperature: 0.8\n  max_tokens: 24\n")
+    r = CliRunner().invoke(app, [*base, "-r", str(sampled)])
+    assert r.exit_code == 0, r.output
+    assert "warning: sampled: its sampling (max_tokens 24, temperature 0.8) is not applied: bench rows run greedy" \
+        in " ".join(r.output.split())
 
 
 def test_job_mode_prompts_file_is_named_with_its_rows_default_length(tiny_config, tmp_path):
