@@ -488,6 +488,7 @@ def bench(
     max_tokens_factor: float = typer.Option(1.0, min=1.0, help="--job: rows ask for F x their output length as max_tokens and end at their length by EOS (min_tokens and an EOS logit bias: the processors' cost rides along), as generous max_tokens meet EOS in runs."),
     sampling: Optional[str] = typer.Option(None, help="--job: sampling fields every row gets, as a JSON object of a row's fields (e.g. '{\"temperature\": 0.7, \"top_p\": 0.8, \"top_k\": 20}'; a --prompts file's rows keep their own); default greedy."),
     reserve_too: bool = typer.Option(False, "--reserve-too", help="--job: also run each recipe with admission reserving every row's prompt + max_tokens up front (no preemption; default: pages as rows write), on the same engine."),
+    repeats: int = typer.Option(1, min=1, help="--job: run each recipe's job this many times on its engine; the table shows the median run and the range of job tok/s."),
 ) -> None:
     """Measure recipes over the same prompts at a sweep of batch sizes, against the memory-bandwidth
     floor; with --job, whole jobs on a length mix against the job's floor."""
@@ -512,6 +513,7 @@ def bench(
     if not job:
         asked = [flag for flag, on in (("--fixed-width", fixed_width), ("--arrival-order-too", arrival_order_too),
                                        ("--every-size-too", every_size_too), ("--reserve-too", reserve_too),
+                                       ("--repeats", repeats != 1),
                                        ("--sampling", sampling is not None)) if on]
         default = JobMix()
         asked += ["--" + f.replace("_", "-") for f in vars(mix) if getattr(mix, f) != getattr(default, f)]
@@ -538,7 +540,7 @@ def bench(
             prompt_len=prompt_len, prompts=prompts, max_tokens=max_tokens, dtype=dtype, device=device,
             graphs=not eager, separate_graphs=separate_graphs, hf=not no_hf, hf_max_batch=hf_max_batch, max_model_len=max_model_len,
             fixed_width=fixed_width, arrival_order_too=arrival_order_too, every_size_too=every_size_too,
-            reserve_too=reserve_too,
+            reserve_too=reserve_too, repeats=repeats,
             simulate_acceptance=parse_list(simulate_acceptance, float, "--simulate-acceptance")
             if simulate_acceptance is not None else None)
         if job:

@@ -53,6 +53,7 @@ class BenchOptions:
     fixed_width: bool = False                # --job: every cycle verifies the whole proposal (no adaptive width)
     arrival_order_too: bool = False          # --job: each recipe also admits rows in input order
     reserve_too: bool = False                # --job: each recipe also runs reserving every row's max_tokens
+    repeats: int = 1                         # --job: each run this many times on its engine (the median reported)
     every_size_too: bool = False             # --job: each recipe also replays the smallest graph size that fits
     seed: int = 0
 

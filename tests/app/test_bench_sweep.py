@@ -291,6 +291,29 @@ def test_job_mode_with_a_shared_prefix_counts_it_once_in_the_floor(tiny_config, 
     assert "the same 140 tokens" in (out / "job.md").read_text()
 
 
+def test_job_mode_repeats_report_the_median_run_and_the_range(tiny_config, tmp_path):
+    """--repeats N: each recipe's job runs N times on its engine; its point is the median run (its
+    figures together), every run's job tok/s beside it, and the table shows the range."""
+    out = tmp_path / "job"
+    r = CliRunner().invoke(app, ["bench", "--job", "--random-weights", str(tiny_config), "-r", "vanilla",
+                                 "-r", "eagle3_topk1", "--simulate-acceptance", "0.8,0.6", "--requests", "6",
+                                 "--prompt-median", "8", "--prompt-max", "16", "--output-median", "6",
+                                 "--output-max", "12", "--slots", "4", "--device", "cpu", "--eager", "--repeats", "3",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "job.json").read_text())
+    assert res["meta"]["repeats"] == 3
+    for p in res["points"]:
+        runs = p["runs_job_tokens_per_s"]
+        assert len(runs) == 3 and runs == sorted(runs) and p["job_tokens_per_s"] == runs[1]
+        assert p["output_tokens"] / p["wall_s"] == pytest.approx(runs[1])
+    van, spec = res["points"]
+    assert spec["speedup_vs_vanilla"] == pytest.approx(spec["job_tokens_per_s"] / van["job_tokens_per_s"])
+    md = (out / "job.md").read_text()
+    assert f"| vanilla | {van['job_tokens_per_s']:,.0f} ({van['runs_job_tokens_per_s'][0]:,.0f}-" in md
+    assert "the median of each recipe's runs on its engine" in md
+
+
 def test_job_mode_measures_input_order_admission_on_the_same_engine(tiny_config, tmp_path):
     """--arrival-order-too: each recipe runs the mix admitting in input order, then longest
     max_tokens first (as runs do); same tokens, and longest first needs no more decode cycles."""
@@ -309,7 +332,8 @@ def test_job_mode_measures_input_order_admission_on_the_same_engine(tiny_config,
 
 
 @pytest.mark.parametrize("flag", [["--every-size-too"], ["--arrival-order-too"], ["--shared-prefix", "8"], ["--slots", "4"],
-                                  ["--requests", "4"], ["--output-median", "50"], ["--prompt-max", "64"]])
+                                  ["--requests", "4"], ["--output-median", "50"], ["--prompt-max", "64"],
+                                  ["--repeats", "3"]])
 def test_job_flags_without_job_are_refused(flag, tmp_path):
     r = CliRunner().invoke(app, ["bench", "--random-weights", "llama-3.1-8b", *flag, "--out", str(tmp_path)])
     assert r.exit_code != 0 and f"{flag[0]} applies to whole jobs only" in r.output

@@ -401,8 +401,9 @@ def test_a_vllm_run_batch_command_line_runs(tiny_model, tmp_path):
            "--enable-chunked-prefill", "--max-num-batched-tokens", 4096, "--served-model-name", "served",
            "--output-tmp-dir", tmp_path, "--max-log-len", 10, "--enable-log-requests", "--enable-force-include-usage",
            "--generation-config", "auto", "--max-logprobs", 20, "--response-role", "assistant", "--enable-metrics",
-           "--port", 9000, "-q")
+           "--port", 9000, "--tokenizer", tiny_model, "--load-format", "auto", "--block-size", 16, "-q")
     assert "--max-num-batched-tokens 4096 is vLLM's and is not used" in r.output
+    assert "--block-size 16 is vLLM's and is not used: KV pages hold 64 tokens on a GPU, 16 on a CPU" in r.output
     assert "--enable-metrics is vLLM's and is not used: no metrics server" in r.output
     got = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["custom_id"] for x in got] == ["r0", "r1", "r2"] and all(x["error"] is None for x in got)
