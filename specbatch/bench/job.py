@@ -31,6 +31,7 @@ from ..data import RowError, RowRequest, open_rows
 from ..engine import Engine, EngineOptions, resolve_device
 from ..recipe import SamplingDefaults, load_recipe
 from ..records import emitted_tokens
+from ..row_notes import UnreadFields
 from .floor import copy_bandwidth, kv_bytes, weight_bytes
 from .report import CPU_FLOOR_NOTE
 from .sources import (BenchError, BenchOptions, Source, acceptance_label, build_engine, check_options, check_recipes,
@@ -110,9 +111,11 @@ def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> JobRows:
             raise BenchError(f"{', '.join(generated)}: the generated mix's, not --prompts' (rows set their own "
                              "prompts and lengths; --output-median is the max_tokens of rows that set none)")
         rows = JobRows()
+        unread = UnreadFields()                # a typo'd field runs without it, as in `run`: said
         for item in open_rows(opts.prompts):
             if isinstance(item, RowError):
                 raise BenchError(item.error)
+            unread.check(item)
             ids = row_token_ids(opts, src, item)
             # the row's own sampling fields ride along (logprobs, penalties, ...): their cost is measured
             # a row without max_tokens generates --output-median tokens (EOS ignored, as every bench row)

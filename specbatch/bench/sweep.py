@@ -69,7 +69,7 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
     bandwidth = copy_bandwidth(device)
     free_memory(device)
     meta = {
-        "device": device_name(device), "device_type": device.type,
+        "mode": "sweep", "device": device_name(device), "device_type": device.type,
         "dtype": str(src.model.lm_head.weight.dtype).removeprefix("torch."),
         "model_source": src.kind, "model": src.name,
         "copy_bandwidth_bytes_per_s": bandwidth, "batch_sizes": sizes,

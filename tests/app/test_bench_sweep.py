@@ -524,9 +524,9 @@ def test_job_mode_prompts_refuse_the_generated_mixs_flags_and_say_an_unapplied_r
                                                                                               tmp_path):
     """With --prompts the rows set their prompts and lengths: the generated mix's flags are refused
     naming the first (they were recorded as if applied); a recipe whose sampling block the bench
-    does not apply is said."""
+    does not apply is said, and a row's typo'd field, as `run` says it."""
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7], "max_tokens": 3}) + "\n")
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7], "max_tokens": 3, "temprature": 0.5}) + "\n")
     base = ["bench", "--job", "--random-weights", str(tiny_config), "--prompts", str(prompts), "--requests", "1",
             "--slots", "1", "--device", "cpu", "--eager", "--out", str(tmp_path / "job")]
     r = CliRunner().invoke(app, [*base, "-r", "vanilla", "--shared-prefix", "100", "--output-max", "4"])
@@ -538,6 +538,8 @@ def test_job_mode_prompts_refuse_the_generated_mixs_flags_and_say_an_unapplied_r
     assert r.exit_code == 0, r.output
     assert "warning: sampled: its sampling (max_tokens 24, temperature 0.8) is not applied: bench rows run greedy" \
         in " ".join(r.output.split())
+    assert "'temprature' is not a request field, so the row runs without it; did you mean 'temperature'?" in \
+        " ".join(r.output.split())            # as `run` says it
 
 
 def test_job_mode_prompts_file_is_named_with_its_rows_default_length(tiny_config, tmp_path):
