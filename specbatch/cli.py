@@ -173,7 +173,7 @@ def run(
     load_format: Optional[str] = typer.Option(None, hidden=True),
     generation_config: Optional[str] = typer.Option(None, hidden=True),
     max_logprobs: Optional[int] = typer.Option(None, hidden=True),
-    chat_template: Optional[str] = typer.Option(None, help="A chat template instead of the model's, for chat rows: a file's path or the template's text (vLLM's --chat-template; a resume keeps the same)."),
+    chat_template: Optional[str] = typer.Option(None, help="A chat template instead of the model's, for chat rows: a file's path or the template's text (vLLM's --chat-template; a resume must be given the same one)."),
     served_model_name: Optional[str] = typer.Option(None, hidden=True),
     response_role: Optional[str] = typer.Option(None, hidden=True),
     reasoning_parser: Optional[str] = typer.Option(None, hidden=True),
@@ -221,11 +221,11 @@ def run(
         except ValueError as e:
             _fail(f"--speculative-config: expected a JSON object, as vLLM's ({e})")
     spec: dict[str, Any] = {}
-    if chat_template is not None:        # a file or the template's text, as vllm run-batch takes it
-        from .prompts import load_chat_template
+    if chat_template is not None:        # a file or the template's text, as vllm run-batch takes it: read now
+        from .prompts import load_chat_template   # to fail now; the job and its engines read it as given
 
         try:
-            chat_template = load_chat_template(chat_template, "--chat-template")
+            load_chat_template(chat_template, "--chat-template")
         except ValueError as e:
             _fail(str(e))
     try:

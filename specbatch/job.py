@@ -21,6 +21,7 @@ from .data.reader import jsonl_suffix
 from .data.reader import Row
 from .data.writer import output_file_format
 from .params import DEFAULT_LOGPROBS_MODE, OPENAI_LINES
+from .prompts import load_chat_template
 from .recipe import Recipe
 from .row_notes import GreedyByDefault, ModelNames, RepeatedIds, UnreadFields
 from .resolve import DEMO_DIR, DeviceLost, JobError, RowStopped, describe_draft, resolve_draft, resolve_model, spec_config
@@ -50,7 +51,7 @@ class JobOptions:
     prefix_caching: bool = True          # share the KV pages of prompts that begin alike
     logprobs_mode: str = DEFAULT_LOGPROBS_MODE  # what logprobs hold: vLLM's --logprobs-mode (engine/logprobs.py)
     served_model_name: str | None = None  # the model OpenAI responses name (vLLM's --served-model-name)
-    chat_template: str | None = None     # a chat template's text instead of the model's (vLLM's --chat-template)
+    chat_template: str | None = None     # a chat template (a file, or its text) instead of the model's
 
 
 # A job commits a part of its finished rows at most once a second (and at least every 30 s):
@@ -91,8 +92,8 @@ def fingerprint(recipe: Recipe, model: Any, draft: str | None, opts: JobOptions,
         "output_format": opts.output_format, "logprobs_mode": opts.logprobs_mode, "openai_lines": OPENAI_LINES,
         "ray_fields": RAY_FIELDS,
         # (only when given: an output begun without one resumes as before)
-        **({"chat_template": hashlib.blake2b(opts.chat_template.encode(), digest_size=8).hexdigest()}
-           if opts.chat_template is not None else {}),
+        **({"chat_template": hashlib.blake2b(load_chat_template(opts.chat_template).encode(),
+                                             digest_size=8).hexdigest()} if opts.chat_template is not None else {}),
     }
 
 
@@ -446,7 +447,7 @@ def _generate(source: Any, writer: OutputWriter | StdoutWriter, recipe: Recipe, 
                 if isinstance(e, DeviceFailed):
                     failure = _device_failed(e, writer, digests, suspects, opts.fail_fast)
                 elif runner.pool and runner.pool.suspects:
-                    writer.set_suspects({**suspects, **{r: "a worker's device failed with it in flight"
+                    writer.set_suspects({**suspects, **{r: "a worker's device failed (or hung) with it in flight"
                                                         for r in runner.pool.suspects}})
                 writer.commit()      # what finished is kept; a rerun resumes after it
                 if isinstance(e, RowStopped):

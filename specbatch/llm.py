@@ -271,6 +271,8 @@ class LLM:
         except RecipeError as e:             # the caller's keyword, not the recipe file, is named
             raise RecipeError(str(e).replace(f"{base.source} (overrides)", "LLM(...)", 1), e.key, e.detail) from None
         spec = spec_config(self.recipe)
+        # a file or the template's text (vLLM's --chat-template), read before the model loads
+        template = None if chat_template is None else load_chat_template(chat_template, "LLM(chat_template=...)")
         self.model_dir = resolve_model(self.recipe.model)
         self.draft = describe_draft(self.recipe, spec.draft)
         r = self.recipe
@@ -279,8 +281,8 @@ class LLM:
             gpu_memory_utilization=r.gpu_memory_utilization,
             bucket_window=bucket, spec=spec, graphs=not eager, prefix_caching=enable_prefix_caching,
             logprobs_mode=logprobs_mode))
-        if chat_template is not None:        # a file or the template's text (vLLM's --chat-template)
-            self.engine.tokenizer.chat_template = load_chat_template(chat_template, "LLM(chat_template=...)")
+        if template is not None:
+            self.engine.tokenizer.chat_template = template
         self.calls = 0          # generate() calls so far: each later one draws fresh samples (_records)
         self._requests = 0      # prompts so far: their request ids (vLLM's counter)
         # what generate() says once about its prompts, once for this LLM (an eval loop calls it often)

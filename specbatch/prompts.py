@@ -94,10 +94,14 @@ def load_chat_template(value: str | Path, name: str = "chat_template") -> str:
     """A chat template given as vLLM's --chat-template takes it: a file's path (its text), or the
     template's own text (anything holding '{', '}' or a newline); a ValueError naming `name` else."""
     text = str(value)
+    path = Path(text).expanduser() if text.startswith("~/") else Path(text)
     try:
-        if Path(text).expanduser().is_file():
-            return Path(text).expanduser().read_text(encoding="utf-8")
-    except (OSError, ValueError) as e:           # (unreadable, not UTF-8, a name too long to be a path)
+        if path.is_file():
+            read = path.read_text(encoding="utf-8")
+            if not read.strip():
+                raise ValueError(f"{name} {text}: the file is empty (expected a chat template)")
+            return read
+    except (OSError, UnicodeDecodeError) as e:    # (unreadable, not UTF-8, a name too long to be a path)
         if not any(c in text for c in "{}\n"):
             raise ValueError(f"{name} {text}: cannot read it ({e})") from None
     if any(c in text for c in "{}\n"):

@@ -310,6 +310,10 @@ def _check_engine_kwargs(config: ProcessorConfig) -> None:
 
     own = {p.name for p in inspect.signature(LLM.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY}
     given = engine_args(config.engine_kwargs, say=False, model=config.model_source)
+    if given.get("chat_template") is not None:
+        from .prompts import load_chat_template
+
+        load_chat_template(given["chat_template"], "engine_kwargs['chat_template']")
     recipe = config.recipe
     if "speculative" in given:
         recipe, spec = speculative_base(recipe, config.draft, given.pop("speculative"),

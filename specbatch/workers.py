@@ -76,7 +76,7 @@ class WorkerSpec:
     threads: int | None = None       # CPU: torch threads of this worker
     prefix_caching: bool = True
     logprobs_mode: str = DEFAULT_LOGPROBS_MODE
-    chat_template: str | None = None         # the template's text instead of the model's
+    chat_template: str | None = None         # a chat template (a file, or its text) instead of the model's
     hung_s: float = HUNG_S                   # beats come every hung_s / 8 (the parent's watch)
 
 
@@ -225,7 +225,11 @@ def _beat(wid: int, eng: Any, send: Callable[[tuple], None], every: float) -> No
             except Exception:  # noqa: BLE001 - (a dict the engine was changing...): the beat goes, the counts next time
                 counts = None
             try:
-                send(("beat", wid, counts))
+                rows = eng.rows_in_flight()
+            except Exception:  # noqa: BLE001 - as above
+                rows = None
+            try:
+                send(("beat", wid, {"counts": counts, "rows": rows}))
             except OSError:
                 return
             last = now
@@ -253,6 +257,7 @@ class _Worker:
     draining: bool = False           # takes no rows but suspects, one at a time, once empty
     unvouched: list[tuple[Any, dict]] = field(default_factory=list)   # (row given, record): failed alone in it
     heard_at: float = 0.0            # time.monotonic() it last said anything, or was given rows empty-handed
+    engine_rows: list[int] | None = None     # the rows its engine held at its last beat
 
 
 class WorkerPool:
@@ -426,8 +431,11 @@ class WorkerPool:
                 w.error = f"{w.device}: its engine made no progress in {self.hung_s:.0f} s (hung: killed)"
                 w.proc.kill()
                 w.proc.join(timeout=5)
-                # its rows run alone elsewhere, as a failed device's in flight: one that hangs alone is its error
-                w.in_flight = list(w.held)
+                # the rows its engine held (at its last beat; all it holds if it never said) run alone
+                # elsewhere, as a failed device's in flight: one that hangs alone is its error; the
+                # rows it had not taken up yet run as any others
+                known = w.engine_rows if w.engine_rows is not None else list(w.held)
+                w.in_flight = [w.alone] if w.alone is not None else [r for r in known if r in w.held]
                 self._bury(w, redo, out)
         return redo
 
@@ -454,7 +462,9 @@ class WorkerPool:
             vouched = self._release(w) if payload["error"] is None else []
             out.extend(self._deliver(w, vouched + [payload]))
         elif kind == "beat":
-            w.stats.update(payload or {})
+            w.stats.update(payload.get("counts") or {})
+            if payload.get("rows") is not None:
+                w.engine_rows = payload["rows"]
         elif kind == "done":
             w.done = True
             w.stats.update(payload)

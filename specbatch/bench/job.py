@@ -62,6 +62,9 @@ _MIX_FLAGS = (("--prompt-median", "prompt_median"), ("--prompt-sigma", "prompt_s
               ("--output-sigma", "output_sigma"), ("--output-max", "output_max"),
               ("--shared-prefix", "shared_prefix"), ("--max-tokens-factor", "max_tokens_factor"))
 
+# What ends a row early, left out of the warm-up's rows (--max-tokens-factor's EOS bias among them).
+_ENDINGS = ("stop", "stop_token_ids", "logit_bias")
+
 # Row fields that end a row or set its length: the mix's lengths decide those (EOS ignored).
 LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "ignore_eos", "stop", "stop_token_ids")
 
@@ -326,7 +329,10 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
             if deep:
                 log(f"note: {recipe.name}: {deep}")
             # warm-up: the first rows, short whatever max_tokens they ask (a --prompts row's own wins over defaults)
-            warm = [replace(r, overrides={**r.overrides, "max_tokens": 4, "min_tokens": 0, "n": 1}) for r in rows[:8]]
+            # (and decoding: no stop, EOS ignored, no EOS bias ending it at its first token)
+            warm = [replace(r, overrides={**{k: v for k, v in r.overrides.items() if k not in _ENDINGS},
+                                          "max_tokens": 4, "min_tokens": 0, "n": 1, "ignore_eos": True})
+                    for r in rows[:8]]
             list(engine.generate(warm, SamplingDefaults(ignore_eos=True, temperature=0.0, repetition_penalty=1.0)))
             # one engine: input order (--arrival-order-too), as runs do, replaying every size (--every-size-too)
             # and admission reserving every row's max_tokens (--reserve-too)
@@ -343,11 +349,11 @@ def run_job_bench(opts: BenchOptions, mix: JobMix, log: Log = print) -> dict[str
                     engine.graphs.route_by_time = timed_sizes
                 name = (recipe.name + ("" if longest_first else " (input order)") + ("" if timed_sizes else " (every size)")
                         + (" (reserve max_tokens)" if reserve else ""))
-                # repeats: the median run by job tok/s (its figures together), with every run's rate
-                tries = sorted((_measure_job(engine, rows, name, src, bandwidth, rate) for _ in range(opts.repeats)),
-                               key=lambda p: p["job_tokens_per_s"])
-                points.append({**tries[(len(tries) - 1) // 2], "algorithm": recipe.algorithm,
-                               "plain": name == recipe.name,
+                # repeats: the median run by job tok/s (the lower one of an even count; its figures
+                # together), with every run's rate in the order they ran
+                tries = [_measure_job(engine, rows, name, src, bandwidth, rate) for _ in range(opts.repeats)]
+                median = sorted(tries, key=lambda p: p["job_tokens_per_s"])[(len(tries) - 1) // 2]
+                points.append({**median, "algorithm": recipe.algorithm, "plain": name == recipe.name,
                                "runs_job_tokens_per_s": [p["job_tokens_per_s"] for p in tries]})
                 _log_point(points[-1], log)
         except Exception as e:                          # noqa: BLE001 - recorded, the next recipe runs
@@ -510,15 +516,16 @@ def job_markdown(result: dict[str, Any]) -> str:
         mem = f"{p['peak_memory_bytes'] / 2**30:.1f}" if p.get("peak_memory_bytes") else "-"
         widths = " ".join(f"{w}: {n}" for w, n in p.get("verify_widths", {}).items()) or "-"
         runs = p.get("runs_job_tokens_per_s") or []
-        spread = f" ({runs[0]:,.0f}-{runs[-1]:,.0f})" if len(runs) > 1 else ""
+        spread = f" ({min(runs):,.0f}-{max(runs):,.0f})" if len(runs) > 1 else ""
         lines.append(f"| {p['recipe']} | {p['job_tokens_per_s']:,.0f}{spread} | {_speedup(p.get('speedup_vs_vanilla'))} | "
                      f"{p['wall_s']:.1f} | {p['prefill_s']:.1f} ({p['prefill_forwards']}) | {p['decode_s']:.1f} ({p['cycles']}) | "
                      f"{p['floor_s']:.1f} | {100 * p['floor_fraction']:.0f}% | {100 * p['floor_spread_fraction']:.0f}% | "
                      f"{p['mean_occupancy']:.0f}/{p['slots']} | {p.get('admissions_waiting_for_pages', 0)} / {p.get('preempted', 0)} | "
                      f"{p['accept_length']:.2f} | {widths} | {mem} |")
     if any(len(p.get("runs_job_tokens_per_s") or []) > 1 for p in result["points"]):
-        lines += ["", "Job tok/s: the median of each recipe's runs on its engine (its other figures are that "
-                  "run's), the range of all its runs in brackets; vs vanilla compares medians."]
+        lines += ["", "Job tok/s: the median of each recipe's runs on its engine (the lower of the middle two for "
+                  "an even count; its other figures are that run's), the range of all its runs in brackets; vs "
+                  "vanilla compares medians."]
     lines += ["", "Floor: plain decoding of this mix at the engine's slot count and KV pool on this machine "
               "(prefill FLOPs at the matmul rate + decode bytes at the copy bandwidth, or decode FLOPs if "
               "larger; the weights are read once a step, and plain decoding takes at least max(output "

@@ -58,7 +58,7 @@ def markdown(result: dict[str, Any]) -> str:
                   for p in failed]
     lines += ["", "tok/s: output tokens per second of the decode phase (cycles with every row active; a "
               "speculative run's rows finish unevenly, and its tail of part-full cycles is left out). "
-              "End-to-end vs vanilla: output tokens over the whole decode phase, tails included. "
+              "End-to-end vs vanilla: output tokens over the whole run, prefill and tails included. "
               "Step ms: median cycle wall time; host = wall - (draft + verify + extend). Floor: the bytes "
               "a cycle must read (weights, embeddings excluded, plus the KV of the committed tokens; "
               "EAGLE3 heads S times) over the measured copy bandwidth; % of floor = floor / step."]

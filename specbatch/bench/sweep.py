@@ -39,6 +39,9 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
     """Measure every (recipe, batch size); returns {"meta": ..., "points": [...]}."""
     check_options(opts)
     device = resolve_device(opts.device)
+    if opts.separate_graphs and not (opts.graphs and device.type == "cuda"):
+        raise BenchError("--separate-graphs compares fused and separate CUDA graphs: it needs a CUDA device and "
+                         "no --eager")
     sizes = sorted(set(opts.batch_sizes or (GPU_BATCH_SIZES if device.type == "cuda" else CPU_BATCH_SIZES)))
     recipes = [load_recipe(r) for r in opts.recipes]
     check_recipes(recipes, log)
@@ -62,9 +65,6 @@ def run_bench(opts: BenchOptions, log: Log = print) -> dict[str, Any]:
         raise BenchError(f"prompts of up to {max(map(len, prompts))} tokens + --max-tokens {opts.max_tokens} "
                          f"exceed the model's max_position_embeddings ({limit}): lower --prompt-len or --max-tokens")
     specs = [recipe_spec(r, opts, src, device) for r in recipes]        # a missing --draft fails before any run
-    if opts.separate_graphs and not (opts.graphs and device.type == "cuda"):
-        raise BenchError("--separate-graphs compares fused and separate CUDA graphs: it needs a CUDA device and "
-                         "no --eager")
     log(f"measuring copy bandwidth on {device} ...")
     bandwidth = copy_bandwidth(device)
     free_memory(device)

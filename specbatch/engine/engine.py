@@ -202,6 +202,7 @@ class Engine:
         self.prompt_tokens = 0               # prompt tokens admitted
         self.cached_tokens = 0               # ... of them found in the pool (prefill skipped them)
         self.failure_counts = FailureCounts()  # failed steps survived (failures.py)
+        self.live: tuple[SlotScheduler, Inputs] | None = None   # the running job's scheduler and rows
 
     @property
     def capture_seconds(self) -> float:
@@ -292,6 +293,13 @@ class Engine:
             if failed or sched.active():         # stopped midway: its requests' pages, some never written
                 self.pages.reset()
 
+    def rows_in_flight(self) -> list[int]:
+        """The running job's rows with a request in a slot (or taken from the queue by the step
+        running): what a step that never returns holds. Another thread may ask (a worker's beat):
+        a best effort that may raise while the job changes them."""
+        live = self.live
+        return [] if live is None else touched(*live)
+
     def _job(self, sched: SlotScheduler, items: Iterable[RowRequest | RowError], defaults: SamplingParams,
              recover: bool) -> Iterator[dict[str, Any] | FailedAlone]:
         """The job loop of `generate`: read rows, then a step of the engine, then the records of
@@ -302,6 +310,7 @@ class Engine:
         exhausted = False
         pending = None                           # the cycle in flight (launched, not finished)
         inputs: Inputs = {}
+        self.live = (sched, inputs)
         while True:
             self._on_device()
             while not exhausted and sched.queued() < lookahead:

@@ -305,12 +305,12 @@ def test_job_mode_repeats_report_the_median_run_and_the_range(tiny_config, tmp_p
     assert res["meta"]["repeats"] == 3
     for p in res["points"]:
         runs = p["runs_job_tokens_per_s"]
-        assert len(runs) == 3 and runs == sorted(runs) and p["job_tokens_per_s"] == runs[1]
-        assert p["output_tokens"] / p["wall_s"] == pytest.approx(runs[1])
+        assert len(runs) == 3 and p["job_tokens_per_s"] == sorted(runs)[1]        # (runs in the order they ran)
+        assert p["output_tokens"] / p["wall_s"] == pytest.approx(sorted(runs)[1])
     van, spec = res["points"]
     assert spec["speedup_vs_vanilla"] == pytest.approx(spec["job_tokens_per_s"] / van["job_tokens_per_s"])
     md = (out / "job.md").read_text()
-    assert f"| vanilla | {van['job_tokens_per_s']:,.0f} ({van['runs_job_tokens_per_s'][0]:,.0f}-" in md
+    assert f"| vanilla | {van['job_tokens_per_s']:,.0f} ({min(van['runs_job_tokens_per_s']):,.0f}-" in md
     assert "the median of each recipe's runs on its engine" in md
 
 

@@ -40,6 +40,12 @@ def test_the_library_renders_with_the_template_given(tiny_model, tmp_path):
     assert [c.prompt for c in kept.chat(CHATS, params, use_tqdm=False)] == [_rendered(c) for c in CHATS]
     with pytest.raises(ValueError, match=r"^chat\(chat_template=\.\.\.\) nope\.jinja: no such file"):
         llm.chat(CHATS, params, chat_template="nope.jinja")
+    with pytest.raises(ValueError, match=r"^LLM\(chat_template=\.\.\.\) nope\.jinja: no such file"):
+        LLM(tiny_model, device="cpu", chat_template="nope.jinja")          # before the model loads
+    from specbatch.ray import ProcessorConfig, _check_engine_kwargs
+
+    with pytest.raises(ValueError, match=r"^engine_kwargs\['chat_template'\] nope\.jinja: no such file"):
+        _check_engine_kwargs(ProcessorConfig(engine_kwargs={"device": "cpu", "chat_template": "nope.jinja"}))
 
 
 def test_run_takes_vllms_chat_template_flag_and_a_resume_keeps_it(tiny_model, tmp_path):
@@ -64,6 +70,13 @@ def test_run_takes_vllms_chat_template_flag_and_a_resume_keeps_it(tiny_model, tm
     for flags in ((), ("--chat-template", TEMPLATE.replace("<<", "[["))):      # without it, or another: refused
         line = one_line_cli_error(cli("run", src, "-o", other, *flags, *base), 2)
         assert "chat_template" in line, line
+    # a file is read as given, once: an empty one is named as such (it was read again as a path); a
+    # template's text beginning with ~ is text (expanding it as a home directory raised)
+    (tmp_path / "empty.jinja").write_text(" ")
+    line = one_line_cli_error(cli("run", src, "-o", tmp_path / "e.jsonl", "--chat-template", tmp_path / "empty.jinja",
+                                  *base), 2)
+    assert line == f"error: --chat-template {tmp_path / 'empty.jinja'}: the file is empty (expected a chat template)"
+    ok("run", src, "-o", tmp_path / "tilde.jsonl", "--chat-template", "~" + TEMPLATE, *base)
     line = one_line_cli_error(cli("run", src, "-o", tmp_path / "x.jsonl", "--chat-template", "t.jinja", *base), 2)
     assert line == ("error: --chat-template t.jinja: no such file (a chat template is a file's path or the "
                     "template's own text)")

@@ -197,8 +197,14 @@ def test_a_hung_workers_rows_run_alone_and_one_hanging_alone_is_its_error(capsys
     assert not quiet.dead and hung.dead and hung.proc.killed
     assert pool.suspects == {3, 7} and sorted(r.row for r in redo) == [3, 7]
     assert "its engine made no progress in 5 s (hung: killed)" in capsys.readouterr().err
+    # of the rows it holds, those its engine held at its last beat: the others had not started
+    pool.suspects = set()
+    partly = _Worker(proc=Alive(), inbox=Inbox(), reader=pipe(), device="cpu", wid=3, ready=True,
+                     held=dict(rows), heard_at=long_ago, engine_rows=[7, 99])
+    pool.workers = [partly]
+    assert sorted(r.row for r in pool._drain([])) == [3, 7] and pool.suspects == {7}
     alone = _Worker(proc=Alive(), inbox=Inbox(), reader=pipe(), device="cpu", wid=2, ready=True,
-                    held={7: rows[7]}, alone=7, heard_at=long_ago)
+                    held={7: rows[7]}, alone=7, heard_at=long_ago, engine_rows=[])
     pool.workers, out = [alone], []
     assert pool._drain(out) == [] and [r["row"] for r in out] == [7]
     assert "in.jsonl:8: " in out[0]["error"] and "no progress in 5 s" in out[0]["error"] and 7 not in pool.suspects
