@@ -16,9 +16,9 @@ whose device failed (engine.failures.DeviceFailed), or that hung (no progress in
 seconds: killed), names the rows it had in flight: each then runs alone on one worker, and one
 that brings a device down (or hangs) alone is written as its error. A row that failed alone in a
 worker's engine is held here until that engine finishes a row after it; STRIKES of them in a row
-end the worker (its engine is at fault, not the rows) and they run elsewhere, as its other rows do. Workers die with the
-parent (PR_SET_PDEATHSIG, and a watch on the parent's pid), so a killed parent leaves no orphan
-engines; the rerun resumes.
+end the worker (its engine is at fault, not the rows) and they run elsewhere, as its other rows
+do. Workers die with the parent (PR_SET_PDEATHSIG, and a watch on the parent's pid), so a killed
+parent leaves no orphan engines; the rerun resumes.
 """
 from __future__ import annotations
 

@@ -517,7 +517,8 @@ def job_markdown(result: dict[str, Any]) -> str:
         widths = " ".join(f"{w}: {n}" for w, n in p.get("verify_widths", {}).items()) or "-"
         runs = p.get("runs_job_tokens_per_s") or []
         spread = f" ({min(runs):,.0f}-{max(runs):,.0f})" if len(runs) > 1 else ""
-        lines.append(f"| {p['recipe']} | {p['job_tokens_per_s']:,.0f}{spread} | {_speedup(p.get('speedup_vs_vanilla'))} | "
+        lines.append(f"| {p['recipe']} | {p['job_tokens_per_s']:,.0f}{spread} | "
+                     f"{_speedup(p.get('speedup_vs_vanilla'))} | "
                      f"{p['wall_s']:.1f} | {p['prefill_s']:.1f} ({p['prefill_forwards']}) | {p['decode_s']:.1f} ({p['cycles']}) | "
                      f"{p['floor_s']:.1f} | {100 * p['floor_fraction']:.0f}% | {100 * p['floor_spread_fraction']:.0f}% | "
                      f"{p['mean_occupancy']:.0f}/{p['slots']} | {p.get('admissions_waiting_for_pages', 0)} / {p.get('preempted', 0)} | "
