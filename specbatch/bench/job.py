@@ -221,7 +221,7 @@ def _weights(model) -> tuple[int, float]:
 
 
 def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float, rate: float,
-              pool_rows: int | None = None, lengths: dict[int, float] | None = None) -> dict[str, float]:
+              pool_rows: int | None = None, lengths: dict[int, list[int]] | None = None) -> dict[str, float]:
     """Seconds the job cannot beat with plain decoding at `slots` sequences in flight (prefill:
     each distinct prompt prefix once).
 
@@ -237,20 +237,22 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
     token (issue 13's definition); the prefill runs lm_head at each prompt's last position only,
     so that term is above the FLOPs actually needed by lm_head's share (~7% at Llama-3.1-8B shapes).
 
-    `lengths`: the tokens each row's sequences generated (row -> per sequence), where the run knows
-    them (a --prompts row ending by its stop strings or EOS), else output_tokens' reading of its fields."""
+    `lengths`: the tokens each row's choices generated (row -> per choice), where the run knows
+    them (a --prompts row ending by its stop strings or EOS), else _output_tokens' reading of its fields."""
     model = src.model
 
-    def output_tokens(r: RowRequest) -> float:
-        return lengths[r.row] if lengths and r.row in lengths else _output_tokens(r)
+    def decoded(r: RowRequest) -> list[int]:
+        """The lengths of a row's sequences: a sampled row's n choices each decode; a greedy row's
+        (the bench's default) decode once, the others copies."""
+        n = r.overrides.get("n", 1) if (r.overrides.get("temperature") or 0) > 0 else 1
+        got = lengths.get(r.row) if lengths else None
+        return list(got[:n]) if got else [_output_tokens(r)] * n
 
     dtype = model.lm_head.weight.dtype
     w_bytes, params = _weights(model)
     prompt = sum(len(r.prompt_token_ids) for r in rows)
     distinct = distinct_prompt_tokens([r.prompt_token_ids for r in rows])
-    # a sampled row's n choices each decode; a greedy row's (the bench's default) decode once
-    seqs = [(r, output_tokens(r)) for r in rows
-            for _ in range(r.overrides.get("n", 1) if (r.overrides.get("temperature") or 0) > 0 else 1)]
+    seqs = [(r, o) for r in rows for o in decoded(r)]
     outputs = [o for _, o in seqs]
     out_tokens = sum(outputs)
     kv_steps = 0
@@ -261,7 +263,7 @@ def job_floor(src: Source, rows: list[RowRequest], slots: int, bandwidth: float,
         # prompt rows count once, whatever its choices
         own = unshared_prompt_lengths([r.prompt_token_ids for r in rows])
         held = (sum(o * (o - 1) / 2 for _, o in seqs)
-                + sum(max(output_tokens(r) - 1, 0) * u for r, u in zip(rows, own)))
+                + sum(max(max(decoded(r)) - 1, 0) * u for r, u in zip(rows, own)))
         kv_steps = math.ceil(held / pool_rows)
     spread = max(math.ceil(out_tokens / slots), kv_steps)
     steps = max(spread, math.ceil(max(outputs, default=0)))
@@ -411,8 +413,9 @@ def _measure_job(engine: Engine, rows: list[RowRequest], name: str, src: Source,
     if errors:
         raise BenchError(f"{len(errors)} rows failed, first: {errors[0]}")
     out = sum(r["completion_tokens"] for r in recs)
-    # each row's sequences as they ended (a greedy row's n choices are one decode, copied)
-    lengths = {r["row"]: r["completion_tokens"] / max(len(r.get("choices") or ()), 1) for r in recs}
+    # each row's choices as they ended (a greedy row's n choices are one decode, copied)
+    lengths = {r["row"]: [c["completion_tokens"] for c in r["choices"]] if r.get("choices")
+               else [r["completion_tokens"]] for r in recs}
     floor = job_floor(src, rows, engine.num_slots, bandwidth, rate, engine.pages.usable * engine.page_size, lengths)
     steps = sum(r["spec"]["verify_steps"] - 1 for r in recs)
     emitted = sum(emitted_tokens(r["spec"]) for r in recs)

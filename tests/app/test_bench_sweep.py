@@ -399,6 +399,14 @@ def test_job_floor_counts_the_longest_output_as_a_chain_of_steps():
     # FLOPs bound the floor when they cost more than the bytes
     f = job_floor(src, rows(many_short), 4, 1e30, 1.0)
     assert f["decode_s"] == pytest.approx(2 * (w / 4) * 200)
+    # the lengths a run's rows generated (stops, EOS) replace their max_tokens; a sampled row's
+    # choices each decode at their own length, a greedy row's once (its copies are free)
+    sampled = [RowRequest(row=0, id=0, prompt_token_ids=[1] * 10, overrides={"max_tokens": 50, "n": 2,
+                                                                             "temperature": 0.8}),
+               RowRequest(row=1, id=1, prompt_token_ids=[2] * 10, overrides={"max_tokens": 50, "n": 3})]
+    f = job_floor(src, sampled, 4, bw, rate, lengths={0: [30, 7], 1: [4, 4, 4]})
+    assert f["output_tokens"] == 30 + 7 + 4 and f["decode_steps"] == 30
+    assert f["decode_s"] == pytest.approx((30 * w + ctx([30, 7, 4])) / bw)
 
 
 def test_job_floor_counts_the_rows_a_small_pool_holds():
