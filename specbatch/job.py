@@ -224,7 +224,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
     from .workers import devices_for, hung_limit
 
     devices = devices_for(opts.gpus, opts.workers, opts.device)   # a bad --gpus / --workers fails before any output
-    if len(devices) > 1 or opts.gpus is not None:                 # (_Runner's choice: workers)
+    if _pooled(devices, opts):
         hung_limit()
     output = opts.output or default_output(input_path)
     _check_paths(input_path, output)
@@ -235,8 +235,7 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
             save_token_ids=opts.save_token_ids, keep_columns=opts.keep_columns,
             output_format=opts.output_format, model_name=model_name(recipe, opts.served_model_name))
     else:
-        in_process = len(devices) == 1 and opts.gpus is None        # _Runner's choice
-        fp = fingerprint(recipe, model_dir, spec.draft, opts, opts.device if in_process else devices[0])
+        fp = fingerprint(recipe, model_dir, spec.draft, opts, devices[0] if _pooled(devices, opts) else opts.device)
         writer = OutputWriter(output, fingerprint=fp, commit_interval=COMMIT_INTERVAL_S,
                               save_token_ids=opts.save_token_ids, keep_columns=opts.keep_columns,
                               overwrite=opts.overwrite, output_format=opts.output_format,
@@ -283,6 +282,11 @@ def run_job(input_path: str, recipe: Recipe, opts: JobOptions | None = None,
             os.remove(spooled)
 
 
+def _pooled(devices: list[str], opts: JobOptions) -> bool:
+    """Whether the job runs engine processes (workers.py) rather than one engine in this process."""
+    return len(devices) > 1 or opts.gpus is not None
+
+
 class _Runner:
     """What generates the records: one engine in this process, or a pool of worker processes
     (workers.py); the job reads both the same way."""
@@ -294,7 +298,7 @@ class _Runner:
         self.pool = self.llm = None
         # --gpus always means one engine process per GPU (a 1-GPU box runs the machinery an 8-GPU box
         # runs); --workers 1 (the default) runs the engine in this process.
-        if len(devices) > 1 or opts.gpus is not None:
+        if _pooled(devices, opts):
             self.pool = WorkerPool(recipe, devices, eager=opts.eager, bucket=opts.bucket_window,
                                    prefix_caching=opts.prefix_caching, logprobs_mode=opts.logprobs_mode,
                                    chat_template=opts.chat_template)

@@ -57,10 +57,9 @@ class JobMix:
     sampling: dict[str, Any] = field(default_factory=dict)
 
 
-# The generated mix's flags (JobMix fields) that a --prompts file's rows decide themselves.
-_MIX_FLAGS = (("--prompt-median", "prompt_median"), ("--prompt-sigma", "prompt_sigma"), ("--prompt-max", "prompt_max"),
-              ("--output-sigma", "output_sigma"), ("--output-max", "output_max"),
-              ("--shared-prefix", "shared_prefix"), ("--max-tokens-factor", "max_tokens_factor"))
+# The generated mix's fields (each its --flag) that a --prompts file's rows decide themselves.
+_MIX_FIELDS = ("prompt_median", "prompt_sigma", "prompt_max", "output_sigma", "output_max", "shared_prefix",
+               "max_tokens_factor")
 
 # What ends a row early, left out of the warm-up's rows (--max-tokens-factor's EOS bias among them).
 _ENDINGS = ("stop", "stop_token_ids", "logit_bias")
@@ -109,7 +108,7 @@ def job_rows(mix: JobMix, opts: BenchOptions, src: Source) -> JobRows:
     """The job's rows: token-id prompts (random ids, or held-out text of the demo/model) with
     per-row max_tokens; or a --prompts file."""
     if opts.prompts:
-        generated = [flag for flag, field_ in _MIX_FLAGS if getattr(mix, field_) != getattr(JobMix(), field_)]
+        generated = ["--" + f.replace("_", "-") for f in _MIX_FIELDS if getattr(mix, f) != getattr(JobMix(), f)]
         if generated:
             raise BenchError(f"{', '.join(generated)}: the generated mix's, not --prompts' (rows set their own "
                              "prompts and lengths; --output-median is the max_tokens of rows that set none)")

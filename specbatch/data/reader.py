@@ -439,10 +439,10 @@ def _parquet_read(path: str, read: Callable[[], T]) -> T:
         raise InputError(f"{path}: cannot read Parquet: {_one_line(e)}") from None
 
 
-def _parquet_records(path: str, batches: Iterator[pa.RecordBatch]) -> Iterator[list[dict]]:
-    """Each batch's rows as dicts."""
+def _parquet_batches(path: str, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """`batches`, a read that fails midway the input's error naming the file."""
     while (batch := _parquet_read(path, lambda: next(batches, None))) is not None:
-        yield _parquet_read(path, batch.to_pylist)
+        yield batch
 
 
 def _id_fields(batch: pa.RecordBatch, id_column: str | None) -> list[dict]:
@@ -461,7 +461,7 @@ def _parquet_rows(path: str, name: str, batches: Iterator[pa.RecordBatch], noted
     """`skip`: rows given as Skipped (RowSource.skipping); a batch of them alone is read no further
     than its ids."""
     row = 0                              # in this file (its messages' numbering)
-    while (batch := _parquet_read(path, lambda: next(batches, None))) is not None:
+    for batch in _parquet_batches(path, batches):
         first = first_row + row
         if skip is not None and skip.holds(first, first + batch.num_rows):
             objs = _parquet_read(path, lambda: _id_fields(batch, opts["id_column"]))
@@ -483,8 +483,8 @@ def _parquet_digests(path: str, batches: Iterator[pa.RecordBatch], noted: list[s
     """What _parquet_rows yields, numbered and digested alike, without validating the rows (the
     digest needs only whether a row has Ray Data LLM's fields, which parse_row reads the same way)."""
     row = first_row
-    for records in _parquet_records(path, batches):
-        for obj in records:
+    for batch in _parquet_batches(path, batches):
+        for obj in _parquet_read(path, batch.to_pylist):
             yield Digested(row, _parquet_row_digest(obj, noted, has_ray_fields(obj, opts["prompt_column"])))
             row += 1
 

@@ -62,7 +62,7 @@ class RowRequest:
 @dataclass
 class RowError:
     row: int
-    id: str | int
+    id: str | int | None               # None: its id could not be read (none is made up)
     error: str
     keep: dict = field(default_factory=dict)
     digest: bytes = b""
